@@ -1,0 +1,57 @@
+"""GRPO: per-prompt group advantages and the per-step PPO-clip loss with an optional KL term.
+
+Samples are ordered prompt-major: samples ``p*G .. p*G + G - 1`` share prompt ``p`` (G = group size).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sampler import Trajectory, gaussian_log_prob, sde_step_mean, step_std
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, clip: float) -> torch.Tensor:
+    """``A = (r - mean_prompt(r)) / (std_prompt(r) + 1e-4)``, clamped to ``[-clip, clip]``."""
+    groups = rewards.float().view(-1, group_size)
+    mean = groups.mean(dim=1, keepdim=True)
+    std = groups.std(dim=1, unbiased=False, keepdim=True)
+    return ((groups - mean) / (std + 1e-4)).clamp(-clip, clip).flatten()
+
+
+@dataclass
+class LossSettings:
+    clip_range: float
+    kl_beta: float
+    scale: float = 1.0   # multiplies every step loss (1 / trained steps, times the micro-batch share)
+
+
+def step_loss(v: torch.Tensor, step: int, batch: Trajectory, advantages: torch.Tensor,
+              settings: LossSettings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss of step ``i`` as a function of the velocity ``v`` used there::
+
+        ratio = exp(log p_theta(z_{i+1} | z_i) - log p_old)
+        L_i   = mean_samples max(-A ratio, -A clip(ratio, 1 - eps, 1 + eps))
+                + beta * mean_samples ||mean_theta - mean_ref||^2 / (2 std^2)
+
+    multiplied by ``settings.scale``. Returns the scalar loss and detached statistics.
+    """
+    s, s_next, sd = float(batch.sigmas[step]), float(batch.sigmas[step + 1]), float(batch.std_t[step])
+    z, z_next = batch.latents[step], batch.latents[step + 1]
+    mean = sde_step_mean(z, v, s, s_next, sd)
+    std = step_std(s, s_next, sd)
+    log_prob = gaussian_log_prob(z_next, mean, std)
+    ratio = torch.exp(log_prob - batch.log_probs[step].to(log_prob.device))
+    adv = advantages.to(ratio.device)
+    clipped = torch.clamp(ratio, 1 - settings.clip_range, 1 + settings.clip_range)
+    policy_loss = torch.maximum(-adv * ratio, -adv * clipped).mean()
+    loss = policy_loss
+    kl = torch.zeros((), device=v.device)
+    if settings.kl_beta > 0:
+        ref_mean = sde_step_mean(z, batch.ref_velocities[step], s, s_next, sd)
+        kl = (((mean - ref_mean) ** 2).flatten(1).mean(dim=1) / (2 * std ** 2)).mean()
+        loss = loss + settings.kl_beta * kl
+    stats = {"kl": kl.detach(), "ratio": ratio.detach().mean(),
+             "clip_frac": ((ratio - 1).abs() > settings.clip_range).float().mean().detach()}
+    return loss * settings.scale, stats

@@ -1,0 +1,224 @@
+"""JAGG: Jacobian-Aggregated Group Gradient, and the exact per-step backward it replaces.
+
+The GRPO loss is a sum of step losses ``L_j(v_j)`` where ``v_j = v_theta(z_j, sigma_j, c)``, so
+``dL/dtheta = sum_j (dv_j/dtheta)^T s_j`` with the upstream gradient ``s_j = dL_j/dv_j`` (autograd
+through the SDE step and loss only, never the model). The exact backward runs one transformer
+backward per step. JAGG groups the steps into windows a..b and, assuming the parameter Jacobian
+of v is affine in sigma along the window, ``dv_j/dtheta ~ (1 - alpha_j) dv_a/dtheta + alpha_j dv_b/dtheta``
+with ``alpha_j = (sigma_a - sigma_j) / (sigma_a - sigma_b)``, so a window needs two backward passes::
+
+    G_a = sum_j (1 - alpha_j) s_j,    G_b = sum_j alpha_j s_j
+
+One formulation serves every mode. Each step is either a *pass step* (it gets a forward with grad
+and a backward: every step of an exact window, and the endpoints of a JAGG window) or an
+*interpolated* step (strictly inside a JAGG window). A pass step e is backpropagated with the
+surrogate ``L_e(v_e) + <v_e, G_e>`` where ``G_e`` collects the interpolated steps' weighted
+``s_j``; its own loss term is exact because ``alpha`` is 0 or 1 at the endpoints. With shared
+knots adjacent windows share their endpoint, so K windows cost K + 1 passes instead of 2K.
+
+Intermediate velocities ``v_j`` (needed for ``s_j``) come from a no-grad forward per step
+(``forward``, the paper), or from the rollout with a first-order endpoint correction (``cached``)::
+
+    v_j ~ v_j_old + (1 - alpha_j)(v_a - v_a_old) + alpha_j (v_b - v_b_old)
+
+exact on-policy (then ``v_a = v_a_old``) at no extra forward.
+
+Routing (``frac``): a window's linearity score is the mean cosine similarity between the rollout
+velocities ``v_j`` and their interpolation ``(1 - alpha_j) v_a + alpha_j v_b``; the top ``frac`` of
+windows by score use JAGG, the others the exact backward.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .config import BackwardConfig
+from .grpo import LossSettings, step_loss
+from .models.base import Conditioning, FlowModel
+from .sampler import Trajectory
+
+
+@dataclass(frozen=True)
+class Window:
+    """Consecutive steps ``start..end`` (both included)."""
+
+    start: int
+    end: int
+
+    @property
+    def steps(self) -> range:
+        return range(self.start, self.end + 1)
+
+    @property
+    def intermediates(self) -> range:
+        return range(self.start + 1, self.end)
+
+
+def plan_windows(num_steps: int, window: int, shared_knots: bool) -> list[Window]:
+    """Cover steps ``0..num_steps-1`` with windows of ``window`` steps; the last may be shorter.
+
+    Without shared knots the windows are disjoint (``[0, W-1], [W, 2W-1], ...``). With shared knots
+    consecutive windows share an endpoint (``[0, W-1], [W-1, 2W-2], ...``).
+    """
+    if window <= 1 or num_steps <= 1:
+        return [Window(i, i) for i in range(num_steps)]
+    stride = window - 1 if shared_knots else window
+    windows, start = [], 0
+    while start < num_steps:
+        end = min(start + window - 1, num_steps - 1)
+        windows.append(Window(start, end))
+        if end == num_steps - 1:
+            break
+        start += stride
+    return windows
+
+
+def interpolation_weights(sigmas: torch.Tensor, win: Window) -> dict[int, float]:
+    """``alpha_j = (sigma_a - sigma_j) / (sigma_a - sigma_b)`` for every step j of the window."""
+    if win.start == win.end:
+        return {win.start: 0.0}
+    sigma_a, sigma_b = float(sigmas[win.start]), float(sigmas[win.end])
+    return {j: (sigma_a - float(sigmas[j])) / (sigma_a - sigma_b) for j in win.steps}
+
+
+def linearity_score(velocities: torch.Tensor, sigmas: torch.Tensor, win: Window) -> float:
+    """Mean over intermediate steps and samples of ``cos(v_j, (1 - alpha_j) v_a + alpha_j v_b)``;
+    1 for a window without intermediate steps."""
+    if len(win.intermediates) == 0:
+        return 1.0
+    alpha = interpolation_weights(sigmas, win)
+    v_a, v_b = velocities[win.start].flatten(1).float(), velocities[win.end].flatten(1).float()
+    cosines = [torch.nn.functional.cosine_similarity(
+        velocities[j].flatten(1).float(), (1 - alpha[j]) * v_a + alpha[j] * v_b, dim=1).mean()
+        for j in win.intermediates]
+    return float(torch.stack(cosines).mean())
+
+
+def route_windows(scores: list[float], frac: float) -> list[bool]:
+    """JAGG for the ``round(frac * K)`` windows with the highest score (ties: earlier first)."""
+    count = int(frac * len(scores) + 0.5)
+    ranked = sorted(range(len(scores)), key=lambda k: (-scores[k], k))
+    chosen = set(ranked[:count])
+    return [k in chosen for k in range(len(scores))]
+
+
+@dataclass
+class BackwardPlan:
+    """Which steps are passes and which are interpolated, with their endpoint weights."""
+
+    windows: list[Window]
+    use_jagg: list[bool]
+    scores: list[float]
+    pass_steps: list[int] = field(default_factory=list)
+    interpolated: dict[int, tuple[int, int, float]] = field(default_factory=dict)  # j -> (a, b, alpha_j)
+
+    @property
+    def routed_frac(self) -> float:
+        return sum(self.use_jagg) / max(len(self.windows), 1)
+
+    @property
+    def linearity_mean(self) -> float:
+        return sum(self.scores) / max(len(self.scores), 1)
+
+
+def make_plan(config: BackwardConfig, batch: Trajectory, trained_steps: int) -> BackwardPlan:
+    """Plan the backward of steps ``0..trained_steps-1`` of ``batch`` under ``config``."""
+    if config.mode == "exact":
+        windows = plan_windows(trained_steps, 1, False)
+        plan = BackwardPlan(windows, [False] * len(windows), [1.0] * len(windows))
+    else:
+        windows = plan_windows(trained_steps, config.window, config.shared_knots)
+        scores = [linearity_score(batch.velocities, batch.sigmas, w) for w in windows]
+        plan = BackwardPlan(windows, route_windows(scores, config.frac), scores)
+    passes: set[int] = set()
+    for win, jagg in zip(plan.windows, plan.use_jagg):
+        if jagg:
+            passes.update({win.start, win.end})
+            alpha = interpolation_weights(batch.sigmas, win)
+            plan.interpolated.update({j: (win.start, win.end, alpha[j]) for j in win.intermediates})
+        else:
+            passes.update(win.steps)
+    plan.pass_steps = sorted(passes)
+    return plan
+
+
+@dataclass
+class BackwardResult:
+    loss: float
+    kl: float
+    ratio_mean: float
+    clip_frac: float
+    num_passes: int
+
+
+def run_backward(model: FlowModel, batch: Trajectory, cond: Conditioning, advantages: torch.Tensor,
+                 plan: BackwardPlan, settings: LossSettings, config: BackwardConfig, *, on_policy: bool,
+                 backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
+                 autocast: Callable = nullcontext) -> BackwardResult:
+    """Accumulate ``d(sum_j L_j)/dtheta`` into the parameters' ``.grad`` following ``plan``.
+
+    ``on_policy`` says the parameters are those that made the rollout, so the rollout's endpoint
+    velocities are the current ones. ``backward`` runs a scalar's backward (accelerate's, for
+    loss scaling); ``autocast`` opens the mixed-precision context for forwards.
+    """
+    stats: list[dict[str, torch.Tensor]] = []
+    loss_total = 0.0
+
+    def forward(steps: list[int]) -> list[torch.Tensor]:
+        z = torch.cat([batch.latents[j] for j in steps])
+        sigma = torch.cat([batch.sigmas[j].expand(batch.latents.shape[1]) for j in steps]).to(z.device)
+        with autocast():
+            v = model.velocity(z, sigma, FlowModel.tile_conditioning(cond, len(steps)))
+        return list(v.float().chunk(len(steps)))
+
+    # Upstream gradients of the interpolated steps, aggregated at their window's endpoints.
+    composite: dict[int, torch.Tensor] = {}
+    if plan.interpolated:
+        endpoint_now = _current_endpoint_velocities(plan, batch, forward, on_policy, config)
+        for j, (a, b, alpha) in plan.interpolated.items():
+            with torch.no_grad():
+                if config.velocities == "forward":
+                    v_j = forward([j])[0]
+                else:
+                    v_j = (batch.velocities[j] + (1 - alpha) * (endpoint_now[a] - batch.velocities[a])
+                           + alpha * (endpoint_now[b] - batch.velocities[b]))
+            v_j = v_j.detach().float().requires_grad_(True)
+            loss_j, step_stats = step_loss(v_j, j, batch, advantages, settings)
+            (s_j,) = torch.autograd.grad(loss_j, v_j)
+            composite[a] = composite.get(a, 0) + (1 - alpha) * s_j
+            composite[b] = composite.get(b, 0) + alpha * s_j
+            loss_total += float(loss_j.detach())
+            stats.append(step_stats)
+
+    # One forward with grad and one backward per pass step (two stacked at a time when joint).
+    group = 2 if config.mode == "jagg" and config.joint else 1
+    for k in range(0, len(plan.pass_steps), group):
+        steps = plan.pass_steps[k:k + group]
+        surrogate = 0
+        for e, v_e in zip(steps, forward(steps)):
+            loss_e, step_stats = step_loss(v_e, e, batch, advantages, settings)
+            loss_total += float(loss_e.detach())
+            stats.append(step_stats)
+            surrogate = surrogate + loss_e
+            if e in composite:
+                surrogate = surrogate + (v_e * composite[e]).sum()
+        backward(surrogate)
+
+    def average(key: str) -> float:
+        return float(torch.stack([s[key] for s in stats]).mean())
+
+    return BackwardResult(loss_total, average("kl"), average("ratio"), average("clip_frac"), len(plan.pass_steps))
+
+
+def _current_endpoint_velocities(plan: BackwardPlan, batch: Trajectory, forward, on_policy: bool,
+                                 config: BackwardConfig) -> dict[int, torch.Tensor]:
+    """Endpoint velocities under the current parameters, for the cached correction."""
+    endpoints = sorted({e for a, b, _ in plan.interpolated.values() for e in (a, b)})
+    if on_policy or config.velocities == "forward":
+        return {e: batch.velocities[e] for e in endpoints}
+    with torch.no_grad():
+        return {e: forward([e])[0] for e in endpoints}

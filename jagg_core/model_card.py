@@ -1,0 +1,309 @@
+"""What a run publishes: its model card, reward curve, before/after grid and public config.
+
+Everything here is read from the run directory (see DESIGN.md, "The run directory") and nothing is written
+to it, so a card can be previewed while a run is still going. :mod:`jagg_core.hub` uploads the result.
+
+Files in the published repo::
+
+    pytorch_lora_weights.safetensors   the adapter (diffusers format)
+    README.md                          the model card built by build_model_card
+    config.yaml                        the resolved config, secrets removed
+    images/reward_curve.png            training reward (mean +- std) and held-out eval reward per iteration
+    images/before_after.png            eval samples of the base model (top) and of the adapter (bottom)
+    samples/NNN.png                    the adapter's eval samples (also the card's widget)
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from huggingface_hub import ModelCard, ModelCardData
+
+from .errors import UserError
+
+ADAPTER_FILE = "pytorch_lora_weights.safetensors"
+CURVE_FILE = "images/reward_curve.png"
+GRID_FILE = "images/before_after.png"
+SAMPLES_DIR = "samples"
+GRID_COLUMNS = 4
+WIDGET_SAMPLES = 8
+SECRET_KEY = re.compile(r"token|secret|password|api_?key", re.IGNORECASE)
+HUB_REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+@dataclass
+class SampleSet:
+    """The fixed-seed eval samples saved at one iteration (``RUN/samples/iter_NNNNNN``)."""
+
+    iteration: int
+    images: list[Path]
+    prompts: list[str]
+
+
+@dataclass
+class RunSnapshot:
+    """The parts of a run directory that get published, up to the pushed adapter's iteration."""
+
+    run_dir: Path
+    config: dict
+    run_info: dict
+    metrics: list[dict]
+    checkpoint: str | None
+    adapter: Path
+    iteration: int | None
+    before: SampleSet | None
+    after: SampleSet | None
+
+    @property
+    def base_model(self) -> str:
+        return self.run_info.get("base_model") or self.config.get("model", {}).get("name", "")
+
+
+def _iteration_of(name: str) -> int | None:
+    match = re.fullmatch(r"iter_(\d+)", name)
+    return int(match.group(1)) if match else None
+
+
+def checkpoint_dir_name(checkpoint: str) -> str:
+    """``iter_10`` or ``iter_000010`` -> ``iter_000010`` (the trainer's folder name)."""
+    iteration = _iteration_of(checkpoint.strip())
+    if iteration is None:
+        raise UserError(f"checkpoint '{checkpoint}' must look like iter_N, e.g. iter_000100")
+    return f"iter_{iteration:06d}"
+
+
+def _read_metrics(path: Path) -> list[dict]:
+    """metrics.jsonl rows; a partly written last line (the trainer may be running) is skipped."""
+    rows = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict) and isinstance(row.get("iteration"), int):
+                rows.append(row)
+    return rows
+
+
+def _read_samples(folder: Path) -> SampleSet | None:
+    """The samples of one ``iter_NNNNNN`` folder, or None if it is not complete (yet)."""
+    iteration = _iteration_of(folder.name)
+    images = sorted(folder.glob("*.png"))
+    prompts_file = folder / "prompts.json"
+    if iteration is None or not images or not prompts_file.is_file():
+        return None
+    prompts = json.loads(prompts_file.read_text())
+    return SampleSet(iteration, images[: len(prompts)], prompts[: len(images)])
+
+
+def read_run(run_dir: str | Path, checkpoint: str | None = None) -> RunSnapshot:
+    """Gather what a push publishes: the latest adapter, or the one of ``checkpoint`` (``iter_N``)."""
+    run_dir = Path(run_dir)
+    config_file = run_dir / "config.yaml"
+    if not config_file.is_file():
+        raise UserError(f"{run_dir} is not a JAGG run directory (no config.yaml)")
+    config = yaml.safe_load(config_file.read_text()) or {}
+    info_file = run_dir / "run_info.json"
+    run_info = json.loads(info_file.read_text()) if info_file.is_file() else {}
+    metrics = _read_metrics(run_dir / "metrics.jsonl")
+
+    if checkpoint is None:
+        checkpoint_name = None
+        adapter = run_dir / "lora" / ADAPTER_FILE
+        if not adapter.is_file():
+            raise UserError(f"{run_dir} has no adapter yet ({adapter} is missing): wait for the first checkpoint")
+        iteration = metrics[-1]["iteration"] if metrics else None
+    else:
+        checkpoint_name = checkpoint_dir_name(checkpoint)
+        folder = run_dir / "checkpoints" / checkpoint_name
+        adapter = folder / ADAPTER_FILE
+        if not adapter.is_file():
+            available = sorted(p.name for p in (run_dir / "checkpoints").glob("iter_*") if (p / ADAPTER_FILE).is_file())
+            raise UserError(f"{run_dir} has no checkpoint {checkpoint_name}; available: {', '.join(available) or 'none'}")
+        iteration = _iteration_of(checkpoint_name)
+        metrics = [row for row in metrics if row["iteration"] <= iteration]
+
+    sample_sets = [s for s in map(_read_samples, sorted((run_dir / "samples").glob("iter_*"))) if s is not None]
+    before = next((s for s in sample_sets if s.iteration == 0), None)
+    trained = [s for s in sample_sets if s.iteration > 0 and (iteration is None or s.iteration <= iteration)]
+    return RunSnapshot(run_dir, config, run_info, metrics, checkpoint_name, adapter, iteration,
+                       before, trained[-1] if trained else None)
+
+
+def _scrub(node):
+    """``node`` with every mapping key that looks like a secret (token, secret, password, api key) removed."""
+    if isinstance(node, dict):
+        return {k: _scrub(v) for k, v in node.items() if not SECRET_KEY.search(str(k))}
+    if isinstance(node, list):
+        return [_scrub(v) for v in node]
+    return node
+
+
+def public_config(config: dict) -> str:
+    """The config as YAML, without secrets."""
+    return yaml.safe_dump(_scrub(config), sort_keys=False)
+
+
+def reward_curve_png(metrics: list[dict]) -> bytes:
+    """Training reward (mean with a +-std band) and held-out eval reward against iteration, as PNG bytes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [row for row in metrics if "reward_mean" in row]
+    evals = [row for row in metrics if row.get("eval_reward_mean") is not None]
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    if train:
+        x = [row["iteration"] for row in train]
+        mean = [row["reward_mean"] for row in train]
+        std = [row.get("reward_std", 0.0) for row in train]
+        ax.plot(x, mean, label="train reward (mean)")
+        ax.fill_between(x, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2)
+    if evals:
+        ax.plot([row["iteration"] for row in evals], [row["eval_reward_mean"] for row in evals], "o-",
+                label="held-out eval reward")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("reward")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best")
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def sample_grid_png(before: SampleSet, after: SampleSet, cell: int = 256) -> bytes:
+    """Two rows of eval samples, the base model on top and the adapter below (same prompts and seeds)."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    count = min(len(before.images), len(after.images), GRID_COLUMNS)
+    label_height = 24
+    grid = Image.new("RGB", (cell * count, 2 * (cell + label_height)), "white")
+    draw = ImageDraw.Draw(grid)
+    font = ImageFont.load_default(size=14)
+    for row, (samples, label) in enumerate([(before, "base model"), (after, f"iteration {after.iteration}")]):
+        top = row * (cell + label_height)
+        draw.text((4, top + 4), label, fill="black", font=font)
+        for column, path in enumerate(samples.images[:count]):
+            with Image.open(path) as image:
+                grid.paste(image.convert("RGB").resize((cell, cell)), (column * cell, top + label_height))
+    buffer = io.BytesIO()
+    grid.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _eval_reward(metrics: list[dict]) -> tuple[dict | None, dict | None]:
+    """The first and last metrics rows that carry a held-out eval reward."""
+    evals = [row for row in metrics if row.get("eval_reward_mean") is not None]
+    return (evals[0], evals[-1]) if len(evals) >= 2 else (None, None)
+
+
+def _recipe(config: dict, snap: RunSnapshot) -> str:
+    """The training recipe section: rewards, prompts, iterations and the GRPO/JAGG settings."""
+    model, lora, sampling, grpo, backward, train, prompts = (
+        config.get(name) or {} for name in ["model", "lora", "sampling", "grpo", "backward", "train", "prompts"])
+    rewards = "\n".join(
+        f"| `{r.get('name')}` | {r.get('weight', 1.0)} | {json.dumps(_scrub(r.get('options') or {}))} |"
+        for r in config.get("rewards") or [])
+    done = f"{snap.iteration} of {train.get('iterations')}" if snap.iteration is not None else train.get("iterations")
+    if backward.get("mode") == "jagg":
+        backward_text = (f"JAGG (window {backward.get('window')}, velocities `{backward.get('velocities')}`, "
+                         f"JAGG fraction {backward.get('frac')})")
+    else:
+        backward_text = "exact per-step backward"
+    return f"""## Training recipe
+
+| reward | weight | options |
+|---|---|---|
+{rewards}
+
+- **Prompts:** `{prompts.get('source')}` ({prompts.get('eval_count')} held out for evaluation)
+- **Iterations:** {done}, learning rate {train.get('learning_rate')}
+- **GRPO:** {grpo.get('num_generations')} images per prompt, {grpo.get('prompts_per_iteration')} prompts per \
+iteration, clip range {grpo.get('clip_range')}, KL beta {grpo.get('kl_beta')}
+- **Backward:** {backward_text}
+- **LoRA:** rank {lora.get('rank')}, alpha {lora.get('alpha')}{f", started from `{lora['init_lora']}`" if lora.get('init_lora') else ''}
+- **Sampling:** {sampling.get('resolution')} px, {sampling.get('num_steps')} steps, SDE noise level \
+{sampling.get('noise_level')}; model dtype {model.get('dtype')}
+
+The full resolved configuration is in [config.yaml](config.yaml).
+"""
+
+
+
+def build_model_card(snap: RunSnapshot, repo_id: str) -> ModelCard:
+    """The model card: Hub metadata (base model, tags, widget) and a body describing use, recipe and results."""
+    base = snap.base_model
+    reward_names = [str(r.get("name")) for r in snap.config.get("rewards") or []]
+    family = snap.run_info.get("family")
+    tags = ["lora", "diffusers", "grpo", "jagg", *([family] if family else []), *reward_names]
+    widget = [{"text": prompt, "output": {"url": f"{SAMPLES_DIR}/{i:03d}.png"}}
+              for i, prompt in enumerate(snap.after.prompts[:WIDGET_SAMPLES])] if snap.after else None
+    data = ModelCardData(
+        base_model=base if HUB_REPO_ID.match(base) and not Path(base).exists() else None,
+        library_name="diffusers",
+        pipeline_tag="text-to-image",
+        tags=list(dict.fromkeys(tags)),
+        widget=widget,
+    )
+
+    name = repo_id.split("/")[-1]
+    prompt = (snap.after or snap.before).prompts[0] if (snap.after or snap.before) else "a photo of a cat"
+    parts = [f"# {name}\n",
+             f"A LoRA adapter for `{base}` fine-tuned with GRPO reinforcement learning in JAGG Studio "
+             f"(rewards: {', '.join(f'`{n}`' for n in reward_names)}).\n"]
+    if snap.config.get("description"):
+        parts.append(f"{snap.config['description'].strip()}\n")
+    if snap.before and snap.after:
+        parts.append(f"![Eval samples before and after training]({GRID_FILE})\n\n"
+                     f"*Top: the base model. Bottom: this adapter at iteration {snap.after.iteration}. "
+                     f"Same held-out prompts and seeds.*\n")
+    parts.append(f"""## Use it
+
+```python
+import torch
+from diffusers import DiffusionPipeline
+
+pipe = DiffusionPipeline.from_pretrained("{base}", torch_dtype=torch.bfloat16).to("cuda")
+pipe.load_lora_weights("{repo_id}")
+image = pipe({json.dumps(prompt)}).images[0]
+```
+""")
+    first, last = _eval_reward(snap.metrics)
+    results = ["## Results\n"]
+    if first and last:
+        results.append("Mean reward of fixed-seed samples of held-out prompts:\n\n"
+                       "| | iteration | held-out reward |\n|---|---|---|\n"
+                       f"| before | {first['iteration']} | {first['eval_reward_mean']:.4f} |\n"
+                       f"| after | {last['iteration']} | {last['eval_reward_mean']:.4f} |\n")
+    if snap.metrics:
+        results.append(f"![Reward per iteration]({CURVE_FILE})\n")
+    if len(results) > 1:
+        parts.append("\n".join(results))
+    parts.append(_recipe(snap.config, snap))
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(parts))
+
+
+def publish_files(snap: RunSnapshot, repo_id: str) -> dict[str, bytes | Path]:
+    """Every file of the published repo: path in the repo -> bytes, or a local path for the adapter."""
+    files: dict[str, bytes | Path] = {
+        ADAPTER_FILE: snap.adapter,
+        "README.md": str(build_model_card(snap, repo_id)).encode(),
+        "config.yaml": public_config(snap.config).encode(),
+    }
+    if snap.metrics:
+        files[CURVE_FILE] = reward_curve_png(snap.metrics)
+    if snap.before and snap.after:
+        files[GRID_FILE] = sample_grid_png(snap.before, snap.after)
+    if snap.after:
+        for i, path in enumerate(snap.after.images):
+            files[f"{SAMPLES_DIR}/{i:03d}.png"] = path
+    return files

@@ -1,0 +1,178 @@
+"""The small interface every model family implements, over a diffusers pipeline.
+
+The sampler, GRPO and JAGG only see a :class:`FlowModel`: prompt conditioning (cached per
+prompt), the sigma schedule, the velocity ``v_theta(z, sigma, c)`` in the sampler's latent space
+(packed for FLUX and Qwen-Image), and decoding to images. Flow-matching convention: sigma runs
+from 1 (noise) to 0 (data), ``z_sigma = (1 - sigma) x0 + sigma * noise`` and ``v = noise - x0``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+from diffusers.utils import convert_unet_state_dict_to_peft
+from peft import LoraConfig as PeftLoraConfig
+from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+
+from ..config import LoraConfig, ModelConfig
+from ..errors import UserError
+
+Conditioning = dict[str, torch.Tensor]
+NEGATIVE = "negative/"
+
+
+def calculate_shift(image_seq_len: int, scheduler_config) -> float:
+    """Resolution-dependent shift ``mu``, linear in the image token count (as diffusers' pipelines):
+    mu = base_shift + (max_shift - base_shift) * (L - base_len) / (max_len - base_len)."""
+    base_len = scheduler_config.get("base_image_seq_len", 256)
+    max_len = scheduler_config.get("max_image_seq_len", 4096)
+    base_shift = scheduler_config.get("base_shift", 0.5)
+    max_shift = scheduler_config.get("max_shift", 1.15)
+    slope = (max_shift - base_shift) / (max_len - base_len)
+    return image_seq_len * slope + base_shift - slope * base_len
+
+
+class FlowModel(ABC):
+    """A flow-matching text-to-image pipeline seen as ``v_theta(z, sigma, c)`` plus I/O."""
+
+    family: str = ""
+    default_lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
+
+    def __init__(self, pipe, config: ModelConfig, device: torch.device | str = "cpu"):
+        self.pipe = pipe
+        self.config = config
+        self.device = torch.device(device)
+        self._prompt_cache: dict[str, Conditioning] = {}
+        pipe.set_progress_bar_config(disable=True)
+        for name in ("vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
+            module = getattr(pipe, name, None)
+            if module is not None:
+                module.requires_grad_(False).eval().to(self.device)
+        self.transformer.requires_grad_(False).to(self.device)
+
+    # ----- the transformer and its LoRA -------------------------------------------------
+    @property
+    def transformer(self) -> torch.nn.Module:
+        return self.pipe.transformer
+
+    @property
+    def use_cfg(self) -> bool:
+        return self.config.guidance_scale > 1.0
+
+    def add_lora(self, lora: LoraConfig) -> list[torch.nn.Parameter]:
+        """Add a trainable LoRA adapter (peft through diffusers); return its parameters (fp32)."""
+        targets = lora.target_modules or list(self.default_lora_targets)
+        peft_config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                     init_lora_weights="gaussian", target_modules=targets)
+        try:
+            self.transformer.add_adapter(peft_config)
+        except ValueError as err:
+            raise UserError(f"lora.target_modules {targets} do not fit this {self.family} model: {err}") from None
+        params = [p for n, p in self.transformer.named_parameters() if "lora_" in n]
+        for param in params:
+            param.data = param.data.float()
+            param.requires_grad_(True)
+        return params
+
+    def lora_state_dict(self) -> dict[str, torch.Tensor]:
+        return get_peft_model_state_dict(self.transformer)
+
+    def save_lora(self, directory: str | Path) -> Path:
+        """Write ``pytorch_lora_weights.safetensors`` in diffusers format (``pipe.load_lora_weights``)."""
+        state = {k: v.detach().to("cpu").contiguous() for k, v in self.lora_state_dict().items()}
+        type(self.pipe).save_lora_weights(str(directory), transformer_lora_layers=state, safe_serialization=True)
+        return Path(directory) / "pytorch_lora_weights.safetensors"
+
+    def load_lora(self, path: str | Path) -> None:
+        """Load a diffusers-format LoRA file or folder into the (already added) adapter."""
+        state = type(self.pipe).lora_state_dict(str(path))
+        state = state[0] if isinstance(state, tuple) else state
+        transformer_state = {k.removeprefix("transformer."): v for k, v in state.items() if k.startswith("transformer.")}
+        if not transformer_state:
+            raise UserError(f"{path} holds no transformer LoRA weights")
+        transformer_state = convert_unet_state_dict_to_peft(transformer_state)
+        try:
+            result = set_peft_model_state_dict(self.transformer, transformer_state, adapter_name="default")
+        except RuntimeError as err:
+            raise UserError(f"the LoRA in {path} does not match lora.rank/target_modules: {str(err).splitlines()[0]}") from None
+        unexpected = getattr(result, "unexpected_keys", None)
+        if unexpected:
+            raise UserError(f"the LoRA in {path} has weights for modules this adapter lacks, e.g. {unexpected[0]}; "
+                            "set lora.target_modules to match it")
+
+    @contextmanager
+    def adapters_disabled(self):
+        """The reference model: the base transformer with the LoRA switched off."""
+        self.transformer.disable_adapters()
+        try:
+            yield
+        finally:
+            self.transformer.enable_adapters()
+
+    # ----- prompts --------------------------------------------------------------------
+    def conditioning(self, prompts: list[str]) -> Conditioning:
+        """Batched conditioning tensors for ``prompts``; each prompt is encoded once and cached."""
+        missing = [p for p in dict.fromkeys(prompts) if p not in self._prompt_cache]
+        if missing:
+            with torch.no_grad():
+                encoded = self.encode_prompts(missing)
+            for i, prompt in enumerate(missing):
+                self._prompt_cache[prompt] = {k: v[i:i + 1] for k, v in encoded.items()}
+        return {key: torch.cat([self._prompt_cache[p][key] for p in prompts])
+                for key in self._prompt_cache[prompts[0]]}
+
+    @staticmethod
+    def tile_conditioning(cond: Conditioning, times: int) -> Conditioning:
+        """The batch repeated ``times`` times as blocks: ``[c; c; ...]`` (for stacked steps)."""
+        return cond if times == 1 else {k: torch.cat([v] * times) for k, v in cond.items()}
+
+    # ----- sigmas ---------------------------------------------------------------------
+    def sigmas(self, num_steps: int, resolution: int) -> torch.Tensor:
+        """``num_steps + 1`` sigmas from the pipeline's scheduler config (shift, dynamic shift), ending at 0."""
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.pipe.scheduler.config)
+        kwargs = {}
+        if scheduler.config.get("use_dynamic_shifting", False):
+            kwargs["mu"] = calculate_shift(self.image_seq_len(resolution), scheduler.config)
+        scheduler.set_timesteps(num_steps, device="cpu", **self.schedule_kwargs(num_steps), **kwargs)
+        return scheduler.sigmas.float()
+
+    def schedule_kwargs(self, num_steps: int) -> dict:
+        """Extra ``set_timesteps`` arguments the family's pipeline passes (e.g. explicit sigmas)."""
+        return {}
+
+    # ----- family specifics ---------------------------------------------------------------
+    @abstractmethod
+    def encode_prompts(self, prompts: list[str]) -> Conditioning:
+        """Encode prompts into batched tensors; with CFG also the negative prompt, under the same
+        keys prefixed by ``NEGATIVE``."""
+
+    @abstractmethod
+    def latent_shape(self, resolution: int) -> tuple[int, ...]:
+        """Shape of one sample's latent in the sampler's space."""
+
+    @abstractmethod
+    def image_seq_len(self, resolution: int) -> int:
+        """Number of image tokens the transformer sees (for the dynamic shift)."""
+
+    @abstractmethod
+    def transformer_velocity(self, z: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        """One transformer call: velocity for latents ``z`` at per-sample ``sigma`` [B]."""
+
+    @abstractmethod
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        """Latents -> images float32 [B, 3, H, W] in [0, 1]."""
+
+    # ----- the velocity the sampler uses ------------------------------------------------------
+    def velocity(self, z: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        """``v_theta(z, sigma, c)``; with CFG, ``v = v_neg + g (v_pos - v_neg)`` from one stacked call."""
+        sigma = sigma.expand(z.shape[0]) if sigma.dim() == 0 else sigma
+        positive = {k: v for k, v in cond.items() if not k.startswith(NEGATIVE)}
+        if not self.use_cfg:
+            return self.transformer_velocity(z, sigma, positive)
+        stacked = {k: torch.cat([cond[NEGATIVE + k], v]) for k, v in positive.items()}
+        v_neg, v_pos = self.transformer_velocity(torch.cat([z, z]), torch.cat([sigma, sigma]), stacked).chunk(2)
+        return v_neg + self.config.guidance_scale * (v_pos - v_neg)

@@ -1,0 +1,44 @@
+"""Stable Diffusion 3 / 3.5 (``StableDiffusion3Pipeline``): latents [C, H/f, W/f], timestep = 1000 sigma."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import NEGATIVE, Conditioning, FlowModel
+
+
+class SD3Model(FlowModel):
+    family = "sd3"
+    default_lora_targets = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+                            "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
+
+    def encode_prompts(self, prompts: list[str]) -> Conditioning:
+        embeds, neg_embeds, pooled, neg_pooled = self.pipe.encode_prompt(
+            prompt=prompts, prompt_2=None, prompt_3=None, device=self.device,
+            do_classifier_free_guidance=self.use_cfg,
+            negative_prompt=[self.config.negative_prompt] * len(prompts) if self.use_cfg else None,
+            max_sequence_length=self.config.max_sequence_length)
+        cond = {"prompt_embeds": embeds, "pooled_projections": pooled}
+        if self.use_cfg:
+            cond.update({NEGATIVE + "prompt_embeds": neg_embeds, NEGATIVE + "pooled_projections": neg_pooled})
+        return cond
+
+    def latent_shape(self, resolution: int) -> tuple[int, ...]:
+        size = resolution // self.pipe.vae_scale_factor
+        return (self.transformer.config.in_channels, size, size)
+
+    def image_seq_len(self, resolution: int) -> int:
+        return (resolution // self.pipe.vae_scale_factor // self.transformer.config.patch_size) ** 2
+
+    def transformer_velocity(self, z: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        dtype = self.transformer.dtype
+        return self.transformer(hidden_states=z.to(dtype), timestep=(sigma * 1000).to(dtype),
+                                encoder_hidden_states=cond["prompt_embeds"].to(dtype),
+                                pooled_projections=cond["pooled_projections"].to(dtype),
+                                return_dict=False)[0].float()
+
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        vae = self.pipe.vae
+        latents = z / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
+        images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
+        return (images.float() / 2 + 0.5).clamp(0, 1)

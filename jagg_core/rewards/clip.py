@@ -1,0 +1,140 @@
+"""Rewards computed from CLIP embeddings (transformers ``CLIPModel`` + ``CLIPProcessor``).
+
+With unit-normalised embeddings ``e_img`` and ``e_txt``:
+
+* ``clip_score``: ``cos(e_img, e_txt)`` with CLIP ViT-L/14, in ``[-1, 1]``.
+* ``pickscore``:  ``exp(logit_scale) * cos(e_img, e_txt)`` with PickScore_v1 (a fine-tuned
+  CLIP-H/14, Kirstain et al. 2023), about 18-24 for typical images.
+* ``aesthetic``:  ``MLP(e_img)`` with the LAION improved aesthetic predictor (an MLP on CLIP
+  ViT-L/14 image embeddings trained on SAC + LOGOS + AVA ratings), about 1-10.
+
+``model_id`` / ``processor_id`` (and the aesthetic ``head``) accept a Hub id or a local folder
+(file), so a model saved with ``save_pretrained`` works too.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .base import Reward, hub_model, register, to_pil
+
+CLIP_L14 = "openai/clip-vit-large-patch14"
+AESTHETIC_HEAD = "camenduru/improved-aesthetic-predictor/sac+logos+ava1-l14-linearMSE.pth"
+
+
+def load_clip(model_id: str, processor_id: str, device: torch.device):
+    """``(CLIPModel, CLIPProcessor)`` in eval mode on ``device``, without gradients."""
+    from transformers import CLIPModel, CLIPProcessor
+
+    with hub_model(model_id):
+        model = CLIPModel.from_pretrained(model_id)
+    with hub_model(processor_id):
+        processor = CLIPProcessor.from_pretrained(processor_id)
+    return model.eval().requires_grad_(False).to(device), processor
+
+
+class ClipReward(Reward):
+    """Shared CLIP plumbing: the model is loaded on first use; embeddings are unit-normalised."""
+
+    def __init__(self, device="cpu", model_id: str = CLIP_L14, processor_id: str | None = None):
+        super().__init__(device)
+        self.model_id = model_id
+        self.processor_id = processor_id or model_id
+
+    @cached_property
+    def clip(self):
+        return load_clip(self.model_id, self.processor_id, self.device)
+
+    @torch.no_grad()
+    def image_embeds(self, images: torch.Tensor) -> torch.Tensor:
+        model, processor = self.clip
+        pixels = processor(images=to_pil(images), return_tensors="pt")["pixel_values"].to(self.device)
+        features = model.get_image_features(pixel_values=pixels).pooler_output
+        return nn.functional.normalize(features.float(), dim=-1)
+
+    @torch.no_grad()
+    def text_embeds(self, prompts: list[str]) -> torch.Tensor:
+        model, processor = self.clip
+        tokens = processor(text=prompts, padding=True, truncation=True,
+                           max_length=model.config.text_config.max_position_embeddings, return_tensors="pt")
+        features = model.get_text_features(input_ids=tokens["input_ids"].to(self.device),
+                                           attention_mask=tokens["attention_mask"].to(self.device)).pooler_output
+        return nn.functional.normalize(features.float(), dim=-1)
+
+    def similarity(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        """``cos(e_img_i, e_txt_i)`` for each image and its own prompt."""
+        return (self.image_embeds(images) * self.text_embeds(prompts)).sum(-1).cpu()
+
+
+@register("clip_score")
+class ClipScore(ClipReward):
+    """``cos(e_img, e_txt)`` with CLIP ViT-L/14."""
+
+    def __call__(self, images, prompts):
+        return self.similarity(images, prompts)
+
+
+@register("pickscore")
+class PickScore(ClipReward):
+    """``exp(logit_scale) * cos(e_img, e_txt)`` with PickScore_v1 and its CLIP-H processor."""
+
+    def __init__(self, device="cpu", model_id: str = "yuvalkirstain/PickScore_v1",
+                 processor_id: str = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"):
+        super().__init__(device, model_id, processor_id)
+
+    def __call__(self, images, prompts):
+        scale = self.clip[0].logit_scale.exp().float().cpu()
+        return scale * self.similarity(images, prompts)
+
+
+class AestheticHead(nn.Module):
+    """The LAION improved aesthetic predictor MLP: 768 -> 1024 -> 128 -> 64 -> 16 -> 1."""
+
+    def __init__(self, dim: int = 768):
+        super().__init__()
+        self.layers = nn.Sequential(
+            nn.Linear(dim, 1024), nn.Dropout(0.2),
+            nn.Linear(1024, 128), nn.Dropout(0.2),
+            nn.Linear(128, 64), nn.Dropout(0.1),
+            nn.Linear(64, 16),
+            nn.Linear(16, 1),
+        )
+
+    def forward(self, embeds: torch.Tensor) -> torch.Tensor:
+        return self.layers(embeds).squeeze(-1)
+
+
+def load_aesthetic_head(head: str, dim: int, device: torch.device) -> AestheticHead:
+    """The MLP from a local ``.pth`` file or ``OWNER/REPO/FILENAME`` on the Hub."""
+    path = Path(head)
+    if not path.is_file():
+        from huggingface_hub import hf_hub_download
+
+        repo_id, _, filename = head.rpartition("/")
+        with hub_model(repo_id or head):
+            path = Path(hf_hub_download(repo_id, filename))
+    model = AestheticHead(dim)
+    model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    return model.eval().requires_grad_(False).to(device)
+
+
+@register("aesthetic")
+class Aesthetic(ClipReward):
+    """``MLP(e_img)``: the LAION improved aesthetic predictor on CLIP ViT-L/14 image embeddings."""
+
+    def __init__(self, device="cpu", model_id: str = CLIP_L14, processor_id: str | None = None,
+                 head: str = AESTHETIC_HEAD):
+        super().__init__(device, model_id, processor_id)
+        self.head_source = head
+
+    @cached_property
+    def head(self) -> AestheticHead:
+        return load_aesthetic_head(self.head_source, self.clip[0].config.projection_dim, self.device)
+
+    @torch.no_grad()
+    def __call__(self, images, prompts):
+        return self.head(self.image_embeds(images)).float().cpu()

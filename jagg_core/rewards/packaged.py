@@ -1,0 +1,79 @@
+"""Rewards whose models come from their authors' PyPI packages (optional extras).
+
+* ``hpsv2``: Human Preference Score v2 (Wu et al. 2023), ``cos(e_img, e_txt)`` of its
+  fine-tuned OpenCLIP ViT-H/14, about 0.2-0.35. Package ``hpsv2``; weights ``xswu/HPSv2``.
+* ``image_reward``: ImageReward (Xu et al. 2023), a BLIP-based preference model whose score is
+  standardised over its training set (mean 0, std 1). Package ``image-reward``; weights
+  ``THUDM/ImageReward``.
+
+The packages pin old versions of some dependencies, so they are not in requirements.txt.
+"""
+
+from __future__ import annotations
+
+import importlib
+from functools import cached_property
+
+import torch
+
+from ..errors import UserError
+from .base import Reward, hub_model, register, to_pil
+
+HPS_CHECKPOINTS = {"v2.0": "HPS_v2_compressed.pt", "v2.1": "HPS_v2.1_compressed.pt"}
+
+
+def import_extra(module: str, package: str, reward: str):
+    """Import an optional package, or say in one line how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise UserError(f"reward '{reward}' needs the optional package '{package}' ({err}); run `pip install {package}`") from None
+
+
+@register("hpsv2")
+class HPSv2(Reward):
+    """``cos(e_img, e_txt)`` of the HPS v2.x OpenCLIP ViT-H/14 (``version``: v2.0 or v2.1)."""
+
+    def __init__(self, device="cpu", version: str = "v2.1"):
+        super().__init__(device)
+        if version not in HPS_CHECKPOINTS:
+            raise UserError(f"bad hpsv2 version '{version}'; allowed: {', '.join(HPS_CHECKPOINTS)}")
+        self.version = version
+
+    @cached_property
+    def model(self):
+        open_clip = import_extra("hpsv2.src.open_clip", "hpsv2", self.name)
+        from huggingface_hub import hf_hub_download
+
+        model, _, preprocess = open_clip.create_model_and_transforms("ViT-H-14", None, device=self.device, output_dict=True)
+        with hub_model("xswu/HPSv2"):
+            path = hf_hub_download("xswu/HPSv2", HPS_CHECKPOINTS[self.version])
+        model.load_state_dict(torch.load(path, map_location="cpu")["state_dict"])
+        return model.eval().requires_grad_(False).to(self.device), preprocess, open_clip.get_tokenizer("ViT-H-14")
+
+    @torch.no_grad()
+    def __call__(self, images, prompts):
+        model, preprocess, tokenizer = self.model
+        pixels = torch.stack([preprocess(image) for image in to_pil(images)]).to(self.device)
+        outputs = model(pixels, tokenizer(prompts).to(self.device))
+        return (outputs["image_features"] * outputs["text_features"]).sum(-1).float().cpu()
+
+
+@register("image_reward")
+class ImageReward(Reward):
+    """The ImageReward-v1.0 score of each image for its prompt."""
+
+    def __init__(self, device="cpu", model: str = "ImageReward-v1.0"):
+        super().__init__(device)
+        self.model_name = model
+
+    @cached_property
+    def model(self):
+        package = import_extra("ImageReward", "image-reward", self.name)
+        with hub_model("THUDM/ImageReward"):
+            return package.load(self.model_name, device=self.device).eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def __call__(self, images, prompts):
+        scores = [self.model.score(prompt, image) for prompt, image in zip(prompts, to_pil(images))]
+        return torch.tensor(scores, dtype=torch.float32)

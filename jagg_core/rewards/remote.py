@@ -1,0 +1,68 @@
+"""A reward computed by a server the user runs.
+
+Protocol: ``POST url`` with the JSON body ``{"images": [base64 PNG, ...], "prompts": [...]}``;
+the answer must be ``{"scores": [float, ...]}`` with one score per image. Connection failures,
+timeouts and 5xx answers are retried ``retries`` times, ``retry_delay * 2**k`` seconds apart;
+a server that stays down or answers badly raises a one-line :class:`UserError`.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import math
+import time
+
+import requests
+import torch
+
+from ..errors import UserError
+from .base import Reward, register, to_pil
+
+
+def encode_png(image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+@register("http")
+class HttpReward(Reward):
+    """Scores from ``url`` (options: ``url``, ``timeout`` seconds, ``retries``, ``retry_delay``)."""
+
+    def __init__(self, device="cpu", url: str = "", timeout: float = 60.0, retries: int = 2, retry_delay: float = 1.0):
+        super().__init__(device)
+        if not url.startswith(("http://", "https://")):
+            raise UserError(f"the http reward needs options.url, an http:// or https:// address; got {url!r}")
+        if timeout <= 0 or retries < 0 or retry_delay < 0:
+            raise UserError("http reward options: timeout must be > 0, retries and retry_delay >= 0")
+        self.url, self.timeout, self.retries, self.retry_delay = url, float(timeout), int(retries), float(retry_delay)
+
+    def post(self, payload: dict) -> requests.Response:
+        """POST with retries on connection errors, timeouts and 5xx answers."""
+        for attempt in range(self.retries + 1):
+            try:
+                response = requests.post(self.url, json=payload, timeout=self.timeout)
+                if response.status_code < 500:
+                    return response
+                problem = f"HTTP {response.status_code}"
+            except (requests.ConnectionError, requests.Timeout) as err:
+                problem = type(err).__name__
+            if attempt < self.retries:
+                time.sleep(self.retry_delay * 2**attempt)
+        raise UserError(f"reward server {self.url} is not answering ({problem} after {self.retries + 1} attempts); "
+                        f"is it running?")
+
+    def __call__(self, images, prompts):
+        response = self.post({"images": [encode_png(image) for image in to_pil(images)], "prompts": list(prompts)})
+        if response.status_code != 200:
+            raise UserError(f"reward server {self.url} answered HTTP {response.status_code}: {response.text[:200]!r}")
+        try:
+            scores = response.json()["scores"]
+            values = [float(score) for score in scores]
+        except (ValueError, KeyError, TypeError):
+            raise UserError(f"reward server {self.url} must answer {{\"scores\": [numbers]}}; got {response.text[:200]!r}") from None
+        if len(values) != len(prompts) or not all(math.isfinite(v) for v in values):
+            raise UserError(f"reward server {self.url} returned {len(values)} scores for {len(prompts)} images "
+                            f"(all must be finite numbers)")
+        return torch.tensor(values, dtype=torch.float32)

@@ -1,0 +1,110 @@
+"""SDE rollouts with log-probabilities, and ODE sampling for evaluation (Flow-GRPO conventions).
+
+Step i goes from sigma ``s = sigma_i`` to ``s' = sigma_{i+1}``, ``dt = s' - s < 0``, with the velocity
+``v = v_theta(z_i, s, c)`` and noise level ``a``::
+
+    std_t  = a * sqrt(s / (1 - s))                  (s = 1 uses sigma_1 in the denominator)
+    mean   = z + [v + std_t^2 / (2 s) * (z + (1 - s) v)] dt
+    z'     = mean + std_t * sqrt(-dt) * eps
+
+``log p(z' | z)`` is the Gaussian log-density averaged over elements, in fp32. ``a = 0`` is the
+Euler ODE step ``z' = z + v dt``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .models.base import Conditioning, FlowModel
+
+
+def step_noise_std(sigmas: torch.Tensor, noise_level: float) -> torch.Tensor:
+    """``std_t = a sqrt(s / (1 - s))`` for every step; the step at s = 1 uses sigma_1 instead."""
+    s = sigmas[:-1].double()
+    denominator = 1 - torch.where(s >= 1, sigmas[1].double(), s)
+    return (noise_level * torch.sqrt(s / denominator)).float()
+
+
+def sde_step_mean(z: torch.Tensor, v: torch.Tensor, sigma: float, sigma_next: float, std_t: float) -> torch.Tensor:
+    """``mean = z + [v + std_t^2 / (2 s) (z + (1 - s) v)] dt`` in fp32."""
+    z, v = z.float(), v.float()
+    dt = sigma_next - sigma
+    return z + (v + std_t ** 2 / (2 * sigma) * (z + (1 - sigma) * v)) * dt
+
+
+def step_std(sigma: float, sigma_next: float, std_t: float) -> float:
+    """Standard deviation of ``z'`` given ``z``: ``std_t sqrt(-dt)``."""
+    return std_t * math.sqrt(sigma - sigma_next)
+
+
+def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: float) -> torch.Tensor:
+    """Per-sample Gaussian log-density of ``x`` averaged over elements, fp32:
+    ``mean_k[ -(x_k - mu_k)^2 / (2 std^2) - log std - log sqrt(2 pi) ]``."""
+    x, mean = x.float(), mean.float()
+    log_density = -((x - mean) ** 2) / (2 * std ** 2) - math.log(std) - 0.5 * math.log(2 * math.pi)
+    return log_density.flatten(1).mean(dim=1)
+
+
+@dataclass
+class Trajectory:
+    """One rollout batch: ``latents[i]`` is z_i (``latents[0]`` the noise), ``velocities[i]`` the
+    velocity used at step i, ``log_probs[i]`` log p(z_{i+1} | z_i) under the rollout policy."""
+
+    latents: torch.Tensor          # [T + 1, B, *latent]
+    velocities: torch.Tensor       # [T, B, *latent]
+    log_probs: torch.Tensor        # [T, B] fp32
+    sigmas: torch.Tensor           # [T + 1]
+    std_t: torch.Tensor            # [T]
+    ref_velocities: torch.Tensor | None = None  # [T, B, *latent], adapters disabled (for the KL)
+
+    @property
+    def num_steps(self) -> int:
+        return self.velocities.shape[0]
+
+    def select(self, index: torch.Tensor | slice) -> "Trajectory":
+        """The sub-batch of samples ``index``."""
+        ref = self.ref_velocities[:, index] if self.ref_velocities is not None else None
+        return Trajectory(self.latents[:, index], self.velocities[:, index], self.log_probs[:, index],
+                          self.sigmas, self.std_t, ref)
+
+
+def initial_noise(model: FlowModel, batch: int, resolution: int, generator: torch.Generator) -> torch.Tensor:
+    shape = (batch, *model.latent_shape(resolution))
+    return torch.randn(shape, generator=generator, dtype=torch.float32).to(model.device)
+
+
+@torch.no_grad()
+def sde_rollout(model: FlowModel, cond: Conditioning, sigmas: torch.Tensor, noise_level: float,
+                z0: torch.Tensor, generator: torch.Generator, with_reference: bool = False) -> Trajectory:
+    """Sample ``z_0 -> z_T`` with the SDE step, recording latents, velocities and log-probs."""
+    std_t = step_noise_std(sigmas, noise_level)
+    latents, velocities, log_probs, refs = [z0.float()], [], [], []
+    z = z0.float()
+    for i in range(len(sigmas) - 1):
+        s, s_next, sd = float(sigmas[i]), float(sigmas[i + 1]), float(std_t[i])
+        v = model.velocity(z, sigmas[i].to(z.device), cond).float()
+        if with_reference:
+            with model.adapters_disabled():
+                refs.append(model.velocity(z, sigmas[i].to(z.device), cond).float())
+        mean = sde_step_mean(z, v, s, s_next, sd)
+        std = step_std(s, s_next, sd)
+        noise = torch.randn(z.shape, generator=generator, dtype=torch.float32).to(z.device)
+        z = mean + std * noise
+        latents.append(z)
+        velocities.append(v)
+        log_probs.append(gaussian_log_prob(z, mean, std))
+    return Trajectory(torch.stack(latents), torch.stack(velocities), torch.stack(log_probs), sigmas, std_t,
+                      torch.stack(refs) if with_reference else None)
+
+
+@torch.no_grad()
+def ode_sample(model: FlowModel, cond: Conditioning, sigmas: torch.Tensor, z0: torch.Tensor) -> torch.Tensor:
+    """Deterministic Euler sampling ``z' = z + v dt`` (the SDE with a = 0); returns the final latents."""
+    z = z0.float()
+    for i in range(len(sigmas) - 1):
+        v = model.velocity(z, sigmas[i].to(z.device), cond).float()
+        z = z + v * float(sigmas[i + 1] - sigmas[i])
+    return z

@@ -1,0 +1,242 @@
+"""Build ``jagg-shapes``: a tiny, real SD3 text-to-image pipeline trained on coloured shapes.
+
+    python -m jagg_core.tiny.build [--out jagg_core/assets/jagg-shapes] [--seed 0]
+
+Stages, all on the CPU and deterministic given ``--seed``:
+
+1. render jittered 32x32 drawings of the training captions (:mod:`jagg_core.tiny.dataset`);
+2. train a small ``AutoencoderKL`` (factor 4: 32x32x3 -> 8x8x4) to reconstruct them; set its
+   ``shift_factor`` / ``scaling_factor`` from the latents' mean and std;
+3. train two small ``CLIPTextModelWithProjection`` encoders (word-level tokenizer, no T5)
+   jointly with a small ``SD3Transformer2DModel`` by rectified flow matching on the latents:
+   ``x_s = (1 - s) x_0 + s noise``, target ``noise - x_0``, ``s`` logit-normal, timestep
+   ``1000 s``, 10% empty captions (so classifier-free guidance works), EMA weights kept;
+4. save the ``StableDiffusion3Pipeline`` (EMA weights) and check that it reloads, that the
+   collapsed-padding training equals the pipeline's 256-token padding, and its eval reward
+   (:mod:`jagg_core.tiny.evaluate`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from diffusers.models.attention_processor import JointAttnProcessor2_0
+from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+from .dataset import caption_split, render_dataset
+from .padded_attention import CollapsedPaddingAttnProcessor
+from .tokenizer import build_tokenizer
+
+DEFAULT_OUT = Path(__file__).resolve().parent.parent / "assets" / "jagg-shapes"
+IMAGE_SIZE = 32
+TOKENS = 16  # CLIP context length (captions are at most 12 tokens with BOS/EOS)
+T5_PADDING = 256  # zero tokens the SD3 pipeline appends without text_encoder_3 (its default)
+CAPTION_DROPOUT = 0.1
+EMA_DECAY = 0.998
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Components
+# --------------------------------------------------------------------------------------------
+
+def make_vae() -> AutoencoderKL:
+    return AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=4, sample_size=IMAGE_SIZE,
+        down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
+        block_out_channels=(32, 32, 64), layers_per_block=1, norm_num_groups=16,
+        mid_block_add_attention=False, use_quant_conv=False, use_post_quant_conv=False,
+        scaling_factor=1.0, shift_factor=0.0,
+    )
+
+
+def make_text_encoder(vocab_size: int) -> CLIPTextModelWithProjection:
+    config = CLIPTextConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, max_position_embeddings=TOKENS, projection_dim=32,
+        bos_token_id=0, eos_token_id=1, pad_token_id=1,
+    )
+    return CLIPTextModelWithProjection(config)
+
+
+def make_transformer() -> SD3Transformer2DModel:
+    return SD3Transformer2DModel(
+        sample_size=IMAGE_SIZE // 4, patch_size=1, in_channels=4, out_channels=4, num_layers=4,
+        attention_head_dim=32, num_attention_heads=4, joint_attention_dim=64, caption_projection_dim=128,
+        pooled_projection_dim=64, pos_embed_max_size=IMAGE_SIZE // 4,
+    )
+
+
+def encode_text(encoders, tokenizer, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(prompt_embeds [B, TOKENS, 64], pooled [B, 64])`` exactly as the SD3 pipeline builds them
+    from the two CLIP encoders (penultimate hidden states, projected EOS), before T5 padding."""
+    ids = tokenizer(captions, padding="max_length", max_length=TOKENS, truncation=True, return_tensors="pt").input_ids
+    hidden, pooled = [], []
+    for encoder in encoders:
+        out = encoder(ids, output_hidden_states=True)
+        hidden.append(out.hidden_states[-2])
+        pooled.append(out[0])
+    return torch.cat(hidden, -1), torch.cat(pooled, -1)
+
+
+# --------------------------------------------------------------------------------------------
+# Training
+# --------------------------------------------------------------------------------------------
+
+def train_vae(vae: AutoencoderKL, images: torch.Tensor, steps: int, batch: int, generator: torch.Generator) -> None:
+    """Reconstruction (MSE + L1 in [-1, 1]) with a tiny KL term, AdamW with cosine decay."""
+    optimizer = torch.optim.AdamW(vae.parameters(), lr=2e-3, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 0.5 * (1 + math.cos(math.pi * i / steps)))
+    vae.train()
+    for step in range(steps):
+        x = images[torch.randint(len(images), (batch,), generator=generator)] * 2 - 1
+        posterior = vae.encode(x).latent_dist
+        z = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=generator)
+        recon = vae.decode(z).sample
+        loss = F.mse_loss(recon, x) + 0.5 * (recon - x).abs().mean() + 1e-6 * posterior.kl().mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        if step % 100 == 0 or step == steps - 1:
+            log(f"vae step {step}/{steps} loss {loss.item():.4f}")
+    vae.eval()
+
+
+@torch.no_grad()
+def encode_latents(vae: AutoencoderKL, images: torch.Tensor) -> torch.Tensor:
+    """The posterior means of ``images`` (unscaled), in batches."""
+    return torch.cat([vae.encode(chunk * 2 - 1).latent_dist.mean for chunk in images.split(256)])
+
+
+def train_flow(transformer, encoders, tokenizer, latents: torch.Tensor, captions: list[str], steps: int,
+               batch: int, generator: torch.Generator) -> dict:
+    """Rectified flow matching of the transformer and both text encoders; returns EMA weights."""
+    modules = torch.nn.ModuleList([transformer, *encoders])
+    ema = copy.deepcopy(modules).requires_grad_(False)
+    optimizer = torch.optim.AdamW(modules.parameters(), lr=1e-3, weight_decay=0.01, betas=(0.9, 0.99))
+    warmup = 200
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda i: min(1.0, (i + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * i / steps)))
+    )
+    transformer.set_attn_processor(CollapsedPaddingAttnProcessor(T5_PADDING))
+    modules.train()
+    for step in range(steps):
+        index = torch.randint(len(latents), (batch,), generator=generator)
+        x0 = latents[index]
+        drop = torch.rand(batch, generator=generator) < CAPTION_DROPOUT
+        text = ["" if d else captions[i] for d, i in zip(drop.tolist(), index.tolist())]
+        embeds, pooled = encode_text(encoders, tokenizer, text)
+        embeds = torch.cat([embeds, embeds.new_zeros(batch, 1, embeds.shape[-1])], 1)
+        s = torch.sigmoid(torch.randn(batch, generator=generator))
+        noise = torch.randn(x0.shape, generator=generator)
+        xs = (1 - s[:, None, None, None]) * x0 + s[:, None, None, None] * noise
+        v = transformer(hidden_states=xs, encoder_hidden_states=embeds, pooled_projections=pooled,
+                        timestep=s * 1000).sample
+        loss = F.mse_loss(v, noise - x0)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(modules.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        with torch.no_grad():
+            decay = min(EMA_DECAY, (1 + step) / (10 + step))
+            for e, p in zip(ema.parameters(), modules.parameters()):
+                e.lerp_(p, 1 - decay)
+        if step % 100 == 0 or step == steps - 1:
+            log(f"flow step {step}/{steps} loss {loss.item():.4f}")
+    modules.load_state_dict(ema.state_dict())
+    modules.eval()
+    transformer.set_attn_processor(JointAttnProcessor2_0())
+
+
+@torch.no_grad()
+def check_collapsed_padding(transformer, encoders, tokenizer, latents: torch.Tensor, captions: list[str]) -> float:
+    """Max difference between the pipeline's 256-zero-token context and the collapsed one."""
+    embeds, pooled = encode_text(encoders, tokenizer, captions[:4])
+    x, t = latents[:4], torch.tensor([900.0, 600.0, 300.0, 50.0])
+    full = torch.cat([embeds, embeds.new_zeros(4, T5_PADDING, embeds.shape[-1])], 1)
+    reference = transformer(hidden_states=x, encoder_hidden_states=full, pooled_projections=pooled, timestep=t).sample
+    transformer.set_attn_processor(CollapsedPaddingAttnProcessor(T5_PADDING))
+    one = torch.cat([embeds, embeds.new_zeros(4, 1, embeds.shape[-1])], 1)
+    collapsed = transformer(hidden_states=x, encoder_hidden_states=one, pooled_projections=pooled, timestep=t).sample
+    transformer.set_attn_processor(JointAttnProcessor2_0())
+    return (reference - collapsed).abs().max().item()
+
+
+# --------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------
+
+def build(out: Path, seed: int, vae_steps: int, flow_steps: int, copies: int, batch: int) -> None:
+    started = time.time()
+    torch.manual_seed(seed)
+    torch.use_deterministic_algorithms(True)
+    generator = torch.Generator().manual_seed(seed)
+    train_captions, held_out = caption_split()
+    images, labels = render_dataset(train_captions, copies, IMAGE_SIZE, seed)
+    log(f"dataset: {len(images)} images of {len(train_captions)} captions ({len(held_out)} held out)")
+
+    tokenizer = build_tokenizer(max_length=TOKENS)
+    vae = make_vae()
+    encoders = [make_text_encoder(len(tokenizer)), make_text_encoder(len(tokenizer))]
+    transformer = make_transformer()
+
+    train_vae(vae, images, vae_steps, batch, generator)
+    raw = encode_latents(vae, images)
+    shift, scale = raw.mean().item(), 1.0 / raw.std().item()
+    vae.register_to_config(shift_factor=shift, scaling_factor=scale)
+    latents = (raw - shift) * scale
+    log(f"vae done ({time.time() - started:.0f}s): shift {shift:.4f} scale {scale:.4f}")
+
+    train_flow(transformer, encoders, tokenizer, latents, labels, flow_steps, batch, generator)
+    log(f"flow done ({time.time() - started:.0f}s)")
+    difference = check_collapsed_padding(transformer, encoders, tokenizer, latents, labels)
+    log(f"collapsed vs 256-token padding: max |dv| = {difference:.2e}")
+    if difference > 1e-3:
+        raise RuntimeError(f"collapsed padding differs from the pipeline's by {difference}")
+
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0)
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=scheduler, vae=vae,
+        text_encoder=encoders[0], tokenizer=tokenizer, text_encoder_2=encoders[1], tokenizer_2=tokenizer,
+        text_encoder_3=None, tokenizer_3=None,
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    pipe.save_pretrained(out, safe_serialization=True)
+    size_mb = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 1e6
+    (out / "build_info.json").write_text(json.dumps({
+        "seed": seed, "vae_steps": vae_steps, "flow_steps": flow_steps, "copies": copies, "batch": batch,
+        "train_captions": len(train_captions), "held_out_captions": len(held_out),
+        "build_seconds": round(time.time() - started), "torch": torch.__version__,
+    }, indent=2) + "\n")
+    log(f"saved {out} ({size_mb:.1f} MB) in {time.time() - started:.0f}s")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m jagg_core.tiny.build", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="pipeline folder to write")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vae-steps", type=int, default=1500)
+    parser.add_argument("--flow-steps", type=int, default=6000)
+    parser.add_argument("--copies", type=int, default=24, help="jittered drawings per training caption")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    build(args.out, args.seed, args.vae_steps, args.flow_steps, args.copies, args.batch)
+
+
+if __name__ == "__main__":
+    main()

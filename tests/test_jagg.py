@@ -1,0 +1,244 @@
+"""Exactness of the JAGG backward against the exact per-step gradient."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from jagg_core.config import BackwardConfig, ModelConfig
+from jagg_core.grpo import LossSettings, group_advantages, step_loss
+from jagg_core.jagg import (Window, interpolation_weights, linearity_score, make_plan, plan_windows,
+                            route_windows, run_backward)
+from jagg_core.models import load_flow_model
+from jagg_core.sampler import sde_rollout
+
+STEPS = 10
+
+
+class AffineJacobianModel(torch.nn.Module):
+    """``v = f(z) + A + sigma * B + sigma^2 * C``: trainable A, B and (optionally) C, frozen nonlinear f.
+
+    With ``curvature=False`` the parameter Jacobian ``dv/d(A, B) = [I, sigma I]`` is affine in sigma,
+    the case where JAGG is exact for any window; with ``curvature=True`` it is not.
+    """
+
+    def __init__(self, curvature: bool = False):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.frozen = torch.nn.Linear(12, 12)
+        self.frozen.requires_grad_(False)
+        self.A = torch.nn.Parameter(0.1 * torch.randn(12, generator=gen))
+        self.B = torch.nn.Parameter(0.1 * torch.randn(12, generator=gen))
+        self.C = torch.nn.Parameter(0.1 * torch.randn(12, generator=gen), requires_grad=curvature)
+        self.device = torch.device("cpu")
+        self.disabled = False
+
+    def latent_shape(self, resolution):
+        return (12,)
+
+    def velocity(self, z, sigma, cond):
+        sigma = sigma.expand(z.shape[0]) if sigma.dim() == 0 else sigma
+        v = torch.tanh(self.frozen(z))
+        if not self.disabled:
+            v = v + self.A + sigma[:, None] * self.B + sigma[:, None] ** 2 * self.C
+        return v
+
+    @contextmanager
+    def adapters_disabled(self):
+        self.disabled = True
+        try:
+            yield
+        finally:
+            self.disabled = False
+
+
+def rollout(model, batch=6, kl=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    sigmas = torch.linspace(1, 0, STEPS + 1) ** 1.5
+    z0 = torch.randn((batch, *model.latent_shape(0)), generator=gen)
+    cond = {"c": torch.zeros(batch, 1)}
+    traj = sde_rollout(model, cond, sigmas, 0.7, z0, gen, with_reference=kl)
+    rewards = torch.randn(batch, generator=gen)
+    return traj, cond, group_advantages(rewards, 3, 5.0)
+
+
+def params_of(model):
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def exact_gradient(model, traj, cond, adv, settings):
+    """Ground truth by plain autograd: d/dtheta sum_j L_j(v_theta(z_j, sigma_j))."""
+    for p in params_of(model):
+        p.grad = None
+    total = sum(step_loss(model.velocity(traj.latents[j], traj.sigmas[j], cond), j, traj, adv, settings)[0]
+                for j in range(traj.num_steps))
+    total.backward()
+    return torch.cat([p.grad.flatten().clone() for p in params_of(model)])
+
+
+def backward_gradient(model, traj, cond, adv, settings, config, on_policy=True):
+    for p in params_of(model):
+        p.grad = None
+    plan = make_plan(config, traj, traj.num_steps)
+    result = run_backward(model, traj, cond, adv, plan, settings, config, on_policy=on_policy)
+    return torch.cat([p.grad.flatten().clone() for p in params_of(model)]), plan, result
+
+
+SETTINGS = LossSettings(clip_range=0.2, kl_beta=0.0, scale=1.0 / STEPS)
+
+
+@pytest.mark.parametrize("window", [5, 10])
+@pytest.mark.parametrize("shared_knots", [False, True])
+@pytest.mark.parametrize("joint", [False, True])
+@pytest.mark.parametrize("velocities", ["cached", "forward"])
+def test_jagg_is_exact_when_jacobian_is_affine_in_sigma(window, shared_knots, joint, velocities):
+    model = AffineJacobianModel()
+    traj, cond, adv = rollout(model)
+    expected = exact_gradient(model, traj, cond, adv, SETTINGS)
+    config = BackwardConfig(mode="jagg", window=window, shared_knots=shared_knots, joint=joint, velocities=velocities)
+    got, plan, _ = backward_gradient(model, traj, cond, adv, SETTINGS, config)
+    assert plan.interpolated, "the plan must interpolate some steps for this test to mean anything"
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_jagg_with_kl_is_exact_when_jacobian_is_affine():
+    model = AffineJacobianModel()
+    traj, cond, adv = rollout(model, kl=True)
+    settings = LossSettings(clip_range=0.2, kl_beta=0.5, scale=1.0 / STEPS)
+    with torch.no_grad():  # move off the reference so the KL term has a gradient
+        model.A.add_(0.05)
+    expected = exact_gradient(model, traj, cond, adv, settings)
+    config = BackwardConfig(mode="jagg", window=5, velocities="forward")
+    got, _, _ = backward_gradient(model, traj, cond, adv, settings, config, on_policy=False)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_jagg_is_not_exact_when_jacobian_is_curved():
+    """Guards the tests above: with sigma^2 in the Jacobian the approximation differs."""
+    model = AffineJacobianModel(curvature=True)
+    traj, cond, adv = rollout(model)
+    expected = exact_gradient(model, traj, cond, adv, SETTINGS)
+    got, _, _ = backward_gradient(model, traj, cond, adv, SETTINGS, BackwardConfig(mode="jagg", window=10))
+    assert not torch.allclose(got, expected, rtol=1e-3)
+    assert torch.nn.functional.cosine_similarity(got, expected, dim=0) > 0.5
+
+
+def test_cached_correction_matches_forward_off_policy_when_affine():
+    """Off-policy the cached velocities use the endpoint correction; for v affine in sigma it is exact."""
+    model = AffineJacobianModel()
+    traj, cond, adv = rollout(model)
+    with torch.no_grad():
+        model.A.add_(0.1)
+        model.B.sub_(0.2)
+    expected = exact_gradient(model, traj, cond, adv, SETTINGS)
+    for velocities in ("cached", "forward"):
+        got, _, _ = backward_gradient(model, traj, cond, adv, SETTINGS,
+                                      BackwardConfig(mode="jagg", window=5, velocities=velocities), on_policy=False)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.fixture(scope="module")
+def tiny_sd3():
+    model = load_flow_model(ModelConfig(name="tiny-sd3"))
+    model.add_lora(__import__("jagg_core.config", fromlist=["LoraConfig"]).LoraConfig(rank=4, alpha=4))
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # LoRA B starts at zero; give it weight so every path carries gradient
+        for name, p in model.transformer.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=gen)
+    return model
+
+
+def tiny_rollout(model, steps=6):
+    gen = torch.Generator().manual_seed(0)
+    prompts = ["a red circle", "a blue square"]
+    cond = model.conditioning([p for p in prompts for _ in range(2)])
+    sigmas = model.sigmas(steps, 32)
+    z0 = torch.randn((4, *model.latent_shape(32)), generator=gen)
+    traj = sde_rollout(model, cond, sigmas, 0.7, z0, gen)
+    adv = group_advantages(torch.tensor([1.0, 0.0, 0.3, 0.9]), 2, 5.0)
+    return traj, cond, adv
+
+
+def lora_grad(model):
+    return torch.cat([p.grad.flatten() for n, p in model.transformer.named_parameters() if "lora_" in n])
+
+
+def tiny_backward(model, traj, cond, adv, config):
+    model.transformer.zero_grad(set_to_none=True)
+    settings = LossSettings(clip_range=0.2, kl_beta=0.0, scale=1.0 / traj.num_steps)
+    run_backward(model, traj, cond, adv, make_plan(config, traj, traj.num_steps), settings, config, on_policy=True)
+    return lora_grad(model).clone()
+
+
+def test_window_two_is_exact_on_a_real_transformer(tiny_sd3):
+    traj, cond, adv = tiny_rollout(tiny_sd3)
+    exact = tiny_backward(tiny_sd3, traj, cond, adv, BackwardConfig(mode="exact"))
+    assert exact.abs().sum() > 0
+    for joint in (False, True):
+        got = tiny_backward(tiny_sd3, traj, cond, adv, BackwardConfig(mode="jagg", window=2, joint=joint))
+        torch.testing.assert_close(got, exact, rtol=1e-5, atol=1e-8)
+
+
+def test_cached_equals_forward_on_policy_on_a_real_transformer(tiny_sd3):
+    traj, cond, adv = tiny_rollout(tiny_sd3)
+    cached = tiny_backward(tiny_sd3, traj, cond, adv, BackwardConfig(mode="jagg", window=3, velocities="cached"))
+    forward = tiny_backward(tiny_sd3, traj, cond, adv, BackwardConfig(mode="jagg", window=3, velocities="forward"))
+    torch.testing.assert_close(cached, forward, rtol=1e-5, atol=1e-8)
+
+
+def test_frac_zero_equals_exact(tiny_sd3):
+    traj, cond, adv = tiny_rollout(tiny_sd3)
+    exact = tiny_backward(tiny_sd3, traj, cond, adv, BackwardConfig(mode="exact"))
+    routed_off = tiny_backward(tiny_sd3, traj, cond, adv, BackwardConfig(mode="jagg", window=3, frac=0.0))
+    torch.testing.assert_close(routed_off, exact, rtol=1e-5, atol=1e-8)
+
+
+def test_plan_windows_cover_steps_and_share_knots():
+    assert plan_windows(10, 5, False) == [Window(0, 4), Window(5, 9)]
+    assert plan_windows(12, 5, False) == [Window(0, 4), Window(5, 9), Window(10, 11)]
+    assert plan_windows(10, 5, True) == [Window(0, 4), Window(4, 8), Window(8, 9)]
+    assert plan_windows(9, 5, True) == [Window(0, 4), Window(4, 8)]
+    assert plan_windows(3, 1, False) == [Window(0, 0), Window(1, 1), Window(2, 2)]
+
+
+def test_pass_counts_two_per_window_or_k_plus_one_with_shared_knots():
+    model = AffineJacobianModel()
+    traj, _, _ = rollout(model)
+    traj_13 = traj  # 10 steps
+    assert len(make_plan(BackwardConfig(mode="exact"), traj_13, 10).pass_steps) == 10
+    assert len(make_plan(BackwardConfig(mode="jagg", window=5), traj_13, 10).pass_steps) == 4
+    shared = make_plan(BackwardConfig(mode="jagg", window=4, shared_knots=True), traj_13, 10)
+    assert [(w.start, w.end) for w in shared.windows] == [(0, 3), (3, 6), (6, 9)]
+    assert shared.pass_steps == [0, 3, 6, 9]  # K + 1 = 4 passes for K = 3 windows
+
+
+def test_interpolation_weights_run_from_zero_to_one():
+    sigmas = torch.tensor([1.0, 0.8, 0.5, 0.4, 0.0])
+    alpha = interpolation_weights(sigmas, Window(0, 3))
+    assert alpha[0] == 0.0 and alpha[3] == 1.0
+    assert alpha[1] == pytest.approx(0.2 / 0.6) and alpha[2] == pytest.approx(0.5 / 0.6)
+
+
+def test_routing_picks_the_most_linear_windows():
+    assert route_windows([0.9, 0.2, 0.99, 0.5], 0.5) == [True, False, True, False]
+    assert route_windows([0.9, 0.2, 0.99, 0.5], 0.0) == [False] * 4
+    assert route_windows([0.9, 0.2, 0.99, 0.5], 1.0) == [True] * 4
+    velocities = torch.zeros(6, 2, 3)
+    velocities[0:3] = torch.tensor([1.0, 0.0, 0.0])       # window 0: constant -> perfectly linear
+    velocities[3:6] = torch.tensor([1.0, 0.0, 0.0])
+    velocities[4] = torch.tensor([0.0, 1.0, 0.0])          # window 1: middle step orthogonal
+    sigmas = torch.linspace(1, 0, 7)
+    scores = [linearity_score(velocities, sigmas, w) for w in (Window(0, 2), Window(3, 5))]
+    assert scores[0] == pytest.approx(1.0) and scores[1] == pytest.approx(0.0, abs=1e-6)
+    config = BackwardConfig(mode="jagg", window=3, frac=0.5)
+
+    class Batch:
+        pass
+    batch = Batch()
+    batch.velocities, batch.sigmas = velocities, sigmas
+    plan = make_plan(config, batch, 6)
+    assert plan.use_jagg == [True, False]
+    assert plan.pass_steps == [0, 2, 3, 4, 5] and list(plan.interpolated) == [1]

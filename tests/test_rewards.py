@@ -1,0 +1,310 @@
+"""Rewards: registry, weights, JPEG, CLIP-based (tiny random CLIP), OCR (real Tesseract), HTTP."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import huggingface_hub.constants
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageDraw, ImageFont
+
+from jagg_core.config import RewardSpec
+from jagg_core.errors import UserError
+from jagg_core.rewards import available_rewards, build_reward, build_rewards
+from jagg_core.rewards import clip as clip_rewards
+from jagg_core.rewards.clip import AestheticHead
+from jagg_core.rewards.jpeg import jpeg_size_kb
+from jagg_core.rewards.ocr import levenshtein, quoted_text, text_match
+
+
+def spec(name, weight=1.0, **options):
+    return RewardSpec(name=name, weight=weight, options=options)
+
+
+def flat_and_noise(size=64):
+    torch.manual_seed(0)
+    return torch.stack([torch.full((3, size, size), 0.5), torch.rand(3, size, size)])
+
+
+# --- registry and combination -------------------------------------------------------------
+
+def test_registry_lists_the_rewards_of_the_issue():
+    assert {"jpeg_compressibility", "jpeg_incompressibility", "aesthetic", "clip_score", "pickscore",
+            "hpsv2", "image_reward", "ocr", "http"} <= set(available_rewards())
+
+
+def test_unknown_reward_and_option_are_one_line_user_errors():
+    with pytest.raises(UserError, match=r"unknown reward 'nope'; available: .*jpeg_compressibility"):
+        build_rewards([spec("nope")])
+    with pytest.raises(UserError, match=r"unknown option\(s\) colour for reward 'clip_score'; allowed: model_id"):
+        build_rewards([spec("clip_score", colour="red")])
+
+
+def test_combined_reward_is_the_weighted_sum_of_its_parts():
+    images, prompts = flat_and_noise(), ["a", "b"]
+    combined = build_rewards([spec("jpeg_compressibility", 2.0), spec("jpeg_incompressibility", -0.5),
+                              spec("jpeg_compressibility", 0.25)])
+    total, parts = combined(images, prompts)
+    assert combined.names == ["jpeg_compressibility", "jpeg_incompressibility", "jpeg_compressibility_2"]
+    size = jpeg_size_kb(images)
+    torch.testing.assert_close(parts["jpeg_compressibility"], -size)
+    torch.testing.assert_close(parts["jpeg_incompressibility"], size)
+    torch.testing.assert_close(total, 2.0 * -size - 0.5 * size + 0.25 * -size)
+    assert total.dtype == torch.float32 and total.shape == (2,)
+
+
+def test_jpeg_rewards_prefer_flat_or_busy_images():
+    images = flat_and_noise()
+    small = build_reward(spec("jpeg_compressibility"))(images, ["", ""])
+    large = build_reward(spec("jpeg_incompressibility"))(images, ["", ""])
+    assert small[0] > small[1] and large[1] > large[0]
+    buffer = io.BytesIO()
+    Image.fromarray(np.full((64, 64, 3), 128, np.uint8)).save(buffer, format="JPEG", quality=95)
+    assert small[0].item() == pytest.approx(-len(buffer.getvalue()) / 1000)
+
+
+# --- CLIP-based rewards on a tiny random CLIP saved to disk -------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_clip(tmp_path_factory):
+    from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel, CLIPProcessor, CLIPTokenizer
+
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for token in [*letters, *(c + "</w>" for c in letters)]:
+        vocab[token] = len(vocab)
+    tokenizer = CLIPTokenizer(vocab=vocab, merges=[])
+    image_processor = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    torch.manual_seed(0)
+    config = CLIPConfig(
+        text_config=dict(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, max_position_embeddings=32, bos_token_id=0, eos_token_id=1,
+                         pad_token_id=1),
+        vision_config=dict(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=1, num_attention_heads=2),
+        projection_dim=16,
+    )
+    folder = tmp_path_factory.mktemp("tiny-clip")
+    CLIPModel(config).eval().save_pretrained(folder)
+    CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(folder)
+    head = tmp_path_factory.mktemp("head") / "head.pth"
+    torch.save(AestheticHead(16).state_dict(), head)
+    return str(folder), str(head)
+
+
+def reference_logits(folder, images, prompts):
+    """``logits_per_image`` of the plain transformers forward, one row per image."""
+    from transformers import CLIPModel, CLIPProcessor
+
+    model, processor = CLIPModel.from_pretrained(folder).eval(), CLIPProcessor.from_pretrained(folder)
+    pil = [Image.fromarray((img.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)) for img in images]
+    with torch.no_grad():
+        out = model(**processor(text=prompts, images=pil, padding=True, return_tensors="pt"))
+    return out.logits_per_image, model.logit_scale.exp()
+
+
+def test_clip_score_and_pickscore_match_the_clip_forward(tiny_clip):
+    folder, _ = tiny_clip
+    images, prompts = flat_and_noise(48), ["a red cat", "blue sky"]
+    logits, scale = reference_logits(folder, images, prompts)
+    clip_score = build_reward(spec("clip_score", model_id=folder))(images, prompts)
+    pick = build_reward(spec("pickscore", model_id=folder, processor_id=folder))(images, prompts)
+    torch.testing.assert_close(clip_score, logits.diagonal() / scale, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(pick, logits.diagonal(), atol=1e-4, rtol=1e-4)
+    assert clip_score.abs().max() <= 1
+
+
+def test_aesthetic_reads_the_laion_head_format(tiny_clip, tmp_path):
+    folder, head = tiny_clip
+    assert list(AestheticHead().state_dict()) == [f"layers.{i}.{p}" for i in (0, 2, 4, 6, 7) for p in ("weight", "bias")]
+    images = flat_and_noise(32)
+    scores = build_reward(spec("aesthetic", model_id=folder, head=head))(images, ["", ""])
+    assert scores.shape == (2,) and torch.isfinite(scores).all() and scores[0] != scores[1]
+    shifted = torch.load(head)
+    shifted["layers.7.bias"] += 1.0
+    torch.save(shifted, tmp_path / "shifted.pth")
+    moved = build_reward(spec("aesthetic", model_id=folder, head=str(tmp_path / "shifted.pth")))(images, ["", ""])
+    torch.testing.assert_close(moved, scores + 1.0)
+
+
+def test_models_load_lazily_and_once(tiny_clip, monkeypatch):
+    folder, _ = tiny_clip
+    calls = []
+    real = clip_rewards.load_clip
+    monkeypatch.setattr(clip_rewards, "load_clip", lambda *args: calls.append(args) or real(*args))
+    reward = build_reward(spec("clip_score", model_id=folder))
+    assert calls == []
+    reward(flat_and_noise(32), ["a", "b"])
+    reward(flat_and_noise(32), ["c", "d"])
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("name,options,model_id", [
+    ("clip_score", {"model_id": "jagg-test/no-such-clip"}, "jagg-test/no-such-clip"),
+    ("pickscore", {}, "yuvalkirstain/PickScore_v1"),
+    ("aesthetic", {}, "openai/clip-vit-large-patch14"),
+])
+def test_offline_without_weights_is_a_one_line_error(name, options, model_id, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    reward = build_reward(spec(name, **options))
+    with pytest.raises(UserError) as err:
+        reward(flat_and_noise(32), ["a", "b"])
+    message = str(err.value)
+    assert "\n" not in message and f"'{model_id}'" in message and f"hf download {model_id}" in message
+
+
+def test_aesthetic_head_offline_names_its_repo(tiny_clip, monkeypatch, tmp_path):
+    folder, _ = tiny_clip
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    reward = build_reward(spec("aesthetic", model_id=folder))
+    with pytest.raises(UserError, match="hf download camenduru/improved-aesthetic-predictor"):
+        reward(flat_and_noise(32), ["a", "b"])
+
+
+@pytest.mark.parametrize("name,module,package", [("hpsv2", "hpsv2", "hpsv2"),
+                                                 ("image_reward", "ImageReward", "image-reward")])
+def test_missing_optional_package_says_how_to_install(name, module, package, monkeypatch):
+    monkeypatch.setitem(sys.modules, module, None)
+    reward = build_reward(spec(name))
+    with pytest.raises(UserError, match=f"pip install {package}"):
+        reward(flat_and_noise(32), ["a", "b"])
+
+
+def test_bad_hpsv2_version_is_rejected():
+    with pytest.raises(UserError, match="v2.0, v2.1"):
+        build_reward(spec("hpsv2", version="v3"))
+
+
+# --- OCR with the real Tesseract ----------------------------------------------------------
+
+def sign(text: str) -> torch.Tensor:
+    image = Image.new("RGB", (320, 128), "white")
+    ImageDraw.Draw(image).text((20, 24), text, fill="black", font=ImageFont.load_default(size=64))
+    return torch.from_numpy(np.array(image)).permute(2, 0, 1).float() / 255
+
+
+def test_text_matching_formula():
+    assert quoted_text('a sign that says "Hello" and \u201cWorld\u201d') == "Hello World"
+    assert quoted_text("no quotes") == ""
+    assert levenshtein("kitten", "sitting") == 3
+    assert text_match("HELLO", "hel lo") == 1.0
+    assert text_match("HELLO", "HELP") == pytest.approx(1 - 2 / 5)
+    assert text_match("HI", "something else entirely") == 0.0
+
+
+def test_ocr_reads_drawn_text():
+    reward = build_reward(spec("ocr"))
+    images = torch.stack([sign("HELLO"), sign("HELLO")])
+    scores = reward(images, ['a sign that says "HELLO"', 'a sign that says "QUARTZ"'])
+    assert scores[0] >= 0.8 and scores[1] <= 0.5
+
+
+def test_ocr_needs_quoted_text():
+    with pytest.raises(UserError, match="double quotes"):
+        build_reward(spec("ocr"))(sign("HI")[None], ["a sign"])
+
+
+# --- HTTP reward server -------------------------------------------------------------------
+
+class Server:
+    """A local reward server; ``answer(body) -> (status, text)`` decides what it sends back."""
+
+    def __init__(self, answer):
+        self.requests = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.requests.append(body)
+                status, text = answer(body)
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(text.encode())
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/score"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def server():
+    servers = []
+
+    def start(answer):
+        servers.append(Server(answer))
+        return servers[-1]
+
+    yield start
+    for s in servers:
+        s.close()
+
+
+def test_http_reward_posts_pngs_and_prompts(server):
+    def mean_brightness(body):
+        images = [Image.open(io.BytesIO(base64.b64decode(b))) for b in body["images"]]
+        return 200, json.dumps({"scores": [float(np.asarray(im).mean() / 255) for im in images]})
+
+    srv = server(mean_brightness)
+    images = torch.stack([torch.full((3, 16, 24), 0.2), torch.full((3, 16, 24), 0.8)])
+    scores = build_reward(spec("http", url=srv.url))(images, ["dark", "light"])
+    torch.testing.assert_close(scores, torch.tensor([51 / 255, 204 / 255]))
+    assert srv.requests[0]["prompts"] == ["dark", "light"]
+
+
+@pytest.mark.parametrize("answer,match", [
+    ((200, "not json"), "must answer"),
+    ((200, '{"score": [1, 2]}'), "must answer"),
+    ((200, '{"scores": [1]}'), "returned 1 scores for 2 images"),
+    ((404, "no such route"), "HTTP 404"),
+])
+def test_http_bad_answers_are_user_errors(server, answer, match):
+    srv = server(lambda body: answer)
+    with pytest.raises(UserError, match=match):
+        build_reward(spec("http", url=srv.url, retries=0))(flat_and_noise(16), ["a", "b"])
+
+
+def test_http_retries_server_errors_then_gives_up(server):
+    srv = server(lambda body: (503, "busy"))
+    with pytest.raises(UserError, match=r"not answering \(HTTP 503 after 3 attempts\)"):
+        build_reward(spec("http", url=srv.url, retries=2, retry_delay=0))(flat_and_noise(16), ["a", "b"])
+    assert len(srv.requests) == 3
+
+
+def test_http_recovers_after_a_failed_attempt(server):
+    answers = iter([(500, "oops"), (200, '{"scores": [3, 4]}')])
+    srv = server(lambda body: next(answers))
+    scores = build_reward(spec("http", url=srv.url, retry_delay=0))(flat_and_noise(16), ["a", "b"])
+    assert scores.tolist() == [3.0, 4.0]
+
+
+def test_http_server_down_is_a_user_error(server):
+    srv = server(lambda body: (200, "{}"))
+    url = srv.url
+    srv.close()
+    with pytest.raises(UserError, match=r"is not answering \(ConnectionError after 2 attempts\); is it running\?"):
+        build_reward(spec("http", url=url, retries=1, retry_delay=0, timeout=2))(flat_and_noise(16), ["a", "b"])
+
+
+def test_http_needs_a_url():
+    with pytest.raises(UserError, match="options.url"):
+        build_reward(spec("http"))
