@@ -65,8 +65,7 @@ class GrpoConfig(_Section):
     adv_clip: float = Field(5.0, gt=0.0)
     kl_beta: float = Field(0.0, ge=0.0)
     timestep_fraction: float = Field(1.0, gt=0.0, le=1.0)
-    inner_epochs: int = Field(1, ge=1)
-    micro_batch_size: int | None = Field(None, ge=1, description="samples per backward pass; default all")
+    inner_epochs: int = Field(1, ge=1, description="optimizer steps on each rollout batch")
 
 
 class BackwardConfig(_Section):
@@ -96,7 +95,7 @@ class TrainConfig(_Section):
     weight_decay: float = Field(1e-4, ge=0)
     optimizer: Literal["adamw", "adamw8bit"] = "adamw"
     max_grad_norm: float = Field(1.0, gt=0)
-    gradient_accumulation_steps: int = Field(1, ge=1)
+    gradient_accumulation_steps: int = Field(1, ge=1, description="micro-batches the rollout batch is split into")
     mixed_precision: Literal["no", "fp16", "bf16"] = "no"
     gradient_checkpointing: bool = False
     seed: int = 0

@@ -212,10 +212,14 @@ def _make_handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 raise _Reply(403, f"You don't have the rights to create a model under the namespace {namespace}")
             repo_id = f"{namespace}/{request['name']}"
             with hub.lock:
-                if repo_id in hub.repos:
-                    raise _Reply(409, "You already created this model repo")
-                hub.repos[repo_id] = Repo(namespace, request.get("visibility") == "private")
-            self._send(200, {"url": f"{hub.url}/{repo_id}", "name": repo_id})
+                exists = repo_id in hub.repos
+                if not exists:
+                    hub.repos[repo_id] = Repo(namespace, request.get("visibility") == "private")
+            reply = {"url": f"{hub.url}/{repo_id}", "name": repo_id}
+            if exists:  # the real Hub also answers the URL with its 409
+                self._send(409, {**reply, "error": "You already created this model repo"})
+            else:
+                self._send(200, reply)
 
         def repo_info(self, token, body, repo_id, head=False):
             repo = self._repo(repo_id, token)

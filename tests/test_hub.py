@@ -158,7 +158,7 @@ def test_model_card_metadata_and_body(fake_hub, run_dir):
     assert "Compressible shapes." in card.text
 
 
-def test_pushed_adapter_loads_back_from_the_hub(fake_hub, run_dir, loras):
+def test_pushed_adapter_loads_back_from_the_hub(fake_hub, run_dir, loras, monkeypatch):
     _, trained_output = loras
     push_run(run_dir, "alice/shapes-lora", token=TOKEN)
 
@@ -170,10 +170,8 @@ def test_pushed_adapter_loads_back_from_the_hub(fake_hub, run_dir, loras):
     np.testing.assert_allclose(_generate(pipe), trained_output, atol=1e-5)
     assert np.abs(base_output - trained_output).max() > 1e-3
 
-    monkeypatch_offline = pytest.MonkeyPatch()
-    with monkeypatch_offline.context() as patch:  # once downloaded, the cache serves it offline
-        patch.setattr(constants, "HF_HUB_OFFLINE", True)
-        assert resolve_lora("alice/shapes-lora") == path
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # once downloaded, the cache serves it offline
+    assert resolve_lora("alice/shapes-lora") == path
 
 
 def test_cli_pushes_a_checkpoint_with_the_env_token(fake_hub, run_dir, monkeypatch, capsys):
@@ -217,7 +215,7 @@ def test_model_card_preview_of_a_bare_run(tmp_path, loras):
     (run / "lora/pytorch_lora_weights.safetensors").write_bytes(b"x")
     card = write_model_card(run, "alice/bare")
     assert validate_card_metadata(str(card)) == []
-    assert card.data.base_model is None and card.data.widget is None
+    assert card.data.base_model is None and "widget" not in card.data.to_dict()
     assert card.data.tags == ["lora", "diffusers", "grpo", "jagg", "jpeg_compressibility"]
     assert "images/" not in card.text and 'pipe.load_lora_weights("alice/bare")' in card.text
 
@@ -304,6 +302,7 @@ def test_resolve_lora_local_and_offline(fake_hub, tmp_path, loras, monkeypatch):
 
 def test_cli_error_is_one_line_exit_2(tmp_path):
     result = subprocess.run([sys.executable, "-m", "jagg_core.hub", "push", str(tmp_path), "--repo-id", "a/b"],
-                            capture_output=True, text=True, env={"HF_TOKEN": TOKEN, "PATH": ""}, timeout=60)
+                            capture_output=True, text=True, timeout=60,
+                            env={"HF_TOKEN": TOKEN, "HF_HOME": str(tmp_path / "hf-home"), "PATH": ""})
     assert result.returncode == 2
     assert result.stderr == f"jagg_core.hub: error: {tmp_path} is not a JAGG run directory (no config.yaml)\n"

@@ -13,11 +13,14 @@ import torch
 from ..config import ModelConfig
 from ..errors import UserError
 from .base import FlowModel
+from .flux import FluxModel
+from .qwen_image import QwenImageModel
 from .sd3 import SD3Model
 from .tiny import TINY_BUILDERS, build_tiny_pipeline
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
-FAMILIES: dict[str, type[FlowModel]] = {"StableDiffusion3Pipeline": SD3Model}
+FAMILIES: dict[str, type[FlowModel]] = {"StableDiffusion3Pipeline": SD3Model, "FluxPipeline": FluxModel,
+                                         "QwenImagePipeline": QwenImageModel}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -73,7 +76,9 @@ def load_flow_model(config: ModelConfig, device: torch.device | str = "cpu", see
     device = torch.device(device)
     dtype = DTYPES[config.dtype]
     if config.name in TINY_BUILDERS:
-        pipe = build_tiny_pipeline(config.name, seed=seed).to(dtype=dtype)
+        pipe = build_tiny_pipeline(config.name, seed=seed)
+        if dtype != torch.float32:
+            pipe = pipe.to(dtype=dtype)
         return _family_for(type(pipe).__name__, config.name)(pipe, config, device)
     source = str(ASSETS_DIR / config.name) if config.name in embedded_models() else config.name
     index = _read_model_index(source, config.revision)

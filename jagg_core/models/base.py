@@ -8,10 +8,12 @@ from 1 (noise) to 0 (data), ``z_sigma = (1 - sigma) x0 + sigma * noise`` and ``v
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.utils import convert_unet_state_dict_to_peft
@@ -175,4 +177,42 @@ class FlowModel(ABC):
             return self.transformer_velocity(z, sigma, positive)
         stacked = {k: torch.cat([cond[NEGATIVE + k], v]) for k, v in positive.items()}
         v_neg, v_pos = self.transformer_velocity(torch.cat([z, z]), torch.cat([sigma, sigma]), stacked).chunk(2)
+        return self.guide(v_neg, v_pos)
+
+    def guide(self, v_neg: torch.Tensor, v_pos: torch.Tensor) -> torch.Tensor:
+        """Classifier-free guidance ``v = v_neg + g (v_pos - v_neg)``; families whose pipeline
+        post-processes the guided prediction (Qwen-Image) override this."""
         return v_neg + self.config.guidance_scale * (v_pos - v_neg)
+
+
+class PackedFlowModel(FlowModel):
+    """A family whose pipeline packs 2x2 latent patches into tokens (FLUX, Qwen-Image).
+
+    The sampler's latent of one sample is the token sequence ``[(h/2) (w/2), 4 C]`` the transformer
+    sees, with ``h = w = resolution / vae_scale_factor`` (square images); the pipeline's
+    ``_pack_latents`` / ``_unpack_latents`` convert. These pipelines pass
+    ``sigmas = linspace(1, 1/n, n)`` to the scheduler, which then applies the dynamic shift
+    ``mu(image_seq_len)`` (and the terminal stretch, if configured).
+    """
+
+    def latent_shape(self, resolution: int) -> tuple[int, ...]:
+        return (self.image_seq_len(resolution), self.transformer.config.in_channels)
+
+    def image_seq_len(self, resolution: int) -> int:
+        return (resolution // (self.pipe.vae_scale_factor * 2)) ** 2
+
+    def schedule_kwargs(self, num_steps: int) -> dict:
+        return {"sigmas": np.linspace(1.0, 1 / num_steps, num_steps)}
+
+    @staticmethod
+    def token_grid(z: torch.Tensor) -> int:
+        """Tokens per side of packed latents ``z`` [B, side^2, 4C]."""
+        side = math.isqrt(z.shape[1])
+        if side * side != z.shape[1]:
+            raise ValueError(f"packed latents of {z.shape[1]} tokens are not a square grid")
+        return side
+
+    def unpacked(self, z: torch.Tensor) -> torch.Tensor:
+        """Packed latents -> the VAE's latent layout, through the pipeline's ``_unpack_latents``."""
+        resolution = self.token_grid(z) * 2 * self.pipe.vae_scale_factor
+        return self.pipe._unpack_latents(z, resolution, resolution, self.pipe.vae_scale_factor)

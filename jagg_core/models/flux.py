@@ -1,0 +1,66 @@
+"""FLUX.1 dev and schnell (``FluxPipeline``): packed latents, timestep = sigma, guidance embedding.
+
+Conditioning: T5 token states (``prompt_embeds`` [B, L, D]) and the pooled CLIP state
+(``pooled_projections`` [B, D']). Text token ids are all zero and image token ids are the
+(0, row, col) grid of the packed latent, both 2-D ([L, 3], [seq, 3]) as diffusers expects.
+FLUX.1-dev is guidance-distilled: its transformer embeds ``guidance = model.flux_guidance``;
+schnell has no guidance embedding. ``model.guidance_scale > 1`` adds the pipeline's "true CFG"
+with ``model.negative_prompt`` (the base class's ``v_neg + g (v_pos - v_neg)``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import UserError
+from .base import NEGATIVE, Conditioning, PackedFlowModel
+
+#: FluxPipeline.check_inputs rejects longer T5 sequences.
+MAX_T5_TOKENS = 512
+
+
+class FluxModel(PackedFlowModel):
+    family = "flux"
+    #: As diffusers' FLUX LoRA training script (examples/dreambooth/train_dreambooth_lora_flux.py).
+    default_lora_targets = ("attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0",
+                            "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+                            "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2")
+
+    def __init__(self, pipe, config: ModelConfig, device: torch.device | str = "cpu"):
+        if config.max_sequence_length > MAX_T5_TOKENS:
+            raise UserError(f"model.max_sequence_length is {config.max_sequence_length}; FLUX allows at most {MAX_T5_TOKENS}")
+        super().__init__(pipe, config, device)
+
+    def encode_prompts(self, prompts: list[str]) -> Conditioning:
+        cond = self._encode(prompts)
+        if self.use_cfg:
+            negative = self._encode([self.config.negative_prompt] * len(prompts))
+            cond.update({NEGATIVE + k: v for k, v in negative.items()})
+        return cond
+
+    def _encode(self, prompts: list[str]) -> Conditioning:
+        embeds, pooled, _text_ids = self.pipe.encode_prompt(prompt=prompts, prompt_2=None, device=self.device,
+                                                            max_sequence_length=self.config.max_sequence_length)
+        return {"prompt_embeds": embeds, "pooled_projections": pooled}
+
+    def transformer_velocity(self, z: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        dtype = self.transformer.dtype
+        side = self.token_grid(z)
+        embeds = cond["prompt_embeds"]
+        image_ids = self.pipe._prepare_latent_image_ids(z.shape[0], side, side, z.device, dtype)
+        text_ids = torch.zeros(embeds.shape[1], 3, device=z.device, dtype=dtype)
+        guidance = None
+        if self.transformer.config.guidance_embeds:
+            guidance = torch.full((z.shape[0],), self.config.flux_guidance, device=z.device, dtype=torch.float32)
+        return self.transformer(hidden_states=z.to(dtype), timestep=sigma.to(dtype), guidance=guidance,
+                                pooled_projections=cond["pooled_projections"].to(dtype),
+                                encoder_hidden_states=embeds.to(dtype), txt_ids=text_ids, img_ids=image_ids,
+                                return_dict=False)[0].float()
+
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        """``x = vae.decode(unpack(z) / scaling_factor + shift_factor)``, mapped from [-1, 1] to [0, 1]."""
+        vae = self.pipe.vae
+        latents = self.unpacked(z) / vae.config.scaling_factor + vae.config.shift_factor
+        images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
+        return (images.float() / 2 + 0.5).clamp(0, 1)

@@ -1,0 +1,67 @@
+"""Qwen-Image (``QwenImagePipeline``): packed latents of a video-style VAE, masked text, true CFG.
+
+Conditioning: Qwen2.5-VL hidden states of the prompt (template prefix dropped by the pipeline)
+and their mask. The pipeline pads a batch to its longest prompt; here every prompt is padded to
+``model.max_sequence_length`` (mask 0) so that the per-prompt cache concatenates, and each
+transformer call trims the padding columns no sample uses. Text tokens take rotary positions
+after the image grid in order, and padded keys are masked out, so padding changes nothing.
+
+Guidance is the pipeline's "true CFG" (``true_cfg_scale = model.guidance_scale`` with
+``model.negative_prompt``), including its per-token norm rescale, see :meth:`guide`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .base import NEGATIVE, Conditioning, PackedFlowModel
+
+
+class QwenImageModel(PackedFlowModel):
+    family = "qwen-image"
+    # default_lora_targets: the base class's to_q/to_k/to_v/to_out.0, as diffusers'
+    # examples/dreambooth/train_dreambooth_lora_qwen_image.py.
+
+    def encode_prompts(self, prompts: list[str]) -> Conditioning:
+        cond = self._encode(prompts)
+        if self.use_cfg:
+            negative = self._encode([self.config.negative_prompt] * len(prompts))
+            cond.update({NEGATIVE + k: v for k, v in negative.items()})
+        return cond
+
+    def _encode(self, prompts: list[str]) -> Conditioning:
+        length = self.config.max_sequence_length
+        embeds, mask = self.pipe.encode_prompt(prompt=prompts, device=self.device, max_sequence_length=length)
+        if mask is None:  # the pipeline drops an all-ones mask
+            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+        pad = length - embeds.shape[1]
+        return {"prompt_embeds": F.pad(embeds, (0, 0, 0, pad)), "prompt_embeds_mask": F.pad(mask, (0, pad))}
+
+    def transformer_velocity(self, z: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        dtype = self.transformer.dtype
+        mask = cond["prompt_embeds_mask"].bool()
+        used = int(mask.any(dim=0).nonzero().max()) + 1
+        mask = mask[:, :used]
+        side = self.token_grid(z)
+        return self.transformer(hidden_states=z.to(dtype), timestep=sigma.to(dtype),
+                                encoder_hidden_states=cond["prompt_embeds"][:, :used].to(dtype),
+                                encoder_hidden_states_mask=None if bool(mask.all()) else mask,
+                                img_shapes=[[(1, side, side)]] * z.shape[0], return_dict=False)[0].float()
+
+    def guide(self, v_neg: torch.Tensor, v_pos: torch.Tensor) -> torch.Tensor:
+        """QwenImagePipeline's true CFG: ``c = v_neg + g (v_pos - v_neg)``, rescaled per token to the
+        conditional norm, ``v = c * ||v_pos|| / ||c||`` (norms over the channel axis)."""
+        combined = super().guide(v_neg, v_pos)
+        return combined * (v_pos.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))
+
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        """``x = vae.decode(unpack(z) * std + mean)[:, :, frame 0]`` (per-channel latent statistics),
+        mapped from [-1, 1] to [0, 1]."""
+        vae = self.pipe.vae
+        latents = self.unpacked(z)  # [B, C, 1, h, w]
+        stats = {"device": latents.device, "dtype": latents.dtype}
+        mean = torch.tensor(vae.config.latents_mean, **stats).view(1, -1, 1, 1, 1)
+        std = torch.tensor(vae.config.latents_std, **stats).view(1, -1, 1, 1, 1)
+        images = vae.decode((latents * std + mean).to(vae.dtype), return_dict=False)[0][:, :, 0]
+        return (images.float() / 2 + 0.5).clamp(0, 1)

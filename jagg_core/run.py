@@ -1,0 +1,118 @@
+"""Headless runs: ``python -m jagg_core.run [--preset NAME | --config FILE] [--set a.b=c ...]``.
+
+With no arguments it runs the default preset. Works the same under ``accelerate launch``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from .config import DEFAULT_PRESET, RunConfig, list_presets, load_config
+from .errors import UserError, exit_on_user_error
+
+PROG = "jagg_core.run"
+RUNS_DIR = Path("runs")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.splitlines()[0])
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--preset", help=f"preset name (default {DEFAULT_PRESET}); see --list-presets")
+    source.add_argument("--config", help="a run config YAML file")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config value, e.g. --set train.iterations=20 (repeatable)")
+    parser.add_argument("--output-dir", help="run directory (default runs/NAME-TIMESTAMP)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in --output-dir (default: the latest run of this name)")
+    parser.add_argument("--dry-run", action="store_true", help="validate and print the resolved config, then exit")
+    parser.add_argument("--list-presets", action="store_true", help="list the presets and exit")
+    return parser.parse_args(argv)
+
+
+def latest_run_dir(name: str) -> Path:
+    candidates = sorted(RUNS_DIR.glob(f"{name}-*"), key=lambda p: p.stat().st_mtime)
+    if not candidates:
+        raise UserError(f"--resume found no run named '{name}' under {RUNS_DIR}/; pass --output-dir RUN")
+    return candidates[-1]
+
+
+def resolve(args: argparse.Namespace) -> tuple[RunConfig, Path]:
+    """The config and run directory this invocation means."""
+    run_dir = Path(args.output_dir) if args.output_dir else None
+    if args.resume and run_dir is not None and (run_dir / "config.yaml").is_file() and not (args.preset or args.config):
+        config = load_config(config_file=run_dir / "config.yaml", overrides=args.overrides)
+    else:
+        config = load_config(preset=args.preset, config_file=args.config, overrides=args.overrides)
+    if run_dir is None and config.output_dir:
+        run_dir = Path(config.output_dir)
+    if run_dir is None:
+        run_dir = latest_run_dir(config.name) if args.resume else RUNS_DIR / f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if not args.resume and run_dir.joinpath("checkpoints").is_dir() and any(run_dir.joinpath("checkpoints").iterdir()):
+        raise UserError(f"{run_dir} already holds a run; add --resume to continue it or choose another --output-dir")
+    return config, run_dir
+
+
+def check_references(config: RunConfig) -> None:
+    """Rewards and prompts exist (cheap checks a dry run can do without loading a model)."""
+    from .prompts import load_prompts
+    from .rewards import available_rewards
+    for spec in config.rewards:
+        if spec.name not in available_rewards():
+            raise UserError(f"unknown reward '{spec.name}'; available: {', '.join(available_rewards())}")
+    prompts = load_prompts(config.prompts.source)
+    if len(prompts) <= config.prompts.eval_count:
+        raise UserError(f"prompt set '{config.prompts.source}' has {len(prompts)} prompts, not more than "
+                        f"prompts.eval_count={config.prompts.eval_count}; lower prompts.eval_count or add prompts")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    with exit_on_user_error(PROG):
+        if args.list_presets:
+            for name, description in list_presets().items():
+                print(f"{name:28s} {description}")
+            return 0
+        config, run_dir = resolve(args)
+        check_references(config)
+        if args.dry_run:
+            print(config.to_yaml(), end="")
+            print(f"# run directory: {run_dir}", file=sys.stderr)
+            return 0
+        return train(config, run_dir, resume=args.resume)
+
+
+def train(config: RunConfig, run_dir: Path, resume: bool) -> int:
+    from .rundir import RunDirectory
+    from .trainer import StopRequested, Trainer, install_stop_handlers
+
+    install_stop_handlers()
+    trainer = Trainer(config, run_dir, resume=resume)
+    run = RunDirectory(run_dir)
+    try:
+        trainer.setup()
+        trainer.fit()
+        if config.hub.push and trainer.is_main:
+            from .hub import push_if_configured
+            url = push_if_configured(run_dir, config)
+            print(f"pushed to {url}")
+    except StopRequested as stop:
+        if trainer.is_main:
+            run.write_status("stopped", message=f"stopped by {stop}; resume with --resume")
+        print(f"{PROG}: stopped ({stop}); resume with --resume --output-dir {run_dir}", file=sys.stderr)
+        return 130
+    except UserError as err:
+        if trainer.is_main and run.path.is_dir():
+            run.write_status("failed", message=str(err))
+        raise
+    except BaseException as err:
+        if trainer.is_main and run.path.is_dir():
+            run.write_status("failed", message=f"{type(err).__name__}: {err}")
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
