@@ -33,6 +33,7 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.utils import validate_repo_id
 
+from .config import RunConfig
 from .errors import UserError, exit_on_user_error
 from .model_card import ADAPTER_FILE, build_model_card, publish_files, read_run
 
@@ -73,7 +74,7 @@ def _hub_errors(what: str, denied: str = "your token has no access to it") -> It
     except HfHubHTTPError as err:
         status = err.response.status_code if err.response is not None else None
         if status == 401:
-            raise UserError(f"cannot {what}: the Hugging Face token is invalid or expired; "
+            raise UserError(f"cannot {what}: the token is invalid or expired; "
                             f"create a new one at {TOKENS_URL}") from None
         if status == 403:
             raise UserError(f"cannot {what}: {denied}") from None
@@ -82,7 +83,7 @@ def _hub_errors(what: str, denied: str = "your token has no access to it") -> It
 
 def _whoami(api: HfApi) -> dict:
     """The token's user, after checking that the token is valid and allowed to write."""
-    with _hub_errors("check the Hugging Face token"):
+    with _hub_errors("sign in to the Hugging Face Hub"):
         me = api.whoami()
     if me.get("auth", {}).get("accessToken", {}).get("role") == "read":
         raise UserError(f"the Hugging Face token is read-only; create a token with write access at {TOKENS_URL}")
@@ -145,7 +146,7 @@ def push_run(run_dir: str | Path, repo_id: str, *, private: bool = False, checkp
     return str(url)
 
 
-def push_if_configured(run_dir: str | Path, config, token: str | None = None) -> str | None:
+def push_if_configured(run_dir: str | Path, config: RunConfig, token: str | None = None) -> str | None:
     """Push at the end of a run when ``config.hub.push`` is set; return the repo URL, or None if not configured."""
     if not config.hub.push:
         return None

@@ -185,8 +185,8 @@ def sample_grid_png(before: SampleSet, after: SampleSet, cell: int = 256) -> byt
     from PIL import Image, ImageDraw, ImageFont
 
     count = min(len(before.images), len(after.images), GRID_COLUMNS)
-    label_height = 24
-    grid = Image.new("RGB", (cell * count, 2 * (cell + label_height)), "white")
+    label_height, gap = 24, 4
+    grid = Image.new("RGB", ((cell + gap) * count - gap, 2 * (cell + label_height)), "white")
     draw = ImageDraw.Draw(grid)
     font = ImageFont.load_default(size=14)
     for row, (samples, label) in enumerate([(before, "base model"), (after, f"iteration {after.iteration}")]):
@@ -194,7 +194,7 @@ def sample_grid_png(before: SampleSet, after: SampleSet, cell: int = 256) -> byt
         draw.text((4, top + 4), label, fill="black", font=font)
         for column, path in enumerate(samples.images[:count]):
             with Image.open(path) as image:
-                grid.paste(image.convert("RGB").resize((cell, cell)), (column * cell, top + label_height))
+                grid.paste(image.convert("RGB").resize((cell, cell)), (column * (cell + gap), top + label_height))
     buffer = io.BytesIO()
     grid.save(buffer, format="PNG")
     return buffer.getvalue()
@@ -247,8 +247,9 @@ def build_model_card(snap: RunSnapshot, repo_id: str) -> ModelCard:
     tags = ["lora", "diffusers", "grpo", "jagg", *([family] if family else []), *reward_names]
     widget = [{"text": prompt, "output": {"url": f"{SAMPLES_DIR}/{i:03d}.png"}}
               for i, prompt in enumerate(snap.after.prompts[:WIDGET_SAMPLES])] if snap.after else None
+    on_hub = bool(HUB_REPO_ID.match(base)) and not Path(base).exists()
     data = ModelCardData(
-        base_model=base if HUB_REPO_ID.match(base) and not Path(base).exists() else None,
+        base_model=base if on_hub else None,
         library_name="diffusers",
         pipeline_tag="text-to-image",
         tags=list(dict.fromkeys(tags)),
@@ -258,7 +259,7 @@ def build_model_card(snap: RunSnapshot, repo_id: str) -> ModelCard:
     name = repo_id.split("/")[-1]
     prompt = (snap.after or snap.before).prompts[0] if (snap.after or snap.before) else "a photo of a cat"
     parts = [f"# {name}\n",
-             f"A LoRA adapter for `{base}` fine-tuned with GRPO reinforcement learning in JAGG Studio "
+             f"A LoRA adapter for {f'[{base}](https://huggingface.co/{base})' if on_hub else f'`{base}`'} fine-tuned with GRPO reinforcement learning in JAGG Studio "
              f"(rewards: {', '.join(f'`{n}`' for n in reward_names)}).\n"]
     if snap.config.get("description"):
         parts.append(f"{snap.config['description'].strip()}\n")

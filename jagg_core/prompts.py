@@ -35,10 +35,10 @@ def load_prompts(source: str) -> list[str]:
     """The prompts of a built-in set, a file or a Hub dataset column (see the module doc)."""
     if source.startswith("hf://"):
         prompts = _load_hub_column(source[len("hf://"):], source)
+    elif source in builtin_prompt_sets():
+        prompts = _load_file(PROMPTS_DIR / f"{source}.txt")
     elif Path(source).suffix.lower() in FILE_SUFFIXES or Path(source).is_file():
         prompts = _load_file(Path(source))
-    elif (PROMPTS_DIR / f"{source}.txt").is_file():
-        prompts = _load_file(PROMPTS_DIR / f"{source}.txt")
     else:
         raise UserError(
             f"unknown prompt source '{source}'; give a built-in set ({', '.join(builtin_prompt_sets()) or 'none'}), "
@@ -125,7 +125,8 @@ def _load_hub_column(spec: str, source: str) -> list:
             f"run `hf download --repo-type dataset {dataset_id}` first"
         ) from None
     if column not in dataset.column_names:
-        raise UserError(f"Hub dataset '{dataset_id}' has no column '{column}'; it has: {', '.join(dataset.column_names)}")
+        columns = ", ".join(dataset.column_names)
+        raise UserError(f"Hub dataset '{dataset_id}' has no column '{column}'; it has: {columns}")
     if dataset.num_rows > MAX_PROMPTS:
         raise UserError(f"Hub dataset '{dataset_id}' has {dataset.num_rows} rows; the limit is {MAX_PROMPTS}")
     return list(dataset[column])

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .config import DEFAULT_PRESET, RunConfig, list_presets, load_config
 from .errors import UserError, exit_on_user_error
+from .quiet import quiet_libraries
 
 PROG = "jagg_core.run"
 RUNS_DIR = Path("runs")
@@ -69,6 +70,7 @@ def check_references(config: RunConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_libraries()
     args = parse_args(argv)
     with exit_on_user_error(PROG):
         if args.list_presets:

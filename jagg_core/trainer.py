@@ -171,6 +171,16 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm, False
 
+    def _adapters_identical_across_processes(self) -> bool:
+        """Data-parallel sanity check: every process holds bit-identical LoRA weights."""
+        local = torch.stack([torch.stack([p.detach().double().sum(), p.detach().double().abs().sum()])
+                             for p in self.params]).flatten()
+        gathered = self.accelerator.gather(local[None].to(self.accelerator.device))
+        identical = bool((gathered == gathered[0]).all())
+        if not identical:
+            warnings.warn("the processes' adapters differ; the data-parallel gradient sync is broken", stacklevel=2)
+        return identical
+
     @torch.no_grad()
     def evaluate(self, iteration: int) -> float:
         """Fixed-seed ODE samples of the held-out prompts; writes them and returns their mean reward."""
@@ -215,8 +225,10 @@ class Trainer:
                 self.run.append_metrics(row)
                 self.run.write_status("running", iteration=iteration, message=f"iteration {iteration}/{total}")
                 bar.set_postfix(reward=f"{row['reward_mean']:.3f}")
+        identical = self._adapters_identical_across_processes()
         if self.is_main:
-            self.run.write_status("finished", iteration=total, message=f"finished {total} iterations")
+            self.run.write_status("finished", iteration=total, message=f"finished {total} iterations",
+                                  processes=self.accelerator.num_processes, adapters_identical=identical)
             self._log(f"finished: adapter at {self.run.lora_dir / LORA_FILE}")
 
     def iteration(self, iteration: int) -> dict:
@@ -235,8 +247,9 @@ class Trainer:
             warnings.warn(f"iteration {iteration}: non-finite reward; this update is skipped", stacklevel=2)
             stats = {"skipped": True}
         time_train = time.perf_counter() - t1
-        row = {"iteration": iteration, "reward_mean": float(all_rewards.nanmean()),
-               "reward_std": float(all_rewards[torch.isfinite(all_rewards)].std()) if all_rewards.numel() > 1 else 0.0,
+        finite = all_rewards[torch.isfinite(all_rewards)]
+        row = {"iteration": iteration, "reward_mean": float(finite.mean()) if finite.numel() else float("nan"),
+               "reward_std": float(finite.std()) if finite.numel() > 1 else 0.0,
                **{f"reward_{name}": float(v.mean()) for name, v in parts.items()},
                **stats, "lr": self.optimizer.param_groups[0]["lr"],
                "time_rollout_s": time_rollout, "time_train_s": time_train}

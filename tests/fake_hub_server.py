@@ -3,6 +3,7 @@
 It implements only what ``huggingface_hub`` calls to push a commit and download a file:
 
     GET  /api/whoami-v2                               who owns the token
+    GET  /api/agent-harnesses                         the client's user-agent registry (empty)
     POST /api/repos/create                            create a model repo (409 if it exists)
     GET  /api/models/{owner}/{name}                   repo info (create_repo(exist_ok=True) after a 403)
     POST /api/validate-yaml                           model card metadata rules (see validate_card_metadata)
@@ -13,7 +14,7 @@ It implements only what ``huggingface_hub`` calls to push a commit and download 
 Tokens map to users (``FakeHub.add_token``); a token may be read-only. Like the real Hub, an unknown token gets
 401, writing to a namespace that is not the user's (or one of their orgs) gets 403, and a missing or private repo
 of someone else gets 404 ``RepoNotFound``. Every request body is kept in ``FakeHub.bodies`` so tests can check
-what was sent.
+what was sent, and requests to routes the fake lacks in ``FakeHub.unrouted``.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ class FakeHub:
         self.tokens: dict[str, Token] = {}
         self.repos: dict[str, Repo] = {}
         self.bodies: list[bytes] = []
+        self.unrouted: list[str] = []  # requests the fake does not implement (tests assert there are none)
         self.lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _make_handler(self))
         self._server.daemon_threads = True
@@ -179,6 +181,7 @@ def _make_handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                     match = re.fullmatch(pattern, path)
                     if match and route_method == method.replace("HEAD", "GET"):
                         return route(self, token, body, *match.groups(), head=method == "HEAD")
+                hub.unrouted.append(f"{method} {path}")
                 raise _Reply(404, f"no fake route for {method} {path}")
             except _Reply as reply:
                 headers = {"X-Error-Message": reply.message}
@@ -204,6 +207,9 @@ def _make_handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 "type": "user", "name": token.user, "orgs": [{"name": org} for org in token.orgs],
                 "auth": {"type": "access_token", "accessToken": {"displayName": "test", "role": token.role}},
             })
+
+        def agent_harnesses(self, token, body, head=False):
+            self._send(200, {"standardEnvVars": [], "harnesses": {}})
 
         def create_repo(self, token, body, head=False):
             request = json.loads(body)
@@ -265,6 +271,7 @@ def _make_handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
     repo = r"([\w.-]+/[\w.-]+)"
     ROUTES = [
         (r"/api/whoami-v2", "GET", Handler.whoami),
+        (r"/api/agent-harnesses", "GET", Handler.agent_harnesses),
         (r"/api/repos/create", "POST", Handler.create_repo),
         (r"/api/validate-yaml", "POST", Handler.validate_yaml),
         (rf"/api/models/{repo}", "GET", Handler.repo_info),

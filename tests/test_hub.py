@@ -11,6 +11,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -49,6 +50,7 @@ def _generate(pipe) -> np.ndarray:
 def loras(tmp_path_factory):
     """Two diffusers LoRAs of the tiny SD3 model (final and an earlier checkpoint) and the final one's output."""
     pipe = build_tiny_pipeline("tiny-sd3")
+    pipe.set_progress_bar_config(disable=True)
     pipe.transformer.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights=False,
                                             target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
     folders = {}
@@ -101,6 +103,7 @@ def fake_hub(tmp_path, monkeypatch):
         server.add_token(READ_TOKEN, "alice", role="read")
         _point_client_at(monkeypatch, server.url, tmp_path)
         yield server
+    assert server.unrouted == []
 
 
 def _point_client_at(monkeypatch, url: str, tmp_path) -> None:
@@ -108,6 +111,7 @@ def _point_client_at(monkeypatch, url: str, tmp_path) -> None:
     monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}")
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
     monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "hf-home" / "token"))
+    monkeypatch.setattr(constants, "AGENT_HARNESSES_PATH", str(tmp_path / "hf-home" / ".agent_harnesses.json"))
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.delenv("HF_OIDC_RESOURCE", raising=False)
 
@@ -165,6 +169,7 @@ def test_pushed_adapter_loads_back_from_the_hub(fake_hub, run_dir, loras, monkey
     path = resolve_lora("alice/shapes-lora")
     assert path.name == "pytorch_lora_weights.safetensors"
     pipe = build_tiny_pipeline("tiny-sd3")
+    pipe.set_progress_bar_config(disable=True)
     base_output = _generate(pipe)
     pipe.load_lora_weights(path.parent)
     np.testing.assert_allclose(_generate(pipe), trained_output, atol=1e-5)
@@ -230,7 +235,7 @@ def _free_port() -> int:
 
 @pytest.mark.parametrize("case, message", [
     ("no token", "no Hugging Face token: set HF_TOKEN, run `hf auth login`"),
-    ("bad token", "the Hugging Face token is invalid or expired"),
+    ("bad token", "cannot sign in to the Hugging Face Hub: the token is invalid or expired"),
     ("read-only token", "the Hugging Face token is read-only; create a token with write access"),
     ("someone else's repo", "cannot push to bob/theirs: user 'alice' cannot write to it; push to alice/theirs"),
     ("someone else's namespace", "cannot push to bob/new: user 'alice' cannot write to it"),
@@ -296,6 +301,7 @@ def test_resolve_lora_local_and_offline(fake_hub, tmp_path, loras, monkeypatch):
     with pytest.raises(UserError, match="has no pytorch_lora_weights.safetensors"):
         resolve_lora(str(tmp_path))
     _point_client_at(monkeypatch, f"http://127.0.0.1:{_free_port()}", tmp_path)
+    monkeypatch.setattr(time, "sleep", lambda seconds: None)  # skip the download's retry backoff (~25 s)
     with pytest.raises(UserError, match="unreachable and it is not in the local cache"):
         resolve_lora("alice/shapes-lora")
 
@@ -306,3 +312,4 @@ def test_cli_error_is_one_line_exit_2(tmp_path):
                             env={"HF_TOKEN": TOKEN, "HF_HOME": str(tmp_path / "hf-home"), "PATH": ""})
     assert result.returncode == 2
     assert result.stderr == f"jagg_core.hub: error: {tmp_path} is not a JAGG run directory (no config.yaml)\n"
+

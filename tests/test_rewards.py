@@ -123,7 +123,8 @@ def test_clip_score_and_pickscore_match_the_clip_forward(tiny_clip):
 
 def test_aesthetic_reads_the_laion_head_format(tiny_clip, tmp_path):
     folder, head = tiny_clip
-    assert list(AestheticHead().state_dict()) == [f"layers.{i}.{p}" for i in (0, 2, 4, 6, 7) for p in ("weight", "bias")]
+    laion_keys = [f"layers.{i}.{p}" for i in (0, 2, 4, 6, 7) for p in ("weight", "bias")]
+    assert list(AestheticHead().state_dict()) == laion_keys
     images = flat_and_noise(32)
     scores = build_reward(spec("aesthetic", model_id=folder, head=head))(images, ["", ""])
     assert scores.shape == (2,) and torch.isfinite(scores).all() and scores[0] != scores[1]

@@ -6,7 +6,9 @@ The family is read from the pipeline's ``model_index.json`` (``_class_name``).
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 
@@ -50,7 +52,8 @@ def _read_model_index(name: str, revision: str | None) -> dict:
     from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, OfflineModeIsEnabled,
                                         RepositoryNotFoundError)
     try:
-        return json.loads(Path(hf_hub_download(name, "model_index.json", revision=revision)).read_text())
+        return json.loads(Path(hf_hub_download(name, "model_index.json", revision=revision,
+                                               local_files_only=hub_offline())).read_text())
     except GatedRepoError:
         raise UserError(f"model '{name}' is gated: accept its licence on the Hub, then `hf auth login`") from None
     except RepositoryNotFoundError:
@@ -58,6 +61,19 @@ def _read_model_index(name: str, revision: str | None) -> dict:
     except (LocalEntryNotFoundError, OfflineModeIsEnabled):
         raise UserError(f"model '{name}' is not in the local cache and the Hub is unreachable; "
                         f"run `hf download {name}` while online") from None
+
+
+def hub_offline() -> bool:
+    """True when ``HF_HUB_OFFLINE`` is set or the Hub's host does not resolve: then only the local
+    cache is used, instead of retrying a connection that cannot succeed."""
+    from huggingface_hub import constants
+    if constants.HF_HUB_OFFLINE:
+        return True
+    try:
+        socket.getaddrinfo(urlparse(constants.ENDPOINT).hostname, 443)
+    except OSError:
+        return True
+    return False
 
 
 def _quantization(config: ModelConfig, device: torch.device):
@@ -85,9 +101,12 @@ def load_flow_model(config: ModelConfig, device: torch.device | str = "cpu", see
     family = _family_for(index.get("_class_name", "unknown"), config.name)
     import diffusers
     pipeline_class = getattr(diffusers, index["_class_name"])
+    # components saved as [null, null] (e.g. an SD3 without T5) must be passed as None explicitly
+    absent = {key: None for key, value in index.items() if value == [None, None]}
     try:
         pipe = pipeline_class.from_pretrained(source, revision=config.revision, torch_dtype=dtype,
-                                              quantization_config=_quantization(config, device))
+                                              local_files_only=Path(source).is_dir() or hub_offline(),
+                                              quantization_config=_quantization(config, device), **absent)
     except (OSError, ValueError) as err:
         raise UserError(f"could not load model '{config.name}': {str(err).splitlines()[0]}") from None
     return family(pipe, config, device)

@@ -84,9 +84,14 @@ class FlowModel(ABC):
         return get_peft_model_state_dict(self.transformer)
 
     def save_lora(self, directory: str | Path) -> Path:
-        """Write ``pytorch_lora_weights.safetensors`` in diffusers format (``pipe.load_lora_weights``)."""
+        """Write ``pytorch_lora_weights.safetensors`` in diffusers format (``pipe.load_lora_weights``).
+
+        The adapter's peft config (rank, alpha, targets) goes into the file's metadata: without it,
+        ``load_lora_weights`` assumes ``alpha = rank``, a wrong scale whenever ``lora.alpha != lora.rank``."""
         state = {k: v.detach().to("cpu").contiguous() for k, v in self.lora_state_dict().items()}
-        type(self.pipe).save_lora_weights(str(directory), transformer_lora_layers=state, safe_serialization=True)
+        metadata = self.transformer.peft_config["default"].to_dict()
+        type(self.pipe).save_lora_weights(str(directory), transformer_lora_layers=state, safe_serialization=True,
+                                          transformer_lora_adapter_metadata=metadata)
         return Path(directory) / "pytorch_lora_weights.safetensors"
 
     def load_lora(self, path: str | Path) -> None:

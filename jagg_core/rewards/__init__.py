@@ -20,6 +20,7 @@ from . import jpeg  # noqa: E402,F401  isort: skip
 from . import ocr  # noqa: E402,F401  isort: skip
 from . import packaged  # noqa: E402,F401  isort: skip
 from . import remote  # noqa: E402,F401  isort: skip
+from . import shapes  # noqa: E402,F401  isort: skip
 
 __all__ = ["CombinedReward", "Reward", "available_rewards", "build_reward", "build_rewards", "register"]
 

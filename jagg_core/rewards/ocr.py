@@ -69,7 +69,8 @@ class OcrReward(Reward):
         targets = [quoted_text(prompt) for prompt in prompts]
         for prompt, target in zip(prompts, targets):
             if not "".join(target.split()):
-                raise UserError(f"the ocr reward needs prompts with the text to render in double quotes; got: {prompt[:80]!r}")
+                raise UserError("the ocr reward needs prompts with the text to render in double quotes; "
+                                f"got: {prompt[:80]!r}")
         with ThreadPoolExecutor(max_workers=4) as pool:
             reads = list(pool.map(self.read, to_pil(images)))
         return torch.tensor([text_match(t, r) for t, r in zip(targets, reads)], dtype=torch.float32)

@@ -27,7 +27,8 @@ def import_extra(module: str, package: str, reward: str):
     try:
         return importlib.import_module(module)
     except ImportError as err:
-        raise UserError(f"reward '{reward}' needs the optional package '{package}' ({err}); run `pip install {package}`") from None
+        raise UserError(f"reward '{reward}' needs the optional package '{package}' ({err}); "
+                        f"run `pip install {package}`") from None
 
 
 @register("hpsv2")
@@ -45,7 +46,8 @@ class HPSv2(Reward):
         open_clip = import_extra("hpsv2.src.open_clip", "hpsv2", self.name)
         from huggingface_hub import hf_hub_download
 
-        model, _, preprocess = open_clip.create_model_and_transforms("ViT-H-14", None, device=self.device, output_dict=True)
+        model, _, preprocess = open_clip.create_model_and_transforms("ViT-H-14", None, device=self.device,
+                                                                     output_dict=True)
         with hub_model("xswu/HPSv2"):
             path = hf_hub_download("xswu/HPSv2", HPS_CHECKPOINTS[self.version])
         model.load_state_dict(torch.load(path, map_location="cpu")["state_dict"])

@@ -61,7 +61,8 @@ class HttpReward(Reward):
             scores = response.json()["scores"]
             values = [float(score) for score in scores]
         except (ValueError, KeyError, TypeError):
-            raise UserError(f"reward server {self.url} must answer {{\"scores\": [numbers]}}; got {response.text[:200]!r}") from None
+            raise UserError(f"reward server {self.url} must answer {{\"scores\": [numbers]}}; "
+                            f"got {response.text[:200]!r}") from None
         if len(values) != len(prompts) or not all(math.isfinite(v) for v in values):
             raise UserError(f"reward server {self.url} returned {len(values)} scores for {len(prompts)} images "
                             f"(all must be finite numbers)")

@@ -1,0 +1,211 @@
+"""The set-up form and the run config: which config key each field edits, a preset's values for the form, and
+the validated :class:`~jagg_core.config.RunConfig` a filled-in form means.
+
+A run config is built as the command line builds one: the chosen preset's YAML, the form's values applied as
+overrides (:func:`~jagg_core.config.apply_override`), then :func:`~jagg_core.config.validate_config` and the
+reward/prompt checks of :func:`jagg_core.run.check_references`. Any problem is a one-line
+:class:`~jagg_core.errors.UserError` naming the field, raised before anything is launched.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from jagg_core.config import DEFAULT_PRESET, RunConfig, apply_override, list_presets, preset_path, validate_config
+from jagg_core.errors import UserError
+from jagg_core.prompts import FILE_SUFFIXES, builtin_prompt_sets, load_prompts
+from jagg_core.run import check_references
+
+PROMPTS_BUILTIN, PROMPTS_UPLOAD, PROMPTS_TEXT = "Built-in set", "Upload a file", "Write my own"
+PROMPT_MODES = (PROMPTS_BUILTIN, PROMPTS_UPLOAD, PROMPTS_TEXT)
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One form field that edits one config key.
+
+    ``kind`` picks the widget: an integer or float box, a checkbox, or a choice. A checkbox may stand for two
+    config values (``on``/``off``), e.g. "8-bit AdamW" is ``train.optimizer`` = ``adamw8bit`` or ``adamw``.
+    """
+
+    key: str
+    label: str
+    kind: Literal["int", "float", "bool", "choice"]
+    info: str = ""
+    choices: tuple[tuple[str, str], ...] = ()  # (shown label, config value)
+    on: Any = True
+    off: Any = False
+
+    @property
+    def elem_id(self) -> str:
+        return "knob-" + self.key.replace(".", "-").replace("_", "-")
+
+    def to_config(self, value: Any) -> Any:
+        if self.kind == "bool":
+            return self.on if value else self.off
+        if value is None or value == "":
+            raise UserError(f"'{self.label}' needs a value")
+        return int(value) if self.kind == "int" and float(value).is_integer() else value
+
+    def from_config(self, value: Any) -> Any:
+        return value == self.on if self.kind == "bool" else value
+
+
+MAIN_KNOBS = (
+    Knob("train.iterations", "Iterations", "int", "GRPO iterations (rollout + update)"),
+    Knob("grpo.num_generations", "Group size", "int", "images per prompt, compared with each other (at least 2)"),
+    Knob("sampling.num_steps", "Sampling steps", "int", "denoising steps per rollout"),
+    Knob("sampling.resolution", "Resolution", "int", "pixels, a multiple of 16"),
+    Knob("train.learning_rate", "Learning rate", "float"),
+    Knob("lora.rank", "LoRA rank", "int", "adapter size"),
+)
+
+ADVANCED_KNOBS = (
+    Knob("backward.mode", "Backward", "choice", "JAGG window gradients, or the exact per-step backward",
+         choices=(("JAGG", "jagg"), ("exact", "exact"))),
+    Knob("backward.window", "JAGG window", "int", "denoising steps per window"),
+    Knob("backward.velocities", "Velocities", "choice", "in-window velocities: cached (no extra forwards) or "
+         "a forward pass per step", choices=(("cached", "cached"), ("forward", "forward"))),
+    Knob("backward.frac", "JAGG fraction", "float", "share of windows (most linear first) that use JAGG"),
+    Knob("backward.joint", "Joint endpoints", "bool", "both window endpoints in one batch"),
+    Knob("backward.shared_knots", "Shared knots", "bool"),
+    Knob("sampling.noise_level", "Noise level", "float", "SDE noise level a"),
+    Knob("grpo.clip_range", "Clip range", "float", "PPO ratio clip"),
+    Knob("grpo.kl_beta", "KL beta", "float", "pull towards the base model (0 = off)"),
+    Knob("model.guidance_scale", "CFG scale", "float", "classifier-free guidance; 1 disables it"),
+    Knob("grpo.prompts_per_iteration", "Prompts per iteration", "int"),
+    Knob("lora.alpha", "LoRA alpha", "float"),
+    Knob("train.mixed_precision", "Mixed precision", "choice",
+         choices=(("no", "no"), ("fp16", "fp16"), ("bf16", "bf16"))),
+    Knob("model.dtype", "Base model dtype", "choice",
+         choices=(("float32", "float32"), ("bfloat16", "bfloat16"), ("float16", "float16"))),
+    Knob("train.optimizer", "8-bit AdamW", "bool", "bitsandbytes, GPU only", on="adamw8bit", off="adamw"),
+    Knob("model.quantize_4bit", "4-bit base model", "bool", "NF4 transformer, GPU only"),
+    Knob("train.seed", "Seed", "int"),
+    Knob("prompts.eval_count", "Eval prompts", "int", "held-out prompts for the fixed-seed samples"),
+    Knob("train.sample_every", "Sample every", "int", "iterations between eval samples"),
+    Knob("train.checkpoint_every", "Checkpoint every", "int", "iterations between checkpoints"),
+)
+
+KNOBS = MAIN_KNOBS + ADVANCED_KNOBS
+
+
+@dataclass
+class Form:
+    """A filled-in set-up form. ``weights`` are table rows ``[reward, weight]``; ``knobs`` maps config keys to
+    field values."""
+
+    preset: str = DEFAULT_PRESET
+    name: str = ""
+    model: str = ""
+    rewards: list[str] = field(default_factory=list)
+    weights: list[list] = field(default_factory=list)
+    prompt_mode: str = PROMPTS_BUILTIN
+    prompt_set: str = ""
+    prompt_file: str | None = None
+    prompt_text: str = ""
+    knobs: dict[str, Any] = field(default_factory=dict)
+
+
+def _get(data: dict, key: str) -> Any:
+    for part in key.split("."):
+        data = data[part]
+    return data
+
+
+def model_choices() -> list[str]:
+    """Base models to offer: every preset's model and the tiny test model (any Hub id or folder may be typed)."""
+    names = ["tiny-sd3"]
+    for preset in list_presets():
+        name = (yaml.safe_load(preset_path(preset).read_text()).get("model") or {}).get("name")
+        if name and name not in names:
+            names.append(name)
+    return names
+
+
+def preset_form(preset: str) -> Form:
+    """The form a preset fills in."""
+    config = validate_config(yaml.safe_load(preset_path(preset).read_text()))
+    data = config.model_dump(mode="json")
+    rewards = [spec.name for spec in config.rewards]
+    return Form(preset=preset, name=config.name, model=config.model.name, rewards=rewards,
+                weights=[[spec.name, spec.weight] for spec in config.rewards], prompt_mode=PROMPTS_BUILTIN,
+                prompt_set=config.prompts.source,
+                knobs={knob.key: knob.from_config(_get(data, knob.key)) for knob in KNOBS})
+
+
+def weight_rows(rewards: list[str], rows: list[list] | None) -> list[list]:
+    """The weights table for ``rewards``: known weights kept, new rewards at 1.0."""
+    known = {str(row[0]): row[1] for row in rows or [] if row and row[0]}
+    return [[name, known.get(name, 1.0)] for name in rewards]
+
+
+def _weight(value: Any, reward: str) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise UserError(f"the weight of reward '{reward}' must be a number, got {value!r}") from None
+
+
+def _prompt_source(form: Form, run_dir: Path) -> str:
+    """The ``prompts.source`` of the form; an uploaded file or the typed prompts are saved into ``run_dir``."""
+    if form.prompt_mode == PROMPTS_BUILTIN:
+        if not form.prompt_set:
+            raise UserError(f"choose a prompt set: {', '.join(builtin_prompt_sets())}")
+        return form.prompt_set
+    if form.prompt_mode == PROMPTS_UPLOAD:
+        if not form.prompt_file:
+            raise UserError("upload a prompt file (.txt one per line, .csv or .jsonl with a 'prompt' column)")
+        suffix = Path(form.prompt_file).suffix.lower()
+        if suffix not in FILE_SUFFIXES:
+            raise UserError(f"the prompt file must be {', '.join(FILE_SUFFIXES)}, got '{Path(form.prompt_file).name}'")
+        target = run_dir / f"prompts{suffix}"
+        shutil.copyfile(form.prompt_file, target)
+        return str(target)
+    if form.prompt_mode == PROMPTS_TEXT:
+        if not form.prompt_text.strip():
+            raise UserError("write some prompts, one per line")
+        target = run_dir / "prompts.txt"
+        target.write_text(form.prompt_text.strip() + "\n")
+        return str(target)
+    raise UserError(f"unknown prompt source '{form.prompt_mode}'; choose one of {', '.join(PROMPT_MODES)}")
+
+
+def build_config(form: Form, run_dir: Path) -> RunConfig:
+    """The validated config of ``form`` for a new run in ``run_dir`` (which receives the user's prompt file)."""
+    if not form.preset:
+        raise UserError("choose a preset to start from")
+    data = yaml.safe_load(preset_path(form.preset).read_text())
+    name = form.name.strip()
+    if not name:
+        raise UserError("give the run a name")
+    model = form.model.strip()
+    if not model:
+        raise UserError("choose a base model, or type a Hub id (owner/name) or a local folder")
+    if model.startswith(("/", ".", "~")) and not Path(model).expanduser().is_dir():
+        raise UserError(f"the model folder '{model}' does not exist")
+    if not form.rewards:
+        raise UserError("choose at least one reward")
+    weights = {str(row[0]): row[1] for row in form.weights or [] if row and row[0]}
+    options = {spec.get("name"): spec.get("options", {}) for spec in data.get("rewards") or []}
+    data["name"] = name
+    apply_override(data, ["model", "name"], model)
+    data["rewards"] = [{"name": reward, "weight": _weight(weights.get(reward, 1.0), reward),
+                        "options": options.get(reward, {})} for reward in form.rewards]
+    apply_override(data, ["prompts", "source"], _prompt_source(form, run_dir))
+    for knob in KNOBS:
+        if knob.key in form.knobs:
+            apply_override(data, knob.key.split("."), knob.to_config(form.knobs[knob.key]))
+    config = validate_config(data)
+    check_references(config)
+    return config
+
+
+def prompt_preview(source: str, limit: int = 200) -> str:
+    """The prompts of a built-in set as editable text (to start a set of one's own from)."""
+    return "\n".join(load_prompts(source)[:limit])

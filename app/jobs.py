@@ -1,0 +1,239 @@
+"""Training jobs: launch, stop and find the one training process of this machine.
+
+A job is ``accelerate launch -m jagg_core.run --config RUN/config.yaml --output-dir RUN`` started in its own
+process group (``start_new_session``), with stdout and stderr in ``RUN/stdout.log``. The app never imports
+training state: it only starts and signals the process group and reads the run directory.
+
+One job at a time per machine. The runs root holds a lock file, ``.active-job.json``, with the job's pid, process
+group and run directory. It is created exclusively (``O_EXCL``), so two Start clicks, two browser tabs or two app
+processes cannot both launch. The lock is how the app reattaches to a job after a page reload or an app restart,
+and it goes stale when no process of the group is left: then it is removed, and a run that ended without writing a
+final state (killed, crashed while importing) is marked ``failed`` with the last error line of its output.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from jagg_core.errors import UserError
+from jagg_core.rundir import RunDirectory
+
+RUNS_DIR_ENV = "JAGG_RUNS_DIR"
+LOCK_NAME = ".active-job.json"
+OUTPUT_LOG = "stdout.log"
+RUN_STAMP = re.compile(r"-(\d{8}-\d{6})(-\d+)?$")
+STOP_GRACE_S = 30.0
+LAUNCHING_GRACE_S = 60.0  # an empty lock younger than this is a launch in progress, older is stale
+
+
+def runs_root() -> Path:
+    """The folder that holds the runs: ``$JAGG_RUNS_DIR``, default ``./runs``."""
+    root = Path(os.environ.get(RUNS_DIR_ENV, "runs")).expanduser().resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def launch_command(run_dir: Path, mixed_precision: str, resume: bool) -> list[str]:
+    """The ``accelerate launch`` command line of a one-process job (``--cpu`` when there is no CUDA GPU)."""
+    import torch
+
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
+               "--mixed_precision", mixed_precision, "--dynamo_backend", "no"]
+    if not torch.cuda.is_available():
+        command.append("--cpu")
+    command += ["-m", "jagg_core.run", "--config", str(run_dir / "config.yaml"), "--output-dir", str(run_dir)]
+    return command + (["--resume"] if resume else [])
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any process of group ``pgid`` is still running (zombies do not count)."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # the process ended while we looked
+        state, group = fields[0], int(fields[2])
+        if group == pgid and state not in ("Z", "X"):
+            return True
+    return False
+
+
+def last_error_line(run_dir: Path) -> str:
+    """The most telling line of the job's output: the last ``error``/exception line, else the last line."""
+    try:
+        lines = [line.strip() for line in (run_dir / OUTPUT_LOG).read_text(errors="replace").splitlines()
+                 if line.strip()]
+    except OSError:
+        return ""
+    for line in reversed(lines):
+        if "error:" in line.lower() or line.split(":")[0].endswith(("Error", "Exception")):
+            return line
+    return lines[-1] if lines else ""
+
+
+@dataclass(frozen=True)
+class Job:
+    """The running job: its run directory and process group."""
+
+    run_dir: Path
+    pid: int
+    pgid: int
+    started_at: float
+    resumed: bool
+
+
+class JobControl:
+    """Launches, stops and finds the single training job of the runs root."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.lock_file = root / LOCK_NAME
+        self._mutex = threading.Lock()
+        self._children: dict[int, subprocess.Popen] = {}  # jobs this process launched, reaped by poll()
+
+    # ----- the lock ------------------------------------------------------------------------
+    def _read_lock(self) -> dict | None:
+        try:
+            text = self.lock_file.read_text()
+        except FileNotFoundError:
+            return None
+        try:
+            return json.loads(text)
+        except ValueError:
+            age = time.time() - self.lock_file.stat().st_mtime
+            return {"launching": True} if age < LAUNCHING_GRACE_S else {}
+
+    def active(self) -> Job | None:
+        """The running job, or None (a stale lock is cleared and its run's final state recorded)."""
+        lock = self._read_lock()
+        if lock is None or lock.get("launching"):
+            return None
+        if lock:
+            child = self._children.get(lock["pid"])
+            if child is not None:
+                child.poll()
+            if _group_alive(lock["pgid"]):
+                return Job(Path(lock["run_dir"]), lock["pid"], lock["pgid"], lock["started_at"], lock["resumed"])
+            self._finish(Path(lock["run_dir"]), lock["pid"], stopped=False)
+        self.lock_file.unlink(missing_ok=True)
+        return None
+
+    def _finish(self, run_dir: Path, pid: int, stopped: bool) -> None:
+        """Record the end of a job whose process did not write a final state itself."""
+        child = self._children.pop(pid, None)
+        code = child.poll() if child is not None else None
+        run = RunDirectory(run_dir)
+        if run.read_status().get("state", "running") != "running":
+            return
+        if stopped:
+            run.write_status("stopped", message="stopped before the trainer could save its state; "
+                                                "resume continues from the last checkpoint")
+            return
+        why = last_error_line(run_dir) or "no output"
+        exit_part = f" (exit code {code})" if code is not None else ""
+        run.write_status("failed", message=f"the training process ended{exit_part}: {why}")
+
+    # ----- launch and stop -------------------------------------------------------------------
+    def launch(self, run_dir: Path, mixed_precision: str, resume: bool = False) -> Job:
+        """Start the job of ``run_dir`` (its config.yaml must exist); refuse if a job is active."""
+        with self._mutex:
+            busy = self.active()
+            if busy is not None:
+                raise UserError(f"a run is active: {busy.run_dir.name}; stop it before starting another")
+            try:
+                fd = os.open(self.lock_file, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                raise UserError("another run is being launched right now; wait a moment") from None
+            os.close(fd)
+            try:
+                with (run_dir / OUTPUT_LOG).open("ab") as output:
+                    process = subprocess.Popen(launch_command(run_dir, mixed_precision, resume), stdout=output,
+                                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                               start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            except BaseException:
+                self.lock_file.unlink(missing_ok=True)
+                raise
+            self._children[process.pid] = process
+            job = Job(run_dir, process.pid, os.getpgid(process.pid), time.time(), resume)
+            tmp = self.lock_file.with_name(f"{LOCK_NAME}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"run_dir": str(run_dir), "pid": job.pid, "pgid": job.pgid,
+                                       "started_at": job.started_at, "resumed": resume}))
+            os.replace(tmp, self.lock_file)
+            return job
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> Job | None:
+        """End the active job's process group: SIGTERM (the trainer records "stopped" and exits), then SIGKILL
+        after ``grace_s``. The last checkpoint stays; returns the stopped job, or None if none was running."""
+        with self._mutex:
+            job = self.active()
+            if job is None:
+                return None
+            self._signal(job.pgid, signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            while self._alive(job) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if self._alive(job):
+                self._signal(job.pgid, signal.SIGKILL)
+                while self._alive(job) and time.monotonic() < deadline + 10:
+                    time.sleep(0.2)
+            self._finish(job.run_dir, job.pid, stopped=True)
+            self.lock_file.unlink(missing_ok=True)
+            return job
+
+    def _alive(self, job: Job) -> bool:
+        child = self._children.get(job.pid)
+        if child is not None:
+            child.poll()
+        return _group_alive(job.pgid)
+
+    @staticmethod
+    def _signal(pgid: int, signum: int) -> None:
+        try:
+            os.killpg(pgid, signum)
+        except ProcessLookupError:
+            pass
+
+    # ----- runs ----------------------------------------------------------------------------
+    def runs(self) -> list[Path]:
+        """The run directories under the root, newest first (by the ``-YYYYmmdd-HHMMSS`` of their name)."""
+        found = [p for p in self.root.iterdir() if p.is_dir() and (p / "config.yaml").is_file()]
+        return sorted(found, key=_created, reverse=True)
+
+    def new_run_dir(self, name: str) -> Path:
+        """A fresh, empty run directory ``NAME-YYYYmmdd-HHMMSS`` (``-2``, ``-3``... if taken)."""
+        slug = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "run"
+        base = f"{slug}-{time.strftime('%Y%m%d-%H%M%S')}"
+        for n in itertools.count(1):
+            path = self.root / (base if n == 1 else f"{base}-{n}")
+            try:
+                path.mkdir()
+                return path
+            except FileExistsError:
+                continue
+
+
+def _created(run_dir: Path) -> tuple[str, int]:
+    """Sort key: the timestamp (and ``-N`` suffix) in the run's name, else its config's modification time."""
+    match = RUN_STAMP.search(run_dir.name)
+    if match:
+        return match.group(1), int((match.group(2) or "-1")[1:])
+    return time.strftime("%Y%m%d-%H%M%S", time.localtime((run_dir / "config.yaml").stat().st_mtime)), 0

@@ -1,0 +1,18 @@
+"""Silence the libraries' import-time chatter so a user sees our lines, not theirs."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+
+def quiet_libraries() -> None:
+    """Errors only from bitsandbytes, transformers, diffusers and huggingface_hub loggers."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    for name in ("bitsandbytes", "transformers", "diffusers", "huggingface_hub", "accelerate", "peft"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*torchvision.*")

@@ -1,0 +1,238 @@
+"""The model adapters (SD3, FLUX, Qwen-Image) against their own diffusers pipelines, on tiny models.
+
+The strongest check is :func:`test_euler_ode_reproduces_pipeline`: an Euler ODE with the
+adapter's sigmas and velocity, from the same initial noise, must give the pipeline's own
+``__call__`` latents and images. That pins down the packing, the timestep scaling, the guidance
+embedding, the CFG combination and the decoding.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+
+from jagg_core.config import LoraConfig, ModelConfig
+from jagg_core.errors import UserError
+from jagg_core.models import FAMILIES, load_flow_model
+from jagg_core.models.base import NEGATIVE
+from jagg_core.models.flux import FluxModel
+from jagg_core.models.tiny import build_tiny_pipeline
+
+FAMILY = {"tiny-sd3": "sd3", "tiny-flux": "flux", "tiny-qwen": "qwen-image"}
+NAMES = list(FAMILY)
+RES, STEPS = 32, 3
+PROMPTS = ["a red circle", "two blue squares on a green background"]
+
+
+def load(name: str, **overrides):
+    return load_flow_model(ModelConfig(name=name, max_sequence_length=32, **overrides))
+
+
+def schnell(config: ModelConfig) -> FluxModel:
+    """tiny-flux turned into a FLUX.1-schnell-like model: no guidance embedding, no dynamic shift."""
+    pipe = build_tiny_pipeline("tiny-flux")
+    pipe.transformer = FluxTransformer2DModel.from_config({**pipe.transformer.config, "guidance_embeds": False})
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=1.0)
+    return FluxModel(pipe, config)
+
+
+def noise(model, batch: int, seed: int = 0, resolution: int = RES) -> torch.Tensor:
+    return torch.randn((batch, *model.latent_shape(resolution)), generator=torch.Generator().manual_seed(seed))
+
+
+def pipeline_kwargs(model) -> dict:
+    """The pipeline ``__call__`` arguments that mean what ``model.config`` means to the adapter."""
+    config, cfg = model.config, model.use_cfg
+    kwargs = {"height": RES, "width": RES, "max_sequence_length": config.max_sequence_length}
+    if model.family == "sd3":
+        return kwargs | {"guidance_scale": config.guidance_scale, "negative_prompt": config.negative_prompt}
+    kwargs |= {"true_cfg_scale": config.guidance_scale, "negative_prompt": config.negative_prompt if cfg else None}
+    if model.family == "flux":
+        kwargs["guidance_scale"] = config.flux_guidance
+    return kwargs
+
+
+class _Stop(Exception):
+    pass
+
+
+def _stop(*_args):
+    raise _Stop
+
+
+def pipeline_sigmas(model, num_steps: int, resolution: int) -> torch.Tensor:
+    """The sigmas the pipeline's own ``__call__`` sets on its scheduler (stopped after one step)."""
+    kwargs = pipeline_kwargs(model) | {"height": resolution, "width": resolution}
+    with pytest.raises(_Stop):
+        model.pipe(prompt=PROMPTS[:1], num_inference_steps=num_steps, callback_on_step_end=_stop, **kwargs)
+    return model.pipe.scheduler.sigmas
+
+
+# ----- loading ------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", NAMES)
+def test_tiny_models_load_with_their_family(name):
+    model = load(name)
+    assert model.family == FAMILY[name]
+    assert sum(p.numel() for p in model.transformer.parameters()) < 1_000_000
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_local_folder_loads_and_family_is_detected(name, tmp_path):
+    model = load(name)
+    model.pipe.save_pretrained(tmp_path)
+    reloaded = load_flow_model(ModelConfig(name=str(tmp_path), max_sequence_length=32))
+    assert type(reloaded) is type(model) and reloaded.family == FAMILY[name]
+    z, cond = noise(model, 1), model.conditioning(PROMPTS[:1])
+    with torch.no_grad():
+        expected = model.velocity(z, torch.tensor(0.7), cond)
+        actual = reloaded.velocity(z, torch.tensor(0.7), reloaded.conditioning(PROMPTS[:1]))
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_unknown_pipeline_class_is_a_user_error(tmp_path):
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "KandinskyPipeline"}))
+    with pytest.raises(UserError, match="KandinskyPipeline"):
+        load_flow_model(ModelConfig(name=str(tmp_path)))
+
+
+def test_families_are_registered_by_pipeline_class():
+    assert {cls.family for cls in FAMILIES.values()} == set(FAMILY.values())
+
+
+def test_tiny_qwen_tokenizer_drops_exactly_the_template_prefix():
+    """The pipeline drops ``prompt_template_encode_start_idx`` tokens: the whole system prefix."""
+    pipe = build_tiny_pipeline("tiny-qwen")
+    prefix = pipe.prompt_template_encode.split("{}")[0]
+    assert len(pipe.tokenizer(prefix).input_ids) == pipe.prompt_template_encode_start_idx
+
+
+# ----- conditioning ---------------------------------------------------------------------------
+@pytest.mark.parametrize("name", NAMES)
+def test_conditioning_is_batched_and_cached(name, monkeypatch):
+    model = load(name, guidance_scale=3.0, negative_prompt="blurry")
+    cond = model.conditioning([PROMPTS[0], PROMPTS[1], PROMPTS[0]])
+    positive = [k for k in cond if not k.startswith(NEGATIVE)]
+    assert positive and sorted(NEGATIVE + k for k in positive) == sorted(k for k in cond if k.startswith(NEGATIVE))
+    for key, value in cond.items():
+        assert value.shape[0] == 3
+        assert torch.equal(value[0], value[2])
+        if not key.startswith(NEGATIVE):
+            assert value.shape == cond[NEGATIVE + key].shape
+    assert not torch.equal(cond["prompt_embeds"][0], cond["prompt_embeds"][1])
+
+    calls = []
+    monkeypatch.setattr(model, "encode_prompts", lambda prompts: calls.append(prompts))
+    again = model.conditioning([PROMPTS[1]])
+    assert calls == [] and torch.equal(again["prompt_embeds"][0], cond["prompt_embeds"][1])
+
+
+# ----- sigmas -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize(("num_steps", "resolution"), [(4, 32), (10, 64), (7, 128)])
+def test_sigmas_are_the_pipelines_schedule(name, num_steps, resolution):
+    model = load(name)
+    sigmas = model.sigmas(num_steps, resolution)
+    assert sigmas.shape == (num_steps + 1,)
+    assert sigmas[0] > 0.9 and sigmas[-1] == 0 and bool((sigmas[1:] < sigmas[:-1]).all())
+    torch.testing.assert_close(sigmas, pipeline_sigmas(model, num_steps, resolution), atol=1e-6, rtol=0)
+
+
+def test_schnell_sigmas_are_the_pipelines_schedule():
+    model = schnell(ModelConfig(name="tiny-flux", max_sequence_length=32))
+    torch.testing.assert_close(model.sigmas(4, 64), pipeline_sigmas(model, 4, 64), atol=1e-6, rtol=0)
+
+
+# ----- velocity and decoding --------------------------------------------------------------------
+@pytest.mark.parametrize("name", NAMES)
+def test_velocity_shape_cfg_and_decode(name):
+    plain, guided = load(name), load(name, guidance_scale=4.0, negative_prompt="blurry")
+    z, sigma = noise(plain, 2), torch.tensor([0.9, 0.4])
+    with torch.no_grad():
+        v = plain.velocity(z, sigma, plain.conditioning(PROMPTS))
+        v_cfg = guided.velocity(z, sigma, guided.conditioning(PROMPTS))
+        images = plain.decode(z)
+    assert v.shape == v_cfg.shape == z.shape == (2, *plain.latent_shape(RES))
+    assert torch.isfinite(v_cfg).all() and not torch.allclose(v, v_cfg)
+    assert images.shape == (2, 3, RES, RES) and images.dtype == torch.float32
+    assert images.min() >= 0 and images.max() <= 1
+
+
+def test_qwen_true_cfg_keeps_the_conditional_norm_per_token():
+    model = load("tiny-qwen", guidance_scale=4.0)
+    cond = model.conditioning(PROMPTS)
+    positive = {k: v for k, v in cond.items() if not k.startswith(NEGATIVE)}
+    z, sigma = noise(model, 2), torch.tensor([0.8, 0.8])
+    with torch.no_grad():
+        v, v_pos = model.velocity(z, sigma, cond), model.transformer_velocity(z, sigma, positive)
+    torch.testing.assert_close(v.norm(dim=-1), v_pos.norm(dim=-1), atol=1e-5, rtol=1e-5)
+
+
+def test_flux_guidance_embedding_is_used():
+    z, sigma = noise(load("tiny-flux"), 1), torch.tensor(0.5)
+    with torch.no_grad():
+        low, high = (m.velocity(z, sigma, m.conditioning(PROMPTS[:1]))
+                     for m in (load("tiny-flux", flux_guidance=1.0), load("tiny-flux", flux_guidance=5.0)))
+    assert not torch.allclose(low, high)
+
+
+@pytest.mark.parametrize("variant", [*NAMES, "tiny-flux-schnell"])
+@pytest.mark.parametrize("guidance_scale", [1.0, 3.0])
+def test_euler_ode_reproduces_pipeline(variant, guidance_scale):
+    """z_{i+1} = z_i + (sigma_{i+1} - sigma_i) v(z_i, sigma_i) equals the pipeline's sampling loop."""
+    config = ModelConfig(name=variant.removesuffix("-schnell"), guidance_scale=guidance_scale,
+                         negative_prompt="ugly", flux_guidance=2.5, max_sequence_length=32)
+    model = schnell(config) if variant.endswith("schnell") else load_flow_model(config)
+    z0 = noise(model, len(PROMPTS), seed=1)
+    sigmas, cond = model.sigmas(STEPS, RES), model.conditioning(PROMPTS)
+    z = z0
+    with torch.no_grad():
+        for i in range(STEPS):
+            z = z + (sigmas[i + 1] - sigmas[i]) * model.velocity(z, sigmas[i], cond)
+        images = model.decode(z)
+
+    final = {}
+
+    def keep_latents(pipe, step, timestep, tensors):
+        final["latents"] = tensors["latents"]
+        return {}
+
+    output = model.pipe(prompt=PROMPTS, num_inference_steps=STEPS, latents=z0.clone(), output_type="pt",
+                        callback_on_step_end=keep_latents, **pipeline_kwargs(model))
+    torch.testing.assert_close(model.pipe.scheduler.sigmas, sigmas, atol=1e-6, rtol=0)
+    torch.testing.assert_close(z, final["latents"].float(), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(images, output.images.float(), atol=1e-4, rtol=1e-4)
+
+
+# ----- LoRA ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", NAMES)
+def test_saved_lora_reloads_in_a_fresh_pipeline(name, tmp_path):
+    model = load(name)
+    params = model.add_lora(LoraConfig(rank=4, alpha=8.0))
+    assert params and all(p.requires_grad for p in params)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in params:
+            param.add_(0.2 * torch.randn(param.shape, generator=generator))
+    z, sigma, cond = noise(model, 2), torch.tensor([0.8, 0.3]), model.conditioning(PROMPTS)
+    with torch.no_grad():
+        trained = model.velocity(z, sigma, cond)
+        with model.adapters_disabled():
+            base = model.velocity(z, sigma, cond)
+    assert not torch.allclose(trained, base, atol=1e-3)
+    path = model.save_lora(tmp_path)
+    assert path.is_file()
+
+    fresh = build_tiny_pipeline(name)
+    fresh.load_lora_weights(str(tmp_path))
+    with torch.no_grad():
+        torch.testing.assert_close(type(model)(fresh, model.config).velocity(z, sigma, cond), trained,
+                                   atol=1e-5, rtol=1e-5)
+
+    resumed = load(name)
+    resumed.add_lora(LoraConfig(rank=4, alpha=8.0))
+    resumed.load_lora(tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(resumed.velocity(z, sigma, cond), trained, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,120 @@
+"""Training through the Trainer: one iteration per family, adapter reload, resume, non-finite guards."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from jagg_core.models.tiny import build_tiny_pipeline
+from jagg_core.rundir import RunDirectory
+from jagg_core.trainer import Trainer
+
+from conftest import tiny_config
+
+
+def train(config, run_dir, resume=False) -> Trainer:
+    trainer = Trainer(config, run_dir, resume=resume)
+    trainer.setup()
+    trainer.fit()
+    return trainer
+
+
+def probe_output(transformer_velocity, model, seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    z = torch.randn((2, *model.latent_shape(32)), generator=gen)
+    cond = model.conditioning(["a red circle", "two cats"])
+    with torch.no_grad():
+        return transformer_velocity(z, torch.tensor([0.7, 0.3]), {k: v for k, v in cond.items()})
+
+
+@pytest.mark.parametrize("family_model", ["tiny-sd3", "tiny-flux", "tiny-qwen"])
+def test_one_iteration_per_family_and_the_adapter_reloads_in_diffusers(family_model, tmp_path, offline):
+    trainer = train(tiny_config(family_model, train__iterations=1), tmp_path / "run")
+    run = RunDirectory(tmp_path / "run")
+    rows = run.read_metrics()
+    assert [r["iteration"] for r in rows] == [0, 1]
+    assert all(k in rows[1] for k in ("reward_mean", "loss", "grad_norm", "jagg_windows", "eval_reward_mean"))
+    assert rows[1]["skipped"] is False and rows[1]["grad_norm"] > 0
+    assert run.read_status()["state"] == "finished"
+    assert (run.samples_dir(0) / "000.png").is_file() and (run.samples_dir(1) / "prompts.json").is_file()
+
+    model = trainer.model
+    trained = probe_output(model.velocity, model)
+    with model.adapters_disabled():
+        base = probe_output(model.velocity, model)
+    assert not torch.allclose(trained, base), "the adapter must have changed the model"
+
+    fresh = build_tiny_pipeline(family_model, seed=trainer.config.train.seed)
+    fresh.load_lora_weights(str(run.lora_dir))
+    model.pipe, original = fresh, model.pipe
+    try:
+        reloaded = probe_output(model.velocity, model)
+    finally:
+        model.pipe = original
+    torch.testing.assert_close(reloaded, trained, rtol=1e-4, atol=1e-5)
+
+
+def test_resume_continues_at_the_next_iteration_with_the_same_optimizer_state(tmp_path, offline):
+    straight = tmp_path / "straight"
+    train(tiny_config(train__iterations=3), straight)
+    interrupted = tmp_path / "interrupted"
+    train(tiny_config(train__iterations=2), interrupted)
+    resumed = train(tiny_config(train__iterations=3), interrupted, resume=True)
+    assert resumed.start_iteration == 3
+    rows = RunDirectory(interrupted).read_metrics()
+    assert [r["iteration"] for r in rows] == [0, 1, 2, 3]
+    a = load_file(straight / "lora" / "pytorch_lora_weights.safetensors")
+    b = load_file(interrupted / "lora" / "pytorch_lora_weights.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-6, atol=1e-7)
+    state = torch.load(interrupted / "checkpoints" / "iter_000003" / "optimizer.pt", weights_only=True)
+    assert all(s["step"] == 3 for s in state["state"].values())
+
+
+def lora_snapshot(trainer):
+    return [p.detach().clone() for p in trainer.params]
+
+
+def test_non_finite_reward_skips_the_update(tmp_path, offline):
+    trainer = Trainer(tiny_config(train__iterations=1), tmp_path / "run")
+    trainer.setup()
+    real_reward = trainer.reward
+    trainer.reward = lambda images, prompts: (torch.full((len(prompts),), float("nan")),
+                                              {"nan": torch.full((len(prompts),), float("nan"))})
+    before = lora_snapshot(trainer)
+    with pytest.warns(UserWarning, match="non-finite reward"):
+        row = trainer.iteration(1)
+    trainer.reward = real_reward
+    assert row["skipped"] is True
+    for old, new in zip(before, trainer.params):
+        assert torch.equal(old, new)
+
+
+def test_non_finite_gradient_skips_the_update_and_never_reaches_the_adapter(tmp_path, offline):
+    trainer = Trainer(tiny_config(train__iterations=1), tmp_path / "run")
+    trainer.setup()
+    trainer.params[0].register_hook(lambda grad: grad * float("nan"))
+    before = lora_snapshot(trainer)
+    with pytest.warns(UserWarning, match="non-finite gradient"):
+        row = trainer.iteration(1)
+    assert row["skipped"] is True
+    for old, new in zip(before, trainer.params):
+        assert torch.equal(old, new)
+    saved = load_file(tmp_path / "run" / "lora" / "pytorch_lora_weights.safetensors")
+    assert all(torch.isfinite(t).all() for t in saved.values())
+
+
+def test_exact_and_jagg_runs_write_their_backward_statistics(tmp_path, offline):
+    train(tiny_config(backward__mode="exact", train__iterations=1), tmp_path / "exact")
+    train(tiny_config(backward__window=3, backward__shared_knots=True, train__iterations=1), tmp_path / "jagg")
+    exact = RunDirectory(tmp_path / "exact").read_metrics()[1]
+    jagg = RunDirectory(tmp_path / "jagg").read_metrics()[1]
+    assert exact["backward_passes"] == 6 and exact["jagg_routed_frac"] == 0.0
+    assert jagg["jagg_windows"] == 3 and jagg["backward_passes"] == 4  # K + 1 knots for K = 3
+    assert 0.0 < jagg["jagg_linearity_mean"] <= 1.0
+    config = json.loads((tmp_path / "jagg" / "run_info.json").read_text())
+    assert config == {"family": "sd3", "base_model": "tiny-sd3"}
