@@ -49,7 +49,6 @@ class SampleSet:
 class RunSnapshot:
     """The parts of a run directory that get published, up to the pushed adapter's iteration."""
 
-    run_dir: Path
     config: dict
     run_info: dict
     metrics: list[dict]
@@ -108,7 +107,10 @@ def read_run(run_dir: str | Path, checkpoint: str | None = None) -> RunSnapshot:
     config_file = run_dir / "config.yaml"
     if not config_file.is_file():
         raise UserError(f"{run_dir} is not a JAGG run directory (no config.yaml)")
-    config = yaml.safe_load(config_file.read_text()) or {}
+    try:
+        config = yaml.safe_load(config_file.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise UserError(f"{config_file} is not valid YAML: {str(err).splitlines()[0]}") from None
     info_file = run_dir / "run_info.json"
     run_info = json.loads(info_file.read_text()) if info_file.is_file() else {}
     metrics = _read_metrics(run_dir / "metrics.jsonl")
@@ -124,15 +126,17 @@ def read_run(run_dir: str | Path, checkpoint: str | None = None) -> RunSnapshot:
         folder = run_dir / "checkpoints" / checkpoint_name
         adapter = folder / ADAPTER_FILE
         if not adapter.is_file():
-            available = sorted(p.name for p in (run_dir / "checkpoints").glob("iter_*") if (p / ADAPTER_FILE).is_file())
-            raise UserError(f"{run_dir} has no checkpoint {checkpoint_name}; available: {', '.join(available) or 'none'}")
+            folders = sorted((run_dir / "checkpoints").glob("iter_*"))
+            available = [p.name for p in folders if (p / ADAPTER_FILE).is_file()]
+            raise UserError(f"{run_dir} has no checkpoint {checkpoint_name}; "
+                            f"available: {', '.join(available) or 'none'}")
         iteration = _iteration_of(checkpoint_name)
         metrics = [row for row in metrics if row["iteration"] <= iteration]
 
     sample_sets = [s for s in map(_read_samples, sorted((run_dir / "samples").glob("iter_*"))) if s is not None]
     before = next((s for s in sample_sets if s.iteration == 0), None)
     trained = [s for s in sample_sets if s.iteration > 0 and (iteration is None or s.iteration <= iteration)]
-    return RunSnapshot(run_dir, config, run_info, metrics, checkpoint_name, adapter, iteration,
+    return RunSnapshot(config, run_info, metrics, checkpoint_name, adapter, iteration,
                        before, trained[-1] if trained else None)
 
 
@@ -152,14 +156,12 @@ def public_config(config: dict) -> str:
 
 def reward_curve_png(metrics: list[dict]) -> bytes:
     """Training reward (mean with a +-std band) and held-out eval reward against iteration, as PNG bytes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: no global state, safe in the app's worker threads
 
     train = [row for row in metrics if "reward_mean" in row]
     evals = [row for row in metrics if row.get("eval_reward_mean") is not None]
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    fig = Figure(figsize=(6, 3.5), dpi=100)
+    ax = fig.subplots()
     if train:
         x = [row["iteration"] for row in train]
         mean = [row["reward_mean"] for row in train]
@@ -176,7 +178,6 @@ def reward_curve_png(metrics: list[dict]) -> bytes:
     fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
-    plt.close(fig)
     return buffer.getvalue()
 
 
@@ -219,6 +220,7 @@ def _recipe(config: dict, snap: RunSnapshot) -> str:
                          f"JAGG fraction {backward.get('frac')})")
     else:
         backward_text = "exact per-step backward"
+    init = f", started from `{lora['init_lora']}`" if lora.get("init_lora") else ""
     return f"""## Training recipe
 
 | reward | weight | options |
@@ -230,13 +232,12 @@ def _recipe(config: dict, snap: RunSnapshot) -> str:
 - **GRPO:** {grpo.get('num_generations')} images per prompt, {grpo.get('prompts_per_iteration')} prompts per \
 iteration, clip range {grpo.get('clip_range')}, KL beta {grpo.get('kl_beta')}
 - **Backward:** {backward_text}
-- **LoRA:** rank {lora.get('rank')}, alpha {lora.get('alpha')}{f", started from `{lora['init_lora']}`" if lora.get('init_lora') else ''}
+- **LoRA:** rank {lora.get('rank')}, alpha {lora.get('alpha')}{init}
 - **Sampling:** {sampling.get('resolution')} px, {sampling.get('num_steps')} steps, SDE noise level \
 {sampling.get('noise_level')}; model dtype {model.get('dtype')}
 
 The full resolved configuration is in [config.yaml](config.yaml).
 """
-
 
 
 def build_model_card(snap: RunSnapshot, repo_id: str) -> ModelCard:
@@ -258,8 +259,9 @@ def build_model_card(snap: RunSnapshot, repo_id: str) -> ModelCard:
 
     name = repo_id.split("/")[-1]
     prompt = (snap.after or snap.before).prompts[0] if (snap.after or snap.before) else "a photo of a cat"
+    base_text = f"[{base}](https://huggingface.co/{base})" if on_hub else f"`{base}`"
     parts = [f"# {name}\n",
-             f"A LoRA adapter for {f'[{base}](https://huggingface.co/{base})' if on_hub else f'`{base}`'} fine-tuned with GRPO reinforcement learning in JAGG Studio "
+             f"A LoRA adapter for {base_text} fine-tuned with GRPO reinforcement learning in JAGG Studio "
              f"(rewards: {', '.join(f'`{n}`' for n in reward_names)}).\n"]
     if snap.config.get("description"):
         parts.append(f"{snap.config['description'].strip()}\n")

@@ -56,7 +56,7 @@ class Trainer:
         self.config = config
         self.run = RunDirectory(run_dir)
         self.hub_token = hub_token
-        self.accelerator = Accelerator(mixed_precision=config.train.mixed_precision)
+        self.accelerator = Accelerator(mixed_precision=config.train.mixed_precision, cpu=not torch.cuda.is_available())
         self.is_main = self.accelerator.is_main_process
         self.rank = self.accelerator.process_index
         self.start_iteration = 1

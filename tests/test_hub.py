@@ -89,9 +89,10 @@ def run_dir(tmp_path, loras):
         for i in range(len(PROMPTS)):
             _png(folder / f"{i:03d}.png", color)
         (folder / "prompts.json").write_text(json.dumps(PROMPTS))
-    for target, source in [(run / "lora", folders["final"]), (run / "checkpoints" / "iter_000002", folders["checkpoint"])]:
-        target.mkdir(parents=True)
-        (target / "pytorch_lora_weights.safetensors").write_bytes((source / "pytorch_lora_weights.safetensors").read_bytes())
+    for target, source in [("lora", "final"), ("checkpoints/iter_000002", "checkpoint")]:
+        (run / target).mkdir(parents=True)
+        adapter = folders[source] / "pytorch_lora_weights.safetensors"
+        (run / target / "pytorch_lora_weights.safetensors").write_bytes(adapter.read_bytes())
     return run
 
 
@@ -129,7 +130,8 @@ def test_push_uploads_the_run_in_one_commit(fake_hub, run_dir, loras):
     assert url == f"{fake_hub.url}/alice/shapes-lora"
     assert set(repo.files) == EXPECTED_FILES
     assert len(repo.commits) == 1 and not repo.private
-    assert repo.files["pytorch_lora_weights.safetensors"] == (run_dir / "lora/pytorch_lora_weights.safetensors").read_bytes()
+    adapter = run_dir / "lora/pytorch_lora_weights.safetensors"
+    assert repo.files["pytorch_lora_weights.safetensors"] == adapter.read_bytes()
     for name in ["images/reward_curve.png", "images/before_after.png", "samples/000.png"]:
         Image.open(io.BytesIO(repo.files[name])).verify()
     grid = Image.open(io.BytesIO(repo.files["images/before_after.png"]))
@@ -212,14 +214,17 @@ def test_token_resolution_order(fake_hub, monkeypatch, tmp_path):
     assert resolve_token("hf_explicit") == "hf_explicit"
 
 
-def test_model_card_preview_of_a_bare_run(tmp_path, loras):
-    """No run_info, no metrics, no samples, a non-Hub base model: still a valid card, with nothing invented."""
+def test_model_card_preview_of_a_bare_run(tmp_path, capsys):
+    """No run_info, metrics or samples, a non-Hub base model: still a valid card, with nothing invented."""
     run = tmp_path / "run"
     (run / "lora").mkdir(parents=True)
     (run / "config.yaml").write_text(RunConfig().to_yaml())
     (run / "lora/pytorch_lora_weights.safetensors").write_bytes(b"x")
-    card = write_model_card(run, "alice/bare")
-    assert validate_card_metadata(str(card)) == []
+    hub_module.main(["card", str(run), "--repo-id", "alice/bare"])
+    printed = capsys.readouterr().out
+    card = ModelCard(printed)
+    assert str(write_model_card(run, "alice/bare")) + "\n" == printed
+    assert validate_card_metadata(printed) == []
     assert card.data.base_model is None and "widget" not in card.data.to_dict()
     assert card.data.tags == ["lora", "diffusers", "grpo", "jagg", "jpeg_compressibility"]
     assert "images/" not in card.text and 'pipe.load_lora_weights("alice/bare")' in card.text

@@ -29,7 +29,8 @@ class FluxModel(PackedFlowModel):
 
     def __init__(self, pipe, config: ModelConfig, device: torch.device | str = "cpu"):
         if config.max_sequence_length > MAX_T5_TOKENS:
-            raise UserError(f"model.max_sequence_length is {config.max_sequence_length}; FLUX allows at most {MAX_T5_TOKENS}")
+            raise UserError(f"model.max_sequence_length is {config.max_sequence_length}; "
+                            f"FLUX allows at most {MAX_T5_TOKENS}")
         super().__init__(pipe, config, device)
 
     def encode_prompts(self, prompts: list[str]) -> Conditioning:

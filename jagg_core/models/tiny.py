@@ -118,16 +118,18 @@ def tiny_qwen_tokenizer() -> Qwen2Tokenizer:
 
 def build_tiny_qwen() -> QwenImagePipeline:
     """Qwen-Image-like: a tiny Qwen2.5-VL text encoder, the Qwen-Image VAE (frame axis, per-channel
-    latent mean/std) and scheduler settings (dynamic shift, terminal sigma 0.02) of Qwen/Qwen-Image."""
+    latent mean/std) and the scheduler settings of Qwen/Qwen-Image (dynamic shift, terminal sigma 0.02)."""
     tokenizer = tiny_qwen_tokenizer()
-    text_hidden = 16
-    encoder_config = Qwen2_5_VLConfig(
+    text_hidden, z_dim = 16, 4
+    special_ids = {"bos_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+                   "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                   "pad_token_id": tokenizer.pad_token_id}
+    text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
         text_config={"vocab_size": len(tokenizer), "hidden_size": text_hidden, "intermediate_size": 32,
                      "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
-                     "rope_scaling": {"mrope_section": [1, 1, 2], "rope_type": "default"}, "rope_theta": 1e6},
-        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": 16})
-    z_dim = 4
-    vae = AutoencoderKLQwenImage(base_dim=6 * z_dim, z_dim=z_dim, dim_mult=[1, 2, 4], num_res_blocks=1,
+                     "rope_scaling": {"mrope_section": [1, 1, 2], "rope_type": "default"}, **special_ids},
+        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": 16}))
+    vae = AutoencoderKLQwenImage(base_dim=8, z_dim=z_dim, dim_mult=[1, 2, 4], num_res_blocks=1,
                                  temperal_downsample=[False, True], latents_mean=[0.1, -0.2, 0.05, 0.0],
                                  latents_std=[1.5, 0.8, 1.2, 1.0])
     transformer = QwenImageTransformer2DModel(patch_size=2, in_channels=4 * z_dim, out_channels=z_dim, num_layers=2,
@@ -135,11 +137,28 @@ def build_tiny_qwen() -> QwenImagePipeline:
                                               joint_attention_dim=text_hidden, axes_dims_rope=(8, 4, 4))
     scheduler = FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
                                                 base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02)
-    return QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=Qwen2_5_VLForConditionalGeneration(encoder_config),
-                             tokenizer=tokenizer, transformer=transformer)
+    return QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                             transformer=transformer)
 
 
-TINY_BUILDERS = {"tiny-sd3": build_tiny_sd3, "tiny-flux": build_tiny_flux, "tiny-qwen": build_tiny_qwen}
+def build_bench_sd3() -> StableDiffusion3Pipeline:
+    """A 31M-parameter SD3 transformer (6 joint blocks of width 384) with tiny-sd3's text encoders and
+    VAE and a 16-token CLIP context: large enough that the benchmarks (``jagg_core.bench``) are
+    compute-bound on a CPU. Pair it with ``model.max_sequence_length=16`` (the zero T5 padding)."""
+    tokenizer = tiny_clip_tokenizer(max_length=16)
+    transformer = SD3Transformer2DModel(sample_size=16, patch_size=2, in_channels=4, out_channels=4, num_layers=6,
+                                        attention_head_dim=64, num_attention_heads=6,
+                                        joint_attention_dim=2 * CLIP_HIDDEN, caption_projection_dim=384,
+                                        pooled_projection_dim=2 * CLIP_HIDDEN, pos_embed_max_size=32)
+    return StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=tiny_vae(4),
+        text_encoder=tiny_clip_text_encoder(len(tokenizer)), tokenizer=tokenizer,
+        text_encoder_2=tiny_clip_text_encoder(len(tokenizer)), tokenizer_2=tokenizer,
+        text_encoder_3=None, tokenizer_3=None)
+
+
+TINY_BUILDERS = {"tiny-sd3": build_tiny_sd3, "tiny-flux": build_tiny_flux, "tiny-qwen": build_tiny_qwen,
+                 "bench-sd3-31m": build_bench_sd3}
 
 
 def build_tiny_pipeline(name: str, seed: int = 0):

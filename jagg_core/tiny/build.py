@@ -55,7 +55,7 @@ def make_vae() -> AutoencoderKL:
     return AutoencoderKL(
         in_channels=3, out_channels=3, latent_channels=4, sample_size=IMAGE_SIZE,
         down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
-        block_out_channels=(32, 32, 64), layers_per_block=1, norm_num_groups=16,
+        block_out_channels=(16, 32, 64), layers_per_block=1, norm_num_groups=8,
         mid_block_add_attention=False, use_quant_conv=False, use_post_quant_conv=False,
         scaling_factor=1.0, shift_factor=0.0,
     )
@@ -73,7 +73,7 @@ def make_text_encoder(vocab_size: int) -> CLIPTextModelWithProjection:
 def make_transformer() -> SD3Transformer2DModel:
     return SD3Transformer2DModel(
         sample_size=IMAGE_SIZE // 4, patch_size=1, in_channels=4, out_channels=4, num_layers=4,
-        attention_head_dim=32, num_attention_heads=4, joint_attention_dim=64, caption_projection_dim=128,
+        attention_head_dim=32, num_attention_heads=3, joint_attention_dim=64, caption_projection_dim=96,
         pooled_projection_dim=64, pos_embed_max_size=IMAGE_SIZE // 4,
     )
 
@@ -179,7 +179,7 @@ def check_collapsed_padding(transformer, encoders, tokenizer, latents: torch.Ten
 # Main
 # --------------------------------------------------------------------------------------------
 
-def build(out: Path, seed: int, vae_steps: int, flow_steps: int, copies: int, batch: int) -> None:
+def build(out: Path, seed: int, vae_steps: int, flow_steps: int, copies: int, vae_batch: int, batch: int) -> None:
     started = time.time()
     torch.manual_seed(seed)
     torch.use_deterministic_algorithms(True)
@@ -193,7 +193,7 @@ def build(out: Path, seed: int, vae_steps: int, flow_steps: int, copies: int, ba
     encoders = [make_text_encoder(len(tokenizer)), make_text_encoder(len(tokenizer))]
     transformer = make_transformer()
 
-    train_vae(vae, images, vae_steps, batch, generator)
+    train_vae(vae, images, vae_steps, vae_batch, generator)
     raw = encode_latents(vae, images)
     shift, scale = raw.mean().item(), 1.0 / raw.std().item()
     vae.register_to_config(shift_factor=shift, scaling_factor=scale)
@@ -217,7 +217,7 @@ def build(out: Path, seed: int, vae_steps: int, flow_steps: int, copies: int, ba
     pipe.save_pretrained(out, safe_serialization=True)
     size_mb = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 1e6
     (out / "build_info.json").write_text(json.dumps({
-        "seed": seed, "vae_steps": vae_steps, "flow_steps": flow_steps, "copies": copies, "batch": batch,
+        "seed": seed, "vae_steps": vae_steps, "flow_steps": flow_steps, "copies": copies, "vae_batch": vae_batch, "batch": batch,
         "train_captions": len(train_captions), "held_out_captions": len(held_out),
         "build_seconds": round(time.time() - started), "torch": torch.__version__,
     }, indent=2) + "\n")
@@ -229,13 +229,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="pipeline folder to write")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vae-steps", type=int, default=400)
-    parser.add_argument("--flow-steps", type=int, default=3000)
+    parser.add_argument("--flow-steps", type=int, default=2500)
     parser.add_argument("--copies", type=int, default=24, help="jittered drawings per training caption")
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--vae-batch", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=64, help="flow-matching batch")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (results can differ by count)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    build(args.out, args.seed, args.vae_steps, args.flow_steps, args.copies, args.batch)
+    build(args.out, args.seed, args.vae_steps, args.flow_steps, args.copies, args.vae_batch, args.batch)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,196 @@
+"""Readers of a run directory for the live view: state and progress in words, curves, images, log tail.
+
+Everything here only reads ``RUN/`` (see :mod:`jagg_core.rundir`); files are replaced atomically by the trainer,
+so a read never sees half a file. Missing files mean "not yet" and give empty values.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import yaml
+
+from jagg_core.rundir import RunDirectory, iteration_dirname
+
+from .jobs import OUTPUT_LOG
+
+LOG_TAIL_BYTES = 64 * 1024
+ETA_WINDOW = 5  # iterations averaged for the ETA
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where a run stands. ``state`` is the trainer's (running, finished, failed, stopped), or ``starting``
+    (launched, model still loading), ``interrupted`` (says running but no process is left) or ``none``."""
+
+    state: str
+    message: str
+    iteration: int
+    total: int
+    elapsed_s: float | None
+    eta_s: float | None
+
+
+def progress(run_dir: Path, job_started_at: float | None = None) -> Progress:
+    """The progress of ``run_dir``; ``job_started_at`` is when its live training process was launched (None if
+    no process is running it). A status older than the launch is the previous job's."""
+    run = RunDirectory(run_dir)
+    status = run.read_status()
+    state = status.get("state")
+    if job_started_at is not None:
+        current = status.get("updated_at", 0) >= job_started_at
+        if not current or (state == "running" and status.get("message") == "loading"):
+            state = "starting"
+    elif state == "running":
+        state = "interrupted"
+    elif state is None:
+        state = "none"
+    total = int(status.get("total_iterations") or _configured_iterations(run_dir))
+    iteration = int(status.get("iteration") or 0)
+    started, updated = status.get("started_at"), status.get("updated_at")
+    elapsed = None
+    if job_started_at is not None:
+        elapsed = time.time() - job_started_at
+    elif started:
+        elapsed = (updated or started) - started
+    eta = None
+    if state == "running":
+        rows = [r for r in run.read_metrics() if r.get("iteration", 0) > 0][-ETA_WINDOW:]
+        times = [r.get("time_rollout_s", 0.0) + r.get("time_train_s", 0.0) for r in rows]
+        if times:
+            eta = max(0.0, (total - iteration) * sum(times) / len(times))
+    return Progress(state, str(status.get("message") or ""), iteration, total, elapsed, eta)
+
+
+def _configured_iterations(run_dir: Path) -> int:
+    try:
+        return int(yaml.safe_load((run_dir / "config.yaml").read_text())["train"]["iterations"])
+    except (OSError, KeyError, TypeError, ValueError):
+        return 0
+
+
+def duration(seconds: float | None) -> str:
+    """``75`` -> ``1 min 15 s``."""
+    if seconds is None:
+        return "–"
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours} h {minutes:02d} min"
+    return f"{minutes} min {secs:02d} s" if minutes else f"{secs} s"
+
+
+STATE_WORDS = {
+    "none": "⚪ **Not started.**",
+    "starting": "⏳ **Starting:** loading the model and sampling it before training…",
+    "running": "🟢 **Training**",
+    "finished": "✅ **Finished.** The adapter is ready to push.",
+    "stopped": "⏸️ **Stopped.** Resume continues from the last checkpoint.",
+    "failed": "❌ **Failed.**",
+    "interrupted": "⚠️ **Interrupted:** the training process is gone. Resume continues from the last checkpoint.",
+}
+
+
+def status_words(run_dir: Path | None, prog: Progress | None) -> str:
+    """The run's state in words (Markdown), with the trainer's message when it explains a failure."""
+    if run_dir is None or prog is None:
+        return "⚪ **No run yet.** Set up a run on the left and press **Start**."
+    words = f"{STATE_WORDS.get(prog.state, prog.state)}  \nRun `{run_dir.name}`"
+    if prog.state == "failed" and prog.message:
+        words += f"  \n**Reason:** {prog.message}"
+    return words
+
+
+def timing_words(prog: Progress | None) -> str:
+    """``Iteration 3 / 10 · elapsed 1 min 02 s · about 2 min left``."""
+    if prog is None:
+        return ""
+    parts = [f"Iteration **{prog.iteration} / {prog.total}**", f"elapsed {duration(prog.elapsed_s)}"]
+    if prog.eta_s is not None:
+        parts.append(f"about {duration(prog.eta_s)} left")
+    return " · ".join(parts)
+
+
+def curves(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Long-format frames ``(iteration, value, series)`` for the reward plot and the loss plot."""
+    rows = RunDirectory(run_dir).read_metrics()
+    reward_series = {"reward_mean": "rollout reward", "eval_reward_mean": "eval reward (fixed seeds)"}
+    loss_series = {"loss": "loss", "kl": "KL"}
+
+    def frame(series: dict[str, str]) -> pd.DataFrame:
+        points = [(row["iteration"], float(row[key]), label) for row in rows for key, label in series.items()
+                  if isinstance(row.get(key), (int, float)) and "iteration" in row]
+        return pd.DataFrame(points, columns=["iteration", "value", "series"])
+
+    return frame(reward_series), frame(loss_series)
+
+
+def images(folder: Path) -> list[tuple[str, str]]:
+    """``(png path, caption)`` of an image folder: the prompt, and its reward when known."""
+    pngs = sorted(folder.glob("[0-9][0-9][0-9].png"))
+    if not pngs:
+        return []
+    prompts, rewards = _read_json_list(folder / "prompts.json"), []
+    info = folder / "info.json"
+    if info.is_file():
+        try:
+            rewards = json.loads(info.read_text()).get("rewards") or []
+        except (OSError, ValueError):
+            rewards = []
+    captioned = []
+    for i, png in enumerate(pngs):
+        caption = prompts[i] if i < len(prompts) else png.stem
+        if i < len(rewards) and isinstance(rewards[i], (int, float)):
+            caption += f"  ·  reward {rewards[i]:.3f}"
+        captioned.append((str(png), caption))
+    return captioned
+
+
+def _read_json_list(path: Path) -> list:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    return data if isinstance(data, list) else []
+
+
+def sample_iterations(run_dir: Path) -> list[int]:
+    """Iterations that have fixed-seed eval samples, oldest first (0 is the base model)."""
+    folders = (run_dir / "samples").glob("iter_*")
+    return sorted(int(p.name.removeprefix("iter_")) for p in folders if (p / "prompts.json").is_file())
+
+
+def eval_samples(run_dir: Path) -> tuple[int | None, list, int | None, list]:
+    """``(first iteration, its images, latest iteration, its images)`` of the eval samples."""
+    found = sample_iterations(run_dir)
+    if not found:
+        return None, [], None, []
+    first, last = found[0], found[-1]
+    folder = run_dir / "samples"
+    latest = images(folder / iteration_dirname(last)) if last != first else []
+    return first, images(folder / iteration_dirname(first)), (last if last != first else None), latest
+
+
+def log_tail(run_dir: Path, lines: int = 40) -> str:
+    """The last lines of the job's output (``stdout.log``, else ``train.log``), progress-bar redraws folded."""
+    path = run_dir / OUTPUT_LOG
+    if not path.is_file():
+        path = run_dir / "train.log"
+    try:
+        with path.open("rb") as handle:
+            handle.seek(max(0, path.stat().st_size - LOG_TAIL_BYTES))
+            text = handle.read().decode(errors="replace")
+    except OSError:
+        return ""
+    shown = [line.rsplit("\r", 1)[-1].rstrip() for line in text.split("\n")]
+    return "\n".join([line for line in shown if line][-lines:])
+
+
+def checkpoints(run_dir: Path) -> list[str]:
+    """The run's complete checkpoints, newest first (``iter_000010`` ...)."""
+    return [iteration_dirname(i) for i in reversed(RunDirectory(run_dir).checkpoint_iterations())]

@@ -1,0 +1,391 @@
+"""The page: set-up form, job buttons, live view and push panel, and their event handlers.
+
+Stable API endpoints (``gradio_client``):
+
+    /start    the set-up form's fields (``START_PARAMS``, e.g. train_iterations=3) -> (message, run name)
+    /stop     -> message                       ends the active job; its last checkpoint stays
+    /resume   run name -> (message, run name)  continues a stopped or failed run from its last checkpoint
+    /status   run name ("" = the active run, else the newest) -> dict (see :meth:`Studio.status`)
+    /push     run, checkpoint, repo id, visibility, token -> message with the repo link
+    /load_preset  preset -> the form's fields
+
+The handlers only launch and signal processes (:mod:`app.jobs`) and read run directories (:mod:`app.live`);
+the form is turned into a run config by :mod:`app.form`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+import yaml
+
+from jagg_core import hub
+from jagg_core.config import DEFAULT_PRESET, list_presets
+from jagg_core.errors import UserError
+from jagg_core.prompts import builtin_prompt_sets
+from jagg_core.rewards import available_rewards
+from jagg_core.rundir import iteration_dirname
+
+from . import live
+from .form import (ADVANCED_KNOBS, KNOBS, MAIN_KNOBS, PROMPT_MODES, PROMPTS_BUILTIN, PROMPTS_TEXT, PROMPTS_UPLOAD,
+                   Form, Knob, build_config, model_choices, preset_form, prompt_preview, weight_rows)
+from .jobs import JobControl, runs_root
+
+REFRESH_S = 1.5
+LATEST_ADAPTER = "latest adapter"
+PRIVATE, PUBLIC = "private", "public"
+FORM_FIELDS = ("preset", "name", "model", "rewards", "weights", "prompt_mode", "prompt_set", "prompt_file",
+               "prompt_text")
+# /start's parameters: the form fields, then each knob named by its config key (``train.iterations`` ->
+# ``train_iterations``), so that API clients can pass ``train_iterations=3`` and leave the rest at the defaults.
+START_PARAMS = FORM_FIELDS + tuple(k.key.replace(".", "_") for k in KNOBS)
+CSS = """
+#title h1 {margin-bottom: 0}
+#form-message, #push-result {min-height: 1.5em}
+"""
+
+
+def _knob_component(knob: Knob, value: Any) -> gr.components.Component:
+    """The widget of one knob."""
+    common = {"label": knob.label, "info": knob.info or None, "elem_id": knob.elem_id}
+    if knob.kind == "bool":
+        return gr.Checkbox(value=value, **common)
+    if knob.kind == "choice":
+        return gr.Dropdown(choices=list(knob.choices), value=value, **common)
+    return gr.Number(value=value, precision=0 if knob.kind == "int" else None, **common)
+
+
+def _grid(knobs: tuple[Knob, ...], values: dict, per_row: int) -> list[gr.components.Component]:
+    components = []
+    for start in range(0, len(knobs), per_row):
+        with gr.Row():
+            components += [_knob_component(k, values[k.key]) for k in knobs[start:start + per_row]]
+    return components
+
+
+def _named(fn, names: tuple[str, ...]):
+    """``fn(*values)`` with a signature naming its parameters, which Gradio shows as the API's parameter names."""
+    def named(*values):
+        return fn(*values)
+
+    named.__signature__ = inspect.Signature(
+        [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in names])
+    named.__doc__ = fn.__doc__
+    return named
+
+
+def _oauth_available() -> bool:
+    """Sign-in with Hugging Face works on a Space with the OAuth extras installed."""
+    return bool(os.environ.get("SPACE_ID")) and importlib.util.find_spec("authlib") is not None
+
+
+class Studio:
+    """The event handlers, bound to one runs root."""
+
+    def __init__(self, root: Path):
+        self.jobs = JobControl(root)
+
+    # ----- helpers ---------------------------------------------------------------------------
+    def _run_dir(self, name: str | None) -> Path | None:
+        """The run called ``name``; without a name, the active run, else the newest."""
+        if name:
+            path = self.jobs.root / Path(name).name
+            return path if (path / "config.yaml").is_file() else None
+        job = self.jobs.active()
+        if job is not None:
+            return job.run_dir
+        runs = self.jobs.runs()
+        return runs[0] if runs else None
+
+    @staticmethod
+    def _refuse(message: str) -> tuple[str, Any]:
+        gr.Warning(message)
+        return f"❌ **Not started:** {message}", gr.skip()
+
+    # ----- set-up ----------------------------------------------------------------------------
+    def load_preset(self, preset: str) -> tuple:
+        """Fill the form from a preset."""
+        form = preset_form(preset)
+        return (list_presets().get(preset, ""), form.name, form.model, form.rewards, form.weights,
+                form.prompt_mode, form.prompt_set, *(form.knobs[k.key] for k in KNOBS))
+
+    @staticmethod
+    def prompt_mode_changed(mode: str, prompt_set: str, text: str) -> tuple:
+        """Show the widget of the chosen prompt source; writing one's own starts from the chosen set."""
+        if mode == PROMPTS_TEXT and not text.strip() and prompt_set in builtin_prompt_sets():
+            text = prompt_preview(prompt_set)
+        return (gr.update(visible=mode == PROMPTS_BUILTIN), gr.update(visible=mode == PROMPTS_UPLOAD),
+                gr.update(visible=mode == PROMPTS_TEXT, value=text))
+
+    # ----- job control -----------------------------------------------------------------------
+    def start(self, *values) -> tuple[str, Any]:
+        """Validate the form (``values`` in the order of ``START_PARAMS``), write RUN/config.yaml and launch the
+        job; refuse with the reason otherwise."""
+        busy = self.jobs.active()
+        if busy is not None:
+            return self._refuse(f"a run is active ({busy.run_dir.name}); stop it before starting another")
+        fields = dict(zip(FORM_FIELDS, values))
+        form = Form(preset=fields["preset"] or "", name=fields["name"] or "", model=fields["model"] or "",
+                    rewards=list(fields["rewards"] or []), weights=fields["weights"] or [],
+                    prompt_mode=fields["prompt_mode"], prompt_set=fields["prompt_set"] or "",
+                    prompt_file=fields["prompt_file"], prompt_text=fields["prompt_text"] or "",
+                    knobs={k.key: value for k, value in zip(KNOBS, values[len(FORM_FIELDS):])})
+        run_dir = self.jobs.new_run_dir(form.name or form.preset)
+        try:
+            config = build_config(form, run_dir)
+            (run_dir / "config.yaml").write_text(config.to_yaml())
+            self.jobs.launch(run_dir, config.train.mixed_precision)
+        except (UserError, OSError) as err:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            return self._refuse(str(err))
+        return f"🚀 Started `{run_dir.name}`.", gr.update(choices=self._run_names(), value=run_dir.name)
+
+    def stop(self) -> str:
+        """Stop the active job (SIGTERM to its process group, SIGKILL after a grace period)."""
+        job = self.jobs.stop()
+        if job is None:
+            return "No run is active."
+        return f"⏸️ Stopped `{job.run_dir.name}`; its last checkpoint is kept. Press **Resume** to continue."
+
+    def resume(self, name: str) -> tuple[str, Any]:
+        """Relaunch a stopped, failed or interrupted run with ``--resume``."""
+        run_dir = self._run_dir(name)
+        if run_dir is None:
+            return self._refuse("choose a run to resume")
+        busy = self.jobs.active()
+        if busy is not None:
+            return self._refuse(f"a run is active ({busy.run_dir.name}); stop it before resuming another")
+        state = live.progress(run_dir).state
+        if state == "finished":
+            return self._refuse(f"{run_dir.name} has finished; there is nothing to resume")
+        precision = (yaml.safe_load((run_dir / "config.yaml").read_text()).get("train") or {}).get(
+            "mixed_precision", "no")
+        try:
+            self.jobs.launch(run_dir, precision, resume=True)
+        except (UserError, OSError) as err:
+            return self._refuse(str(err))
+        return f"▶️ Resumed `{run_dir.name}`.", gr.update(choices=self._run_names(), value=run_dir.name)
+
+    def status(self, run: str = "") -> dict:
+        """A run's state: ``run``, ``state`` (running, finished, failed, stopped, starting, interrupted, none),
+        ``iteration``, ``total``, ``message``, ``active`` (a job of this app is running), ``active_run``,
+        ``checkpoints`` and ``runs`` (all run names, newest first)."""
+        job = self.jobs.active()
+        run_dir = self._run_dir(run)
+        result = {"run": None, "state": "none", "iteration": 0, "total": 0, "message": "", "active": job is not None,
+                  "active_run": job.run_dir.name if job else None, "checkpoints": [], "runs": self._run_names()}
+        if run_dir is not None:
+            prog = live.progress(run_dir, job.started_at if job and job.run_dir == run_dir else None)
+            result.update(run=run_dir.name, state=prog.state, iteration=prog.iteration, total=prog.total,
+                          message=prog.message, checkpoints=live.checkpoints(run_dir))
+        return result
+
+    def _run_names(self) -> list[str]:
+        return [p.name for p in self.jobs.runs()]
+
+    # ----- live view -------------------------------------------------------------------------
+    def refresh(self, selected: str, seen: dict) -> tuple:
+        """Everything the live view shows, for the selected run. ``seen`` (per page) holds a signature of what the
+        page already shows, so unchanged parts are skipped instead of sent again."""
+        job = self.jobs.active()
+        names = self._run_names()
+        active_name = job.run_dir.name if job else None
+        if active_name and active_name != seen.get("active"):
+            selected = active_name  # follow a job started elsewhere (another tab, before an app restart)
+        if selected not in names:
+            selected = active_name or (names[0] if names else None)
+        seen = {**seen, "active": active_name}
+        run_dir = self.jobs.root / selected if selected else None
+        prog = live.progress(run_dir, job.started_at if job and job.run_dir == run_dir else None) if run_dir else None
+
+        def changed(key: str, signature: Any, make, count: int = 1) -> list:
+            if key in seen and seen[key] == signature:
+                return [gr.skip()] * count
+            seen[key] = signature
+            made = make()
+            return list(made) if count > 1 else [made]
+
+        def mtime(path: Path | None) -> int | None:
+            return path.stat().st_mtime_ns if path is not None and path.is_file() else None
+
+        def samples() -> tuple:
+            first, first_images, last, last_images = live.eval_samples(run_dir) if run_dir else (None, [], None, [])
+            return (gr.update(value=first_images, label=self._sample_label(first, "base model" if first == 0 else "")),
+                    gr.update(value=last_images, label=self._sample_label(last, "latest")))
+
+        rollouts = run_dir / "rollouts" / "latest" if run_dir else None
+        sample_iterations = live.sample_iterations(run_dir) if run_dir else []
+        last_samples = run_dir / "samples" / iteration_dirname(sample_iterations[-1]) if sample_iterations else None
+        resumable = job is None and prog is not None and prog.state in ("stopped", "failed", "interrupted")
+        status, timing = live.status_words(run_dir, prog), live.timing_words(prog)
+        bar = (prog.iteration, prog.total) if prog else (0, 0)
+        log = live.log_tail(run_dir) if run_dir else ""
+        ckpts = tuple(live.checkpoints(run_dir)) if run_dir else ()
+        buttons = (job is None, job is not None, resumable)
+        outputs = [
+            *changed("runs", (tuple(names), selected), lambda: gr.update(choices=names, value=selected)),
+            *changed("status", status, lambda: status),
+            *changed("timing", timing, lambda: timing),
+            *changed("bar", bar, lambda: gr.update(value=bar[0], maximum=max(bar[1], 1))),
+            *changed("metrics", (selected, mtime(run_dir and run_dir / "metrics.jsonl")),
+                     lambda: live.curves(run_dir) if run_dir else (None, None), count=2),
+            *changed("samples", (selected, tuple(sample_iterations), mtime(last_samples and last_samples / "prompts.json")),
+                     samples, count=2),
+            *changed("rollouts", (selected, mtime(rollouts and rollouts / "prompts.json")),
+                     lambda: live.images(rollouts) if rollouts else []),
+            *changed("log", log, lambda: log),
+            *changed("checkpoints", ckpts, lambda: gr.update(choices=[LATEST_ADAPTER, *ckpts], value=LATEST_ADAPTER)),
+            *changed("buttons", buttons, lambda: [gr.update(interactive=b) for b in buttons], count=3),
+        ]
+        return (*outputs, seen)
+
+    @staticmethod
+    def _sample_label(iteration: int | None, what: str) -> str:
+        if iteration is None:
+            return "Eval samples: later iterations appear here"
+        return f"Iteration {iteration}" + (f" ({what})" if what else "")
+
+    # ----- push ------------------------------------------------------------------------------
+    def push(self, run: str, checkpoint: str, repo_id: str, visibility: str, token: str,
+             oauth_token: gr.OAuthToken | None = None) -> str:
+        """Push the run's adapter (or a checkpoint) to the Hub; the token is the field's, else the signed-in
+        user's, else HF_TOKEN / ``hf auth login``."""
+        run_dir = self._run_dir(run)
+        if run_dir is None:
+            return "❌ Choose a run to push."
+        if not (repo_id or "").strip():
+            return "❌ Enter a repo id, e.g. `your-name/my-lora`."
+        token = (token or "").strip() or (oauth_token.token if oauth_token else None)
+        try:
+            url = hub.push_run(run_dir, repo_id.strip(), private=visibility == PRIVATE,
+                               checkpoint=None if checkpoint in (None, "", LATEST_ADAPTER) else checkpoint,
+                               token=token)
+        except UserError as err:
+            return f"❌ {err}"
+        return f"✅ Pushed to [{url}]({url})"
+
+
+def build_app(root: Path | None = None) -> gr.Blocks:
+    """The JAGG Studio page for the runs under ``root`` (default :func:`~app.jobs.runs_root`)."""
+    studio = Studio(root or runs_root())
+    defaults = preset_form(DEFAULT_PRESET)
+    presets = list_presets()
+    with gr.Blocks(title="JAGG Studio") as demo:
+        gr.Markdown("# JAGG Studio\nFine-tune a LoRA adapter of a text-to-image model with GRPO rewards, "
+                    "watch it learn, and publish it to the Hugging Face Hub.", elem_id="title")
+        with gr.Row(equal_height=False):
+            # ----- 1. set-up ---------------------------------------------------------------
+            with gr.Column(scale=2, min_width=380):
+                gr.Markdown("## 1 · Set up")
+                preset = gr.Dropdown(list(presets), value=DEFAULT_PRESET, label="Preset", elem_id="preset",
+                                     info="fills every field below")
+                preset_info = gr.Markdown(presets.get(DEFAULT_PRESET, ""), elem_id="preset-info")
+                with gr.Row():
+                    name = gr.Textbox(defaults.name, label="Run name", elem_id="run-name")
+                    model = gr.Dropdown(model_choices(), value=defaults.model, label="Base model",
+                                        allow_custom_value=True, elem_id="model",
+                                        info="pick one, or type a Hub id (owner/name) or a local folder")
+                rewards = gr.Dropdown(available_rewards(), value=defaults.rewards, multiselect=True,
+                                      label="Rewards", elem_id="rewards")
+                weights = gr.Dataframe(defaults.weights, headers=["reward", "weight"], datatype=["str", "number"],
+                                       type="array", static_columns=[0], label="Reward weights",
+                                       elem_id="reward-weights", interactive=True)
+                prompt_mode = gr.Radio(list(PROMPT_MODES), value=PROMPTS_BUILTIN, label="Prompts",
+                                       elem_id="prompt-mode")
+                prompt_set = gr.Dropdown(builtin_prompt_sets(), value=defaults.prompt_set, allow_custom_value=True,
+                                         label="Prompt set", elem_id="prompt-set",
+                                         info="built-in, or type hf://DATASET[:COLUMN]")
+                prompt_file = gr.File(label="Prompt file (.txt one per line, .csv/.jsonl with a 'prompt' column)",
+                                      file_types=[".txt", ".csv", ".jsonl"], type="filepath", visible=False,
+                                      elem_id="prompt-file")
+                prompt_text = gr.Textbox("", lines=8, max_lines=16, label="Prompts, one per line", visible=False,
+                                         elem_id="prompt-text")
+                knobs = _grid(MAIN_KNOBS, defaults.knobs, per_row=3)
+                with gr.Accordion("Advanced", open=False, elem_id="advanced"):
+                    knobs += _grid(ADVANCED_KNOBS, defaults.knobs, per_row=3)
+                with gr.Row():
+                    start = gr.Button("Start", variant="primary", elem_id="start-btn")
+                    stop = gr.Button("Stop", variant="stop", elem_id="stop-btn", interactive=False)
+                    resume = gr.Button("Resume", elem_id="resume-btn", interactive=False)
+                form_message = gr.Markdown(elem_id="form-message")
+
+            # ----- 2. live view and 3. push ------------------------------------------------------
+            with gr.Column(scale=3, min_width=480):
+                gr.Markdown("## 2 · Watch")
+                with gr.Row():
+                    run_select = gr.Dropdown(studio._run_names(), value=None, label="Run", elem_id="run-select",
+                                             info="the active run, or any past run", scale=2)
+                    run_status = gr.Markdown(live.status_words(None, None), elem_id="run-status")
+                progress_bar = gr.Slider(0, 1, value=0, step=1, label="Progress (iterations)", interactive=False,
+                                         elem_id="progress")
+                timing = gr.Markdown(elem_id="timing")
+                with gr.Row():
+                    reward_plot = gr.LinePlot(x="iteration", y="value", color="series", title="Reward",
+                                              height=240, elem_id="reward-plot")
+                    loss_plot = gr.LinePlot(x="iteration", y="value", color="series", title="Loss",
+                                            height=240, elem_id="loss-plot")
+                gr.Markdown("**Fixed-seed eval samples** (held-out prompts): the base model beside the latest.")
+                with gr.Row():
+                    base_samples = gr.Gallery(label="Iteration 0 (base model)", columns=4, height="auto",
+                                              object_fit="contain", elem_id="base-samples")
+                    latest_samples = gr.Gallery(label="Latest", columns=4, height="auto", object_fit="contain",
+                                                elem_id="latest-samples")
+                rollouts = gr.Gallery(label="Latest rollouts (training images, captioned with their reward)",
+                                      columns=8, height="auto", object_fit="contain", elem_id="rollouts")
+                log = gr.Textbox(label="Log", lines=10, max_lines=10, autoscroll=True, interactive=False,
+                                 elem_id="log")
+
+                gr.Markdown("## 3 · Publish")
+                with gr.Row():
+                    repo_id = gr.Textbox(label="Repo id", placeholder="your-name/my-lora", elem_id="push-repo")
+                    checkpoint = gr.Dropdown([LATEST_ADAPTER], value=LATEST_ADAPTER, label="Adapter",
+                                             elem_id="push-checkpoint")
+                with gr.Row():
+                    visibility = gr.Radio([PRIVATE, PUBLIC], value=PRIVATE, label="Visibility",
+                                          elem_id="push-visibility")
+                    token = gr.Textbox(label="Hugging Face token (write)", type="password", elem_id="push-token",
+                                       info="empty: the signed-in account, else HF_TOKEN or `hf auth login`")
+                with gr.Row():
+                    if _oauth_available():
+                        gr.LoginButton()
+                    push = gr.Button("Push to the Hub", variant="primary", elem_id="push-btn")
+                push_result = gr.Markdown(elem_id="push-result")
+
+        # ----- events ----------------------------------------------------------------------------
+        form_inputs = [preset, name, model, rewards, weights, prompt_mode, prompt_set, prompt_file, prompt_text,
+                       *knobs]
+        preset.change(studio.load_preset, preset,
+                      [preset_info, name, model, rewards, weights, prompt_mode, prompt_set, *knobs],
+                      api_name="load_preset")
+        rewards.change(weight_rows, [rewards, weights], weights, api_visibility="private")
+        prompt_mode.change(studio.prompt_mode_changed, [prompt_mode, prompt_set, prompt_text],
+                           [prompt_set, prompt_file, prompt_text], api_visibility="private")
+        start.click(_named(studio.start, START_PARAMS), form_inputs, [form_message, run_select], api_name="start")
+        stop.click(studio.stop, None, form_message, api_name="stop")
+        resume.click(studio.resume, run_select, [form_message, run_select], api_name="resume")
+        push.click(studio.push, [run_select, checkpoint, repo_id, visibility, token], push_result, api_name="push")
+        gr.api(studio.status, api_name="status")
+
+        seen = gr.State({})
+        live_outputs = [run_select, run_status, timing, progress_bar, reward_plot, loss_plot, base_samples,
+                        latest_samples, rollouts, log, checkpoint, start, stop, resume, seen]
+        timer = gr.Timer(REFRESH_S)
+        for trigger in (timer.tick, demo.load):
+            trigger(studio.refresh, [run_select, seen], live_outputs, show_progress="hidden",
+                    api_visibility="private")
+        run_select.input(lambda: {}, None, seen, api_visibility="private").then(
+            studio.refresh, [run_select, seen], live_outputs, show_progress="hidden", api_visibility="private")
+    return demo
+
+
+def launch() -> None:
+    """Serve the page on ``$GRADIO_SERVER_PORT`` (default 7860); run images are served from the runs root."""
+    root = runs_root()
+    build_app(root).launch(server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")),
+                           allowed_paths=[str(root)], theme=gr.themes.Soft(), css=CSS)

@@ -1,0 +1,477 @@
+"""Benchmark: the exact backward against JAGG, side by side, in one run.
+
+    python -m jagg_core.bench [--quick] [--json OUT.json] [--table OUT.md] [--plot OUT.png] [--models A,B]
+
+Every comparison runs in one process on the same model, the same rollout batch and the same seeds,
+through the project's own code: :class:`~jagg_core.trainer.Trainer` (set-up, rollout, iterations),
+:func:`~jagg_core.jagg.make_plan` and :func:`~jagg_core.jagg.run_backward` under one
+:class:`~jagg_core.config.BackwardConfig` per variant.
+
+1. **Train phase** (the backward of one rollout batch, LoRA gradients from zero) for ``exact`` and
+   the JAGG modes ``forward`` (a no-grad forward per intermediate step, the paper), ``cached``
+   (rollout velocities with the endpoint correction) and ``cached_shared`` (plus shared knots), at
+   each window W, with joint (stacked) and sequential endpoints. Seconds are the minimum over
+   repeats after a warm-up, the variants interleaved within each repeat so that load from other
+   processes falls on all of them alike. Peak memory is the increment over the memory before the
+   backward (see :func:`peak_memory`); gradients are compared with the exact one (cosine, relative
+   norm error of the flattened LoRA gradient).
+2. The same on each model of ``--models``: by default the embedded pretrained model (or tiny-sd3
+   while there is none) and ``bench-sd3-31m``, a DiT large enough to be compute-bound on a CPU.
+3. **Whole iterations** (rollout + train) of a short training, exact and JAGG (cached, W = 5, joint)
+   alternating iteration by iteration, for each seed; reward against wall-clock goes to ``--plot``.
+4. **Routing**: the linearity score of every window (``linearity`` in each row) and rows with
+   ``frac < 1`` (section ``routing``).
+
+The JSON is a list of rows; every row has :data:`ROW_KEYS` (``None`` where a figure does not apply).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .config import DEFAULT_PRESET, BackwardConfig, RunConfig, list_presets, load_config
+from .grpo import LossSettings, group_advantages
+from .jagg import BackwardPlan, make_plan, run_backward
+from .models import embedded_models
+from .trainer import Trainer
+
+EMBEDDED_MODEL = "jagg-shapes"
+LARGE_MODEL = "bench-sd3-31m"
+JAGG_MODES = ("forward", "cached", "cached_shared")
+ROW_KEYS = ("section", "model", "params_m", "mode", "window", "joint", "frac", "seconds", "speedup",
+            "peak_mem_ratio", "peak_mem_basis", "grad_cosine", "grad_rel_err")
+#: Overrides of the tiny-sd3 preset for models that have no preset of their own.
+MODEL_OVERRIDES = {
+    LARGE_MODEL: ["model.max_sequence_length=16"],
+    EMBEDDED_MODEL: ["rewards=[{name: shapes}]", "prompts.source=shapes"],
+}
+#: glibc settings of the memory subprocess: every buffer of 64 KiB or more is its own mapping, returned
+#: to the system when freed, so the resident set follows the live tensors and its peak is theirs.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+
+
+# ----- variants ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Variant:
+    """One backward configuration under test."""
+
+    mode: str            # exact | forward | cached | cached_shared
+    window: int = 1
+    joint: bool = False
+    frac: float = 1.0
+
+    def backward_config(self) -> BackwardConfig:
+        if self.mode == "exact":
+            return BackwardConfig(mode="exact")
+        return BackwardConfig(mode="jagg", window=self.window, joint=self.joint, frac=self.frac,
+                              velocities="forward" if self.mode == "forward" else "cached",
+                              shared_knots=self.mode == "cached_shared")
+
+    @property
+    def label(self) -> str:
+        if self.mode == "exact":
+            return "exact"
+        routed = f" frac={self.frac:g}" if self.frac < 1 else ""
+        return f"{self.mode} W={self.window} {'joint' if self.joint else 'seq'}{routed}"
+
+
+EXACT = Variant("exact")
+#: The JAGG setting of the whole-iteration comparison (the project's default backward).
+ITERATION_VARIANT = Variant("cached", window=5, joint=True)
+
+
+def variant_grid(windows, joints=(True, False), modes=JAGG_MODES, fracs=(), routing_window: int = 5) -> list[Variant]:
+    """``exact``, every JAGG mode x window x endpoint layout, then the routed (``frac < 1``) variants."""
+    grid = [EXACT] + [Variant(m, w, j) for m in modes for w in windows for j in joints]
+    return grid + [Variant("cached", routing_window, True, f) for f in fracs]
+
+
+@dataclass
+class BenchOptions:
+    """What to run. The first model gets ``windows`` and the routing rows; the others ``other_windows``."""
+
+    models: list[str] = field(default_factory=lambda: default_models())
+    windows: tuple[int, ...] = (2, 4, 5, 10)
+    other_windows: tuple[int, ...] = (2, 4, 5, 10)
+    modes: tuple[str, ...] = JAGG_MODES
+    joints: tuple[bool, ...] = (True, False)
+    fracs: tuple[float, ...] = (0.5, 0.75)
+    routing_window: int = 5
+    repeats: int = 5
+    warmup: int = 1
+    memory: bool = True
+    iterations: int = 20
+    seeds: tuple[int, ...] = (0, 1)
+
+    @classmethod
+    def quick(cls, **changes) -> "BenchOptions":
+        """The ``--quick`` set: 3 repeats, W = 5 only on the larger models, 8 iterations."""
+        return cls(**{"other_windows": (5,), "repeats": 3, "iterations": 8, **changes})
+
+    def grid(self, index: int) -> list[Variant]:
+        if index == 0:
+            return variant_grid(self.windows, self.joints, self.modes, self.fracs, self.routing_window)
+        return variant_grid(self.other_windows, self.joints, self.modes)
+
+
+def default_models() -> list[str]:
+    """The embedded pretrained model (tiny-sd3 while it is not there) and the larger DiT."""
+    return [EMBEDDED_MODEL if EMBEDDED_MODEL in embedded_models() else "tiny-sd3", LARGE_MODEL]
+
+
+def bench_config(model: str, overrides: list[str] = ()) -> RunConfig:
+    """The run config for ``model``: its preset if there is one, else tiny-sd3's with the model swapped in."""
+    if model in list_presets():
+        return load_config(preset=model, overrides=list(overrides))
+    return load_config(preset=DEFAULT_PRESET,
+                       overrides=[f"model.name={model}", *MODEL_OVERRIDES.get(model, []), *overrides])
+
+
+# ----- one rollout batch and its backward ----------------------------------------------------
+class Workload:
+    """A model with its LoRA (through :meth:`Trainer.setup`) and one rollout batch (:meth:`Trainer.rollout`)."""
+
+    def __init__(self, model: str, run_dir: str | Path):
+        self.model_name = model
+        self.trainer = Trainer(bench_config(model), run_dir)
+        self.trainer.setup()
+        cfg = self.trainer.config
+        self.device = self.trainer.accelerator.device
+        self.traj, self.cond, _, _, rewards, _ = self.trainer.rollout(1)
+        self.advantages = group_advantages(rewards, cfg.grpo.num_generations, cfg.grpo.adv_clip).to(self.device)
+        self.params_m = base_params_m(self.trainer)
+
+    def backward(self, variant: Variant) -> BackwardPlan:
+        """The train phase under ``variant``: the LoRA gradient of the whole batch into ``.grad``
+        (as :meth:`Trainer.train_on` with one micro-batch, before its optimizer step)."""
+        trainer, cfg, backward = self.trainer, self.trainer.config, variant.backward_config()
+        for param in trainer.params:
+            param.grad = None
+        plan = make_plan(backward, self.traj, trainer.trained_steps)
+        settings = LossSettings(cfg.grpo.clip_range, cfg.grpo.kl_beta, scale=1 / trainer.trained_steps)
+        run_backward(trainer.model, self.traj, self.cond, self.advantages, plan, settings, backward, on_policy=True,
+                     backward=trainer.accelerator.backward, autocast=trainer.accelerator.autocast)
+        synchronize(self.device)
+        return plan
+
+    def gradient(self) -> torch.Tensor:
+        """All LoRA gradients, flattened (zeros where a parameter got none)."""
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().flatten().double().cpu()
+                          for p in self.trainer.params])
+
+
+def base_params_m(trainer: Trainer) -> float:
+    """Millions of parameters of the transformer, LoRA excluded."""
+    lora = {id(p) for p in trainer.params}
+    return round(sum(p.numel() for p in trainer.model.transformer.parameters() if id(p) not in lora) / 1e6, 3)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_variants(work: Workload, variants: list[Variant], repeats: int, warmup: int):
+    """Seconds of every repeat, the gradient and the plan of each variant. Warm-up: ``warmup`` exact
+    backwards; then each repeat runs every variant once, in order."""
+    for _ in range(warmup):
+        work.backward(EXACT)
+    seconds = {v: [] for v in variants}
+    gradients, plans = {}, {}
+    for repeat in range(repeats):
+        for variant in variants:
+            start = time.perf_counter()
+            plan = work.backward(variant)
+            seconds[variant].append(time.perf_counter() - start)
+            if repeat == 0:
+                gradients[variant], plans[variant] = work.gradient(), plan
+    return seconds, gradients, plans
+
+
+# ----- peak memory ------------------------------------------------------------------------------
+def _proc_status_mb(key: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"{key} is not in /proc/self/status")
+
+
+@contextlib.contextmanager
+def memory_probe(device: torch.device):
+    """Yields a dict that gets ``base_mb`` (before) and ``peak_mb`` (the high-water mark inside).
+
+    GPU: ``torch.cuda.memory_allocated`` / ``max_memory_allocated``. CPU: the resident set
+    (``VmRSS``) and its high-water mark ``VmHWM``, reset on entry through ``/proc/self/clear_refs``;
+    meaningful in a process started with :data:`MALLOC_ENV`.
+    """
+    gc.collect()
+    figures = {}
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        figures["base_mb"] = torch.cuda.memory_allocated(device) / 2 ** 20
+        yield figures
+        figures["peak_mb"] = torch.cuda.max_memory_allocated(device) / 2 ** 20
+    else:
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        figures["base_mb"] = _proc_status_mb("VmRSS")
+        yield figures
+        figures["peak_mb"] = _proc_status_mb("VmHWM")
+
+
+def memory_basis(device: torch.device) -> str:
+    return "cuda max_memory_allocated increment" if device.type == "cuda" else "cpu peak RSS increment"
+
+
+def peak_memory(work: Workload, variants: list[Variant]) -> dict[str, dict[str, float]]:
+    """Base and peak memory of each variant's backward, after one exact backward as warm-up."""
+    work.backward(EXACT)
+    figures = {}
+    for variant in variants:
+        with memory_probe(work.device) as figures[variant.label]:
+            work.backward(variant)
+    return figures
+
+
+def measure_memory(work: Workload, variants: list[Variant], threads: int) -> dict[str, dict[str, float]]:
+    """:func:`peak_memory` of ``work``: in this process on a GPU; on a CPU in a fresh subprocess with
+    :data:`MALLOC_ENV` that rebuilds the same workload (same model, seeds and rollout)."""
+    if work.device.type == "cuda":
+        return peak_memory(work, variants)
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp) / "spec.json"
+        spec.write_text(json.dumps({"model": work.model_name, "variants": [asdict(v) for v in variants],
+                                    "threads": threads, "out": str(Path(tmp) / "memory.json")}))
+        subprocess.run([sys.executable, "-m", "jagg_core.bench", "--memory-worker", str(spec)],
+                       env={**os.environ, **MALLOC_ENV}, check=True, stdout=subprocess.DEVNULL)
+        return json.loads((Path(tmp) / "memory.json").read_text())
+
+
+def memory_worker(spec_file: str) -> None:
+    """Entry of the memory subprocess: build the workload, measure, write the figures as JSON."""
+    spec = json.loads(Path(spec_file).read_text())
+    torch.set_num_threads(spec["threads"])
+    with tempfile.TemporaryDirectory() as run_dir:
+        work = Workload(spec["model"], run_dir)
+        figures = peak_memory(work, [Variant(**v) for v in spec["variants"]])
+    Path(spec["out"]).write_text(json.dumps(figures))
+
+
+# ----- rows ------------------------------------------------------------------------------------
+def train_phase_rows(work: Workload, variants: list[Variant], seconds, gradients, plans, memory) -> list[dict]:
+    """One row per variant, compared with ``exact`` (which must be among them)."""
+    exact_seconds, exact_grad = min(seconds[EXACT]), gradients[EXACT]
+    exact_mem = memory.get(EXACT.label)
+    rows = []
+    for variant in variants:
+        grad, plan, mem = gradients[variant], plans[variant], memory.get(variant.label)
+        row = {"section": "routing" if variant.frac < 1 else "train_phase", "model": work.model_name,
+               "params_m": work.params_m, "mode": variant.mode, "window": variant.window, "joint": variant.joint,
+               "frac": variant.frac, "routed_frac": plan.routed_frac, "passes": len(plan.pass_steps),
+               "linearity": [round(s, 5) for s in plan.scores] if variant.mode != "exact" else None,
+               "seconds": min(seconds[variant]), "seconds_median": statistics.median(seconds[variant]),
+               "repeats": len(seconds[variant]), "speedup": exact_seconds / min(seconds[variant]),
+               "grad_cosine": float(torch.nn.functional.cosine_similarity(grad, exact_grad, dim=0)),
+               "grad_rel_err": float((grad - exact_grad).norm() / exact_grad.norm()),
+               "peak_mem_basis": memory_basis(work.device) if mem else None,
+               "base_mem_mb": mem["base_mb"] if mem else None, "peak_mem_mb": mem["peak_mb"] if mem else None,
+               "peak_mem_ratio": ((mem["peak_mb"] - mem["base_mb"]) / (exact_mem["peak_mb"] - exact_mem["base_mb"])
+                                  if mem else None),
+               "device": str(work.device)}
+        rows.append(row)
+    return rows
+
+
+def bench_train_phase(model: str, variants: list[Variant], options: BenchOptions, threads: int) -> list[dict]:
+    """Train-phase rows of ``model``: timings and gradients here, peak memory per :func:`measure_memory`."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        work = Workload(model, run_dir)
+        seconds, gradients, plans = time_variants(work, variants, options.repeats, options.warmup)
+        memory = measure_memory(work, variants, threads) if options.memory else {}
+        return train_phase_rows(work, variants, seconds, gradients, plans, memory)
+
+
+def bench_iterations(model: str, options: BenchOptions) -> list[dict]:
+    """Short trainings, exact and :data:`ITERATION_VARIANT` alternating iteration by iteration, per seed.
+
+    One row per mode: the median per-iteration seconds (rollout, train, both) over every iteration
+    but the first (the warm-up, unless there is only one), and each seed's reward curve as
+    ``[cumulative seconds, rollout reward mean]`` points.
+    """
+    variants = (EXACT, ITERATION_VARIANT)
+    times = {v: {"rollout": [], "train": []} for v in variants}
+    curves = {v: {} for v in variants}
+    first = 1 if options.iterations > 1 else 0
+    with tempfile.TemporaryDirectory() as root:
+        for seed in options.seeds:
+            trainers = {}
+            for variant in variants:
+                # iterations + 1 so that the measured iterations neither sample nor checkpoint
+                config = bench_config(model, [f"train.seed={seed}", f"train.iterations={options.iterations + 1}"])
+                config.backward = variant.backward_config()
+                trainers[variant] = Trainer(config, Path(root) / f"{variant.mode}-{seed}")
+                trainers[variant].setup()
+                curves[variant][str(seed)] = []
+            for iteration in range(1, options.iterations + 1):
+                for variant, trainer in trainers.items():
+                    row = trainer.iteration(iteration)
+                    elapsed = row["time_rollout_s"] + row["time_train_s"]
+                    curve = curves[variant][str(seed)]
+                    curve.append([(curve[-1][0] if curve else 0.0) + elapsed, row["reward_mean"]])
+                    if iteration > first:
+                        times[variant]["rollout"].append(row["time_rollout_s"])
+                        times[variant]["train"].append(row["time_train_s"])
+            params_m, device = base_params_m(trainers[EXACT]), str(trainers[EXACT].accelerator.device)
+    iteration_s = {v: statistics.median(r + t for r, t in zip(times[v]["rollout"], times[v]["train"]))
+                   for v in variants}
+    return [{"section": "iteration", "model": model, "params_m": params_m, "mode": v.mode, "window": v.window,
+             "joint": v.joint, "frac": v.frac, "seconds": iteration_s[v],
+             "rollout_s": statistics.median(times[v]["rollout"]), "train_s": statistics.median(times[v]["train"]),
+             "speedup": iteration_s[EXACT] / iteration_s[v], "iterations": options.iterations,
+             "seeds": list(options.seeds), "reward_final": statistics.mean(c[-1][1] for c in curves[v].values()),
+             "curves": curves[v], "peak_mem_ratio": None, "peak_mem_basis": None, "grad_cosine": None,
+             "grad_rel_err": None, "device": device} for v in variants]
+
+
+def run_bench(options: BenchOptions, threads: int = 2, log=print) -> list[dict]:
+    """All sections for ``options``; returns the rows."""
+    rows = []
+    for index, model in enumerate(options.models):
+        variants = options.grid(index)
+        log(f"[bench] {model}: train phase, {len(variants)} variants x {options.repeats} repeats")
+        rows += bench_train_phase(model, variants, options, threads)
+    if options.iterations and options.seeds:
+        log(f"[bench] {options.models[0]}: {options.iterations} iterations x {len(options.seeds)} seeds, exact vs JAGG")
+        rows += bench_iterations(options.models[0], options)
+    return rows
+
+
+# ----- output ---------------------------------------------------------------------------------
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _markdown(header: list[str], lines: list[list[str]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return "\n".join(out + ["| " + " | ".join(line) + " |" for line in lines])
+
+
+def format_tables(rows: list[dict]) -> str:
+    """Markdown tables: train phase and routing, linearity per window, whole iterations."""
+    parts = []
+    phase = [r for r in rows if r["section"] in ("train_phase", "routing")]
+    if phase:
+        parts.append(_markdown(
+            ["model", "params (M)", "mode", "W", "endpoints", "frac", "passes", "seconds", "speed-up",
+             "peak mem (MB over base)", "mem ratio", "grad cosine", "grad rel err"],
+            [[r["model"], f"{r['params_m']:g}", r["mode"], str(r["window"]), "joint" if r["joint"] else "seq",
+              f"{r['frac']:g}", str(r["passes"]), f"{r['seconds']:.3f}", f"{r['speedup']:.2f}x",
+              _fmt(r["peak_mem_mb"] - r["base_mem_mb"] if r["peak_mem_mb"] is not None else None, ".1f"),
+              _fmt(r["peak_mem_ratio"], ".2f"), f"{r['grad_cosine']:.4f}", f"{r['grad_rel_err']:.4f}"]
+             for r in phase]))
+        linearity = {}
+        for r in phase:
+            if r["mode"] in ("cached", "cached_shared") and r["frac"] == 1 and r["joint"]:
+                linearity.setdefault((r["model"], r["mode"], r["window"]), r["linearity"])
+        parts.append("Linearity score per window, along the trajectory (noise -> data):\n\n" + _markdown(
+            ["model", "windows", "W", "scores"],
+            [[m, "shared knots" if mode == "cached_shared" else "disjoint", str(w), " ".join(f"{s:.3f}" for s in sc)]
+             for (m, mode, w), sc in linearity.items()]))
+    iteration = [r for r in rows if r["section"] == "iteration"]
+    if iteration:
+        parts.append(_markdown(
+            ["model", "backward", "rollout s", "train s", "iteration s", "speed-up", "final reward (mean of seeds)"],
+            [[r["model"], "exact" if r["mode"] == "exact" else f"{r['mode']} W={r['window']}", f"{r['rollout_s']:.3f}",
+              f"{r['train_s']:.3f}", f"{r['seconds']:.3f}", f"{r['speedup']:.2f}x", f"{r['reward_final']:.4f}"]
+             for r in iteration]))
+    return "\n\n".join(parts) + "\n"
+
+
+def plot_rewards(rows: list[dict], path: str | Path) -> None:
+    """Reward against wall-clock seconds of every seed's training, exact and JAGG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    iteration = [r for r in rows if r["section"] == "iteration"]
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    styles = ["-", "--", ":", "-."]
+    for r, colour in zip(iteration, ("tab:gray", "tab:blue")):
+        name = "exact" if r["mode"] == "exact" else f"JAGG {r['mode']} W={r['window']}"
+        for k, (seed, curve) in enumerate(r["curves"].items()):
+            xs, ys = zip(*curve)
+            ax.plot(xs, ys, styles[k % len(styles)], marker="o", markersize=3, color=colour,
+                    label=f"{name} (seed {seed})")
+    if iteration:
+        ax.set_title(f"{iteration[0]['model']}: rollout reward vs wall-clock ({iteration[0]['iterations']} iterations)")
+    ax.set_xlabel("cumulative seconds (rollout + train)")
+    ax.set_ylabel("mean rollout reward")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write_outputs(rows: list[dict], json_path=None, table_path=None, plot_path=None) -> str:
+    """Write the JSON, the markdown table and the plot where asked; returns the table."""
+    table = format_tables(rows)
+    for path in (json_path, table_path, plot_path):
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+    if json_path:
+        Path(json_path).write_text(json.dumps(rows, indent=1))
+    if table_path:
+        Path(table_path).write_text(table)
+    if plot_path:
+        plot_rewards(rows, plot_path)
+    return table
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m jagg_core.bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats and iterations, W=5 on the larger models")
+    parser.add_argument("--json", help="write the rows as JSON here")
+    parser.add_argument("--table", help="write the markdown tables here")
+    parser.add_argument("--plot", help="write the reward-vs-seconds PNG here")
+    parser.add_argument("--models", help=f"comma-separated models (default: {','.join(default_models())})")
+    parser.add_argument("--repeats", type=int, help="timed repeats per variant")
+    parser.add_argument("--iterations", type=int, help="iterations of each short training (0: skip)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurements")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    parser.add_argument("--memory-worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        torch.set_num_threads(args.threads)
+    if args.memory_worker:
+        memory_worker(args.memory_worker)
+        return
+    changes = {key: value for key, value in (("repeats", args.repeats), ("iterations", args.iterations)) if value is not None}
+    if args.models:
+        changes["models"] = args.models.split(",")
+    if args.no_memory:
+        changes["memory"] = False
+    options = BenchOptions.quick(**changes) if args.quick else BenchOptions(**changes)
+    load_before = os.getloadavg()[0]
+    start = time.perf_counter()
+    rows = run_bench(options, threads=args.threads, log=lambda line: print(line, file=sys.stderr, flush=True))
+    table = write_outputs(rows, args.json, args.table, args.plot)
+    print(table)
+    print(f"{time.perf_counter() - start:.0f} s on {rows[0]['device'] if rows else 'cpu'}, "
+          f"{torch.get_num_threads()} threads; load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""The headless CLI: presets, dry runs, bad input, data-parallel runs, and a kill mid-checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from jagg_core.rundir import RunDirectory
+
+from conftest import ROOT, run_cli
+
+SMALL = ["--set", "train.iterations=2", "--set", "sampling.num_steps=6", "--set", "grpo.num_generations=2",
+         "--set", "prompts.eval_count=2", "--set", "train.sample_every=1", "--set", "train.checkpoint_every=1"]
+
+
+def test_list_presets_names_every_preset_with_a_description():
+    result = run_cli("--list-presets")
+    assert result.returncode == 0, result.stderr
+    lines = dict(line.split(None, 1) for line in result.stdout.strip().splitlines())
+    assert "tiny-sd3" in lines and all(description.strip() for description in lines.values())
+
+
+def test_dry_run_prints_the_resolved_config_with_overrides():
+    result = run_cli("--preset", "tiny-sd3", "--set", "backward.window=4", "--set", "lora.rank=2", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    config = yaml.safe_load(result.stdout)
+    assert config["backward"]["window"] == 4 and config["lora"]["rank"] == 2
+    assert config["model"]["name"] == "tiny-sd3"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--preset", "nope"], "unknown preset 'nope'; available: "),
+    (["--set", "train.iterationz=3"], "unknown config key 'train.iterationz'; allowed here: iterations"),
+    (["--set", "nosection.x=1"], "unknown config key 'nosection'; allowed here: name"),
+    (["--set", "backward.mode=fast"], "bad value 'fast' for 'backward.mode'"),
+    (["--set", "sampling.resolution=30"], "resolution must be a multiple of 16"),
+    (["--set", "grpo.num_generations=1"], "bad value 1 for 'grpo.num_generations'"),
+    (["--set", "rewards=[{name: beauty}]"], "unknown reward 'beauty'; available: "),
+    (["--set", "prompts.source=missing.txt"], "missing.txt"),
+    (["--config", "does-not-exist.yaml"], "config file 'does-not-exist.yaml' does not exist"),
+    (["--set", "model.name=./no-such-folder", "--output-dir", "{tmp}/run"], "model './no-such-folder' is neither"),
+])
+def test_bad_input_is_one_line_and_exit_code_two(args, message, tmp_path):
+    result = run_cli(*[a.replace("{tmp}", str(tmp_path)) for a in args])
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("jagg_core.run: error: ") and message in lines[0]
+
+
+def test_two_processes_keep_identical_adapters(tmp_path):
+    """``accelerate launch`` with two processes (gloo on CPU): gradients are averaged across ranks."""
+    run_dir = tmp_path / "ddp"
+    result = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+         "-m", "jagg_core.run", "--preset", "tiny-sd3", *SMALL, "--output-dir", str(run_dir)],
+        cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    status = RunDirectory(run_dir).read_status()
+    assert status["state"] == "finished"
+    assert status["processes"] == 2 and status["adapters_identical"] is True
+    assert [r["iteration"] for r in RunDirectory(run_dir).read_metrics()] == [0, 1, 2]
+
+
+SLOW_CHECKPOINT = """
+import sys, time
+from jagg_core import rundir
+write = rundir.RunDirectory.write_checkpoint
+def slow(self, iteration, contents, keep):
+    def slow_contents(folder):
+        contents(folder)
+        if iteration == 2:
+            print("WRITING-CHECKPOINT-2", flush=True)
+            time.sleep(120)
+    return write(self, iteration, slow_contents, keep)
+rundir.RunDirectory.write_checkpoint = slow
+from jagg_core.run import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_run_killed_while_writing_a_checkpoint_resumes_from_the_previous_one(tmp_path):
+    run_dir = tmp_path / "run"
+    args = ["--preset", "tiny-sd3", *SMALL, "--set", "train.iterations=3", "--output-dir", str(run_dir)]
+    process = subprocess.Popen([sys.executable, "-c", SLOW_CHECKPOINT, *args], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.DEVNULL, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    deadline = time.time() + 300
+    for line in process.stdout:
+        if "WRITING-CHECKPOINT-2" in line or time.time() > deadline:
+            break
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    run = RunDirectory(run_dir)
+    assert run.checkpoint_iterations() == [1], "the half-written checkpoint must not count"
+    assert any(p.name.startswith(".tmp-iter_000002") for p in run.checkpoints_dir.iterdir())
+
+    result = run_cli(*args, "--resume")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from iter_000001" in result.stdout + result.stderr
+    assert run.checkpoint_iterations() == [1, 2, 3]
+    assert not any(p.name.startswith(".tmp-") for p in run.checkpoints_dir.iterdir())
+    assert [r["iteration"] for r in run.read_metrics()] == [0, 1, 2, 3]
+    assert run.read_status()["state"] == "finished"
+
+
+def test_sigterm_stops_cleanly_and_says_how_to_resume(tmp_path):
+    run_dir = tmp_path / "run"
+    process = subprocess.Popen([sys.executable, "-m", "jagg_core.run", "--preset", "tiny-sd3", *SMALL,
+                                "--set", "train.iterations=200", "--output-dir", str(run_dir)],
+                               cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    run = RunDirectory(run_dir)
+    deadline = time.time() + 300
+    while not run.checkpoint_iterations() and time.time() < deadline:
+        time.sleep(0.5)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130
+    assert "resume with --resume" in stderr and "Traceback" not in stderr
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "stopped"
+    assert run.checkpoint_iterations()
