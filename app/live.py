@@ -86,20 +86,20 @@ def duration(seconds: float | None) -> str:
 
 
 STATE_WORDS = {
-    "none": "⚪ **Not started.**",
-    "starting": "⏳ **Starting:** loading the model and sampling it before training…",
-    "running": "🟢 **Training**",
-    "finished": "✅ **Finished.** The adapter is ready to push.",
-    "stopped": "⏸️ **Stopped.** Resume continues from the last checkpoint.",
-    "failed": "❌ **Failed.**",
-    "interrupted": "⚠️ **Interrupted:** the training process is gone. Resume continues from the last checkpoint.",
+    "none": "**Not started.**",
+    "starting": "**Starting:** loading the model and sampling it before training…",
+    "running": "**Training…**",
+    "finished": "**Finished.** The adapter is ready to push.",
+    "stopped": "**Stopped.** Resume continues from the last checkpoint.",
+    "failed": "**Failed.**",
+    "interrupted": "**Interrupted:** the training process is gone. Resume continues from the last checkpoint.",
 }
 
 
 def status_words(run_dir: Path | None, prog: Progress | None) -> str:
     """The run's state in words (Markdown), with the trainer's message when it explains a failure."""
     if run_dir is None or prog is None:
-        return "⚪ **No run yet.** Set up a run on the left and press **Start**."
+        return "**No run yet.** Set up a run and press **Start**."
     words = f"{STATE_WORDS.get(prog.state, prog.state)}  \nRun `{run_dir.name}`"
     if prog.state == "failed" and prog.message:
         words += f"  \n**Reason:** {prog.message}"

@@ -106,7 +106,7 @@ class Studio:
     @staticmethod
     def _refuse(message: str) -> tuple[str, Any]:
         gr.Warning(message)
-        return f"❌ **Not started:** {message}", gr.skip()
+        return f"**Not started:** {message}", gr.skip()
 
     # ----- set-up ----------------------------------------------------------------------------
     def load_preset(self, preset: str) -> tuple:
@@ -144,14 +144,14 @@ class Studio:
         except (UserError, OSError) as err:
             shutil.rmtree(run_dir, ignore_errors=True)
             return self._refuse(str(err))
-        return f"🚀 Started `{run_dir.name}`.", gr.update(choices=self._run_names(), value=run_dir.name)
+        return f"Started `{run_dir.name}`.", gr.update(choices=self._run_names(), value=run_dir.name)
 
     def stop(self) -> str:
         """Stop the active job (SIGTERM to its process group, SIGKILL after a grace period)."""
         job = self.jobs.stop()
         if job is None:
             return "No run is active."
-        return f"⏸️ Stopped `{job.run_dir.name}`; its last checkpoint is kept. Press **Resume** to continue."
+        return f"Stopped `{job.run_dir.name}`; its last checkpoint is kept. Press **Resume** to continue."
 
     def resume(self, name: str) -> tuple[str, Any]:
         """Relaunch a stopped, failed or interrupted run with ``--resume``."""
@@ -170,7 +170,7 @@ class Studio:
             self.jobs.launch(run_dir, precision, resume=True)
         except (UserError, OSError) as err:
             return self._refuse(str(err))
-        return f"▶️ Resumed `{run_dir.name}`.", gr.update(choices=self._run_names(), value=run_dir.name)
+        return f"Resumed `{run_dir.name}`.", gr.update(choices=self._run_names(), value=run_dir.name)
 
     def status(self, run: str = "") -> dict:
         """A run's state: ``run``, ``state`` (running, finished, failed, stopped, starting, interrupted, none),
@@ -258,17 +258,17 @@ class Studio:
         user's, else HF_TOKEN / ``hf auth login``."""
         run_dir = self._run_dir(run)
         if run_dir is None:
-            return "❌ Choose a run to push."
+            return "**Not pushed:** choose a run first."
         if not (repo_id or "").strip():
-            return "❌ Enter a repo id, e.g. `your-name/my-lora`."
+            return "**Not pushed:** enter a repo id, e.g. `your-name/my-lora`."
         token = (token or "").strip() or (oauth_token.token if oauth_token else None)
         try:
             url = hub.push_run(run_dir, repo_id.strip(), private=visibility == PRIVATE,
                                checkpoint=None if checkpoint in (None, "", LATEST_ADAPTER) else checkpoint,
                                token=token)
         except UserError as err:
-            return f"❌ {err}"
-        return f"✅ Pushed to [{url}]({url})"
+            return f"**Not pushed:** {err}"
+        return f"**Pushed:** [{url}]({url})"
 
 
 def build_app(root: Path | None = None) -> gr.Blocks:
@@ -320,6 +320,7 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                 gr.Markdown("## 2 · Watch")
                 with gr.Row():
                     run_select = gr.Dropdown(studio._run_names(), value=None, label="Run", elem_id="run-select",
+                                             allow_custom_value=True,
                                              info="the active run, or any past run", scale=2)
                     run_status = gr.Markdown(live.status_words(None, None), elem_id="run-status")
                 progress_bar = gr.Slider(0, 1, value=0, step=1, label="Progress (iterations)", interactive=False,
@@ -332,12 +333,12 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                                             height=240, elem_id="loss-plot")
                 gr.Markdown("**Fixed-seed eval samples** (held-out prompts): the base model beside the latest.")
                 with gr.Row():
-                    base_samples = gr.Gallery(label="Iteration 0 (base model)", columns=4, height="auto",
+                    base_samples = gr.Gallery(label="Iteration 0 (base model)", columns=4, height=300,
                                               object_fit="contain", elem_id="base-samples")
-                    latest_samples = gr.Gallery(label="Latest", columns=4, height="auto", object_fit="contain",
+                    latest_samples = gr.Gallery(label="Latest", columns=4, height=300, object_fit="contain",
                                                 elem_id="latest-samples")
                 rollouts = gr.Gallery(label="Latest rollouts (training images, captioned with their reward)",
-                                      columns=8, height="auto", object_fit="contain", elem_id="rollouts")
+                                      columns=8, height=240, object_fit="contain", elem_id="rollouts")
                 log = gr.Textbox(label="Log", lines=10, max_lines=10, autoscroll=True, interactive=False,
                                  elem_id="log")
 
@@ -345,7 +346,7 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                 with gr.Row():
                     repo_id = gr.Textbox(label="Repo id", placeholder="your-name/my-lora", elem_id="push-repo")
                     checkpoint = gr.Dropdown([LATEST_ADAPTER], value=LATEST_ADAPTER, label="Adapter",
-                                             elem_id="push-checkpoint")
+                                             allow_custom_value=True, elem_id="push-checkpoint")
                 with gr.Row():
                     visibility = gr.Radio([PRIVATE, PUBLIC], value=PRIVATE, label="Visibility",
                                           elem_id="push-visibility")

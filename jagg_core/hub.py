@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import urlparse
 
-from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, get_token, hf_hub_download
+from huggingface_hub import CommitOperationAdd, constants, HfApi, ModelCard, get_token, hf_hub_download
 from huggingface_hub.errors import (
     GatedRepoError,
     HfHubHTTPError,
@@ -44,6 +46,18 @@ except ImportError:
 
 TOKENS_URL = "https://huggingface.co/settings/tokens"
 PROG = "jagg_core.hub"
+
+
+def hub_offline() -> bool:
+    """True when ``HF_HUB_OFFLINE`` is set or the Hub's host does not resolve: then only the local
+    cache is used, instead of retrying a connection that cannot succeed."""
+    if constants.HF_HUB_OFFLINE:
+        return True
+    try:
+        socket.getaddrinfo(urlparse(constants.ENDPOINT).hostname, 443)
+    except OSError:
+        return True
+    return False
 
 
 def resolve_token(token: str | None = None) -> str | None:
@@ -171,7 +185,7 @@ def resolve_lora(source: str, token: str | None = None) -> Path:
     except HFValidationError:
         raise UserError(f"LoRA '{source}' is neither a local folder nor a Hub repo id (USER/NAME)") from None
     with _hub_errors(f"download the LoRA {source}"):
-        return Path(hf_hub_download(source, ADAPTER_FILE, token=resolve_token(token)))
+        return Path(hf_hub_download(source, ADAPTER_FILE, token=resolve_token(token), local_files_only=hub_offline()))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -57,16 +57,11 @@ def resolve(args: argparse.Namespace) -> tuple[RunConfig, Path]:
 
 
 def check_references(config: RunConfig) -> None:
-    """Rewards and prompts exist (cheap checks a dry run can do without loading a model)."""
-    from .prompts import load_prompts
-    from .rewards import available_rewards
-    for spec in config.rewards:
-        if spec.name not in available_rewards():
-            raise UserError(f"unknown reward '{spec.name}'; available: {', '.join(available_rewards())}")
-    prompts = load_prompts(config.prompts.source)
-    if len(prompts) <= config.prompts.eval_count:
-        raise UserError(f"prompt set '{config.prompts.source}' has {len(prompts)} prompts, not more than "
-                        f"prompts.eval_count={config.prompts.eval_count}; lower prompts.eval_count or add prompts")
+    """Rewards (names, options) and prompts exist: checks a dry run can make without loading a model."""
+    from .prompts import load_prompts, split_prompts
+    from .rewards import build_rewards
+    build_rewards(config.rewards)  # rewards load their models lazily, on first call
+    split_prompts(load_prompts(config.prompts.source), config.prompts.eval_count, config.prompts.split_seed)
 
 
 def main(argv: list[str] | None = None) -> int:

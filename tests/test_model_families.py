@@ -98,6 +98,11 @@ def test_unknown_pipeline_class_is_a_user_error(tmp_path):
         load_flow_model(ModelConfig(name=str(tmp_path)))
 
 
+def test_flux_rejects_t5_sequences_longer_than_the_pipeline_allows():
+    with pytest.raises(UserError, match="max_sequence_length"):
+        load_flow_model(ModelConfig(name="tiny-flux", max_sequence_length=600))
+
+
 def test_families_are_registered_by_pipeline_class():
     assert {cls.family for cls in FAMILIES.values()} == set(FAMILY.values())
 
@@ -171,10 +176,12 @@ def test_qwen_true_cfg_keeps_the_conditional_norm_per_token():
 
 
 def test_flux_guidance_embedding_is_used():
-    z, sigma = noise(load("tiny-flux"), 1), torch.tensor(0.5)
+    model = load("tiny-flux", flux_guidance=1.0)
+    z, sigma, cond = noise(model, 1), torch.tensor(0.5), model.conditioning(PROMPTS[:1])
     with torch.no_grad():
-        low, high = (m.velocity(z, sigma, m.conditioning(PROMPTS[:1]))
-                     for m in (load("tiny-flux", flux_guidance=1.0), load("tiny-flux", flux_guidance=5.0)))
+        low = model.velocity(z, sigma, cond)
+        model.config.flux_guidance = 5.0
+        high = model.velocity(z, sigma, cond)
     assert not torch.allclose(low, high)
 
 

@@ -6,14 +6,13 @@ The family is read from the pipeline's ``model_index.json`` (``_class_name``).
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
-from urllib.parse import urlparse
 
 import torch
 
 from ..config import ModelConfig
 from ..errors import UserError
+from ..hub import hub_offline
 from .base import FlowModel
 from .flux import FluxModel
 from .qwen_image import QwenImageModel
@@ -61,19 +60,6 @@ def _read_model_index(name: str, revision: str | None) -> dict:
     except (LocalEntryNotFoundError, OfflineModeIsEnabled):
         raise UserError(f"model '{name}' is not in the local cache and the Hub is unreachable; "
                         f"run `hf download {name}` while online") from None
-
-
-def hub_offline() -> bool:
-    """True when ``HF_HUB_OFFLINE`` is set or the Hub's host does not resolve: then only the local
-    cache is used, instead of retrying a connection that cannot succeed."""
-    from huggingface_hub import constants
-    if constants.HF_HUB_OFFLINE:
-        return True
-    try:
-        socket.getaddrinfo(urlparse(constants.ENDPOINT).hostname, 443)
-    except OSError:
-        return True
-    return False
 
 
 def _quantization(config: ModelConfig, device: torch.device):

@@ -31,8 +31,10 @@ from diffusers.models.attention_processor import JointAttnProcessor2_0
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
+from ..rewards.shapes import ShapesReward
 from .dataset import caption_split, render_dataset
 from .padded_attention import CollapsedPaddingAttnProcessor
+from .shapes import draw_array, parse_caption
 from .tokenizer import build_tokenizer
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "assets" / "jagg-shapes"
@@ -112,6 +114,14 @@ def train_vae(vae: AutoencoderKL, images: torch.Tensor, steps: int, batch: int, 
         if step % 100 == 0 or step == steps - 1:
             log(f"vae step {step}/{steps} loss {loss.item():.4f}")
     vae.eval()
+
+
+@torch.no_grad()
+def reconstruction_reward(vae: AutoencoderKL, captions: list[str]) -> float:
+    """Mean ``shapes`` reward of the VAE's reconstructions of canonical drawings of ``captions``."""
+    images = torch.stack([torch.from_numpy(draw_array(parse_caption(c), size=IMAGE_SIZE)) for c in captions])
+    recon = (vae.decode(vae.encode(images * 2 - 1).latent_dist.mean).sample + 1) / 2
+    return ShapesReward()(recon.clamp(0, 1), captions).mean().item()
 
 
 @torch.no_grad()
@@ -198,7 +208,8 @@ def build(out: Path, seed: int, vae_steps: int, flow_steps: int, copies: int, va
     shift, scale = raw.mean().item(), 1.0 / raw.std().item()
     vae.register_to_config(shift_factor=shift, scaling_factor=scale)
     latents = (raw - shift) * scale
-    log(f"vae done ({time.time() - started:.0f}s): shift {shift:.4f} scale {scale:.4f}")
+    log(f"vae done ({time.time() - started:.0f}s): shift {shift:.4f} scale {scale:.4f}, "
+        f"reconstruction reward on held-out drawings {reconstruction_reward(vae, held_out):.3f}")
 
     train_flow(transformer, encoders, tokenizer, latents, labels, flow_steps, batch, generator)
     log(f"flow done ({time.time() - started:.0f}s)")

@@ -1,0 +1,236 @@
+"""The app: the form <-> config mapping, job control, and the served page driven by ``gradio_client``.
+
+The served tests launch ``python app.py`` on a free port with ``JAGG_RUNS_DIR`` in a temporary folder and the Hub
+client pointed at the in-process fake Hub, then start, refuse, stop, resume and push tiny runs through the page's
+API endpoints, as a user's clicks would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import yaml
+
+from app import live
+from app.form import KNOBS, PROMPTS_TEXT, Form, build_config, preset_form, weight_rows
+from app.jobs import LOCK_NAME, JobControl, _group_alive
+from jagg_core.config import list_presets, load_config
+from jagg_core.errors import UserError
+from tests.fake_hub_server import FakeHub
+
+REPO = Path(__file__).resolve().parent.parent
+TOKEN = "hf_appWriteToken1234567890"
+# a tiny run that takes a few seconds per iteration on a shared CPU (the /start parameters are config keys)
+FAST = {"sampling_num_steps": 4, "grpo_num_generations": 2, "grpo_prompts_per_iteration": 1,
+        "prompts_eval_count": 2, "backward_window": 2, "sampling_resolution": 16, "prompt_file": None}
+
+
+# --- a served app ------------------------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def serve_app(runs_dir: Path, **env):
+    """Run ``python app.py`` on a free port with its runs under ``runs_dir``; yield its URL. Any training job still
+    running at the end is stopped."""
+    port = _free_port()
+    log = (runs_dir.parent / f"app-{port}.log").open("wb")
+    environment = {**os.environ, "JAGG_RUNS_DIR": str(runs_dir), "GRADIO_SERVER_PORT": str(port),
+                   "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_DISABLE_TELEMETRY": "1", **env}
+    server = subprocess.Popen([sys.executable, "app.py"], cwd=REPO, env=environment, stdout=log,
+                              stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None, Path(log.name).read_text()[-3000:]
+            try:
+                urllib.request.urlopen(url, timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the app did not answer within 120 s"
+                time.sleep(0.5)
+        yield url
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
+        log.close()
+        JobControl(runs_dir).stop(grace_s=10)
+
+
+def wait_for(client, runs: Path, run: str, condition, timeout: float, what: str) -> dict:
+    """Poll /status of ``run`` until ``condition(status)``; fail with the last status and the run's log tail."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = client.predict(run, api_name="/status")
+        if condition(status):
+            return status
+        if time.monotonic() > deadline or status["state"] in ("failed", "interrupted"):
+            pytest.fail(f"waiting for {what}: last status {status}\n{live.log_tail(runs / run)}")
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def fake_hub():
+    with FakeHub() as hub:
+        hub.add_token(TOKEN, "alice")
+        yield hub
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, fake_hub):
+    """(client, runs dir) of an app whose Hub is the fake one, with no token of its own."""
+    from gradio_client import Client
+
+    runs = tmp_path_factory.mktemp("app") / "runs"
+    runs.mkdir()
+    hf_home = runs.parent / "hf-home"
+    env = {"HF_ENDPOINT": fake_hub.url, "HF_HOME": str(hf_home), "HF_TOKEN": ""}
+    with serve_app(runs, **env) as url:
+        yield Client(url, verbose=False), runs
+
+
+# --- served: refusals ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fields, reason", [
+    ({"grpo_num_generations": 1}, "bad value 1 for 'grpo.num_generations': Input should be greater than or equal to 2"),
+    ({"sampling_resolution": 30}, "resolution must be a multiple of 16, got 30"),
+    ({"rewards": []}, "choose at least one reward"),
+    ({"model": "./no/such/folder"}, "the model folder './no/such/folder' does not exist"),
+    ({"prompt_mode": PROMPTS_TEXT, "prompt_text": "a cat\na dog"}, "prompts.eval_count"),
+    ({"train_learning_rate": None}, "'Learning rate' needs a value"),
+])
+def test_invalid_input_is_refused_with_the_reason_and_nothing_starts(served, fields, reason):
+    client, runs = served
+    message, _ = client.predict(**{**FAST, **fields}, api_name="/start")
+    assert message.startswith("**Not started:**") and reason in message
+    assert not any(runs.iterdir()), "a refused start must leave nothing behind"
+    assert client.predict(api_name="/status")["active"] is False
+
+
+# --- served: a run's whole life -------------------------------------------------------------------------------------
+
+def test_run_lifecycle_start_refuse_stop_resume_finish_push(served, fake_hub):
+    """Start a tiny run; a second start is refused; a fresh JobControl (an app restart) finds the job; Stop keeps the
+    last checkpoint; Resume continues it to the end; the push panel publishes it to the (fake) Hub."""
+    client, runs = served
+    total = 10
+    message, run_update = client.predict(**FAST, train_iterations=total, train_checkpoint_every=1,
+                                         train_sample_every=5, api_name="/start")
+    assert message.startswith("Started"), message
+    run = run_update["value"]
+    run_dir = runs / run
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["train"]["iterations"] == total
+
+    refused, _ = client.predict(**FAST, api_name="/start")
+    assert "a run is active" in refused and run in refused
+    assert sorted(p.name for p in runs.iterdir() if p.is_dir()) == [run]
+    job = JobControl(runs).active()  # what the app finds after a restart: the lock file names the live job
+    assert job is not None and job.run_dir == run_dir and _group_alive(job.pgid)
+
+    wait_for(client, runs, run, lambda s: s["state"] == "running" and s["checkpoints"], 180, "a first checkpoint")
+    stopped = client.predict(api_name="/stop")
+    assert stopped.startswith(f"Stopped `{run}`")
+    status = client.predict(run, api_name="/status")
+    assert status["state"] == "stopped" and not status["active"] and status["checkpoints"], status
+    assert 1 <= status["iteration"] < total
+    assert not (runs / LOCK_NAME).exists() and not _group_alive(job.pgid)
+
+    message, _ = client.predict(run, api_name="/resume")
+    assert message == f"Resumed `{run}`."
+    status = wait_for(client, runs, run, lambda s: s["state"] == "finished", 240, "the resumed run to finish")
+    assert status["iteration"] == status["total"] == total
+    iterations = [row["iteration"] for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+    assert iterations == list(range(total + 1))
+    assert "resumed from iter_" in (run_dir / "train.log").read_text()
+    assert (run_dir / "lora" / "pytorch_lora_weights.safetensors").is_file()
+    assert live.sample_iterations(run_dir) == [0, 5, total]
+    prog = live.progress(run_dir)
+    assert (prog.state, prog.iteration, prog.total) == ("finished", total, total)
+
+    no_token = client.predict(run, "latest adapter", "alice/app-lora", "private", "", api_name="/push")
+    assert no_token.startswith("**Not pushed:** no Hugging Face token")
+    pushed = client.predict(run, "iter_000010", "alice/app-lora", "public", TOKEN, api_name="/push")
+    assert pushed == f"**Pushed:** [{fake_hub.url}/alice/app-lora]({fake_hub.url}/alice/app-lora)"
+    repo = fake_hub.repos["alice/app-lora"]
+    assert not repo.private and "pytorch_lora_weights.safetensors" in repo.files
+
+
+# --- the form ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("preset", list(list_presets()))
+def test_a_preset_form_builds_the_preset_config(preset, tmp_path):
+    assert build_config(preset_form(preset), tmp_path).model_dump() == load_config(preset=preset).model_dump()
+
+
+def test_form_values_become_config_values(tmp_path):
+    form = preset_form("tiny-sd3")
+    form.rewards = ["jpeg_compressibility", "jpeg_incompressibility"]
+    form.weights = weight_rows(form.rewards, [["jpeg_compressibility", 0.25]])
+    assert form.weights == [["jpeg_compressibility", 0.25], ["jpeg_incompressibility", 1.0]]
+    form.prompt_mode, form.prompt_text = PROMPTS_TEXT, "\n".join(f"prompt {i}" for i in range(6))
+    form.knobs.update({"train.optimizer": True, "backward.mode": "exact", "train.iterations": 7.0})
+    config = build_config(form, tmp_path)
+    assert [(r.name, r.weight) for r in config.rewards] == [("jpeg_compressibility", 0.25),
+                                                           ("jpeg_incompressibility", 1.0)]
+    assert config.prompts.source == str(tmp_path / "prompts.txt")
+    assert (tmp_path / "prompts.txt").read_text().splitlines()[-1] == "prompt 5"
+    assert (config.train.optimizer, config.backward.mode, config.train.iterations) == ("adamw8bit", "exact", 7)
+    assert len({k.elem_id for k in KNOBS}) == len(KNOBS)
+
+
+def test_form_refuses_a_bad_weight_and_an_unknown_reward(tmp_path):
+    form = Form(preset="tiny-sd3", name="x", model="tiny-sd3", rewards=["jpeg_compressibility"],
+                weights=[["jpeg_compressibility", "heavy"]], prompt_set="general")
+    with pytest.raises(UserError, match="the weight of reward 'jpeg_compressibility' must be a number"):
+        build_config(form, tmp_path)
+    form.rewards, form.weights = ["no_such_reward"], []
+    with pytest.raises(UserError, match="unknown reward 'no_such_reward'"):
+        build_config(form, tmp_path)
+
+
+# --- job control -------------------------------------------------------------------------------------------------
+
+def test_a_stale_lock_is_cleared_and_the_silent_run_marked_failed(tmp_path):
+    run_dir = tmp_path / "dead-20250101-000000"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("name: dead\n")
+    (run_dir / "stdout.log").write_text("loading\njagg_core.run: error: unknown preset 'nope'\n")
+    gone = subprocess.Popen(["true"], start_new_session=True)
+    gone.wait()
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"run_dir": str(run_dir), "pid": gone.pid, "pgid": gone.pid,
+                                                  "started_at": time.time(), "resumed": False}))
+    jobs = JobControl(tmp_path)
+    assert jobs.active() is None and not (tmp_path / LOCK_NAME).exists()
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "failed"
+    assert status["message"] == "the training process ended: jagg_core.run: error: unknown preset 'nope'"
+    assert jobs.runs() == [run_dir]
+    assert live.status_words(run_dir, live.progress(run_dir)).startswith("**Failed.**")
+
+
+def test_new_run_dirs_are_unique_and_listed_newest_first(tmp_path):
+    jobs = JobControl(tmp_path)
+    first, second = jobs.new_run_dir("my run!"), jobs.new_run_dir("my run!")
+    assert first.name.startswith("my-run-") and second.name == first.name + "-2"
+    for path in (first, second):
+        (path / "config.yaml").write_text("name: x\n")
+    assert jobs.runs() == [second, first]
+
+
+def test_duration_words():
+    assert [live.duration(s) for s in (None, 5, 75, 3725)] == ["–", "5 s", "1 min 15 s", "1 h 02 min"]
