@@ -45,12 +45,13 @@ def runs_root() -> Path:
 
 def launch_command(run_dir: Path, mixed_precision: str, resume: bool) -> list[str]:
     """The ``accelerate launch`` command line of a one-process job (``--cpu`` when there is no CUDA GPU)."""
+    import psutil
     import torch
 
     command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
                "--mixed_precision", mixed_precision, "--dynamo_backend", "no"]
-    if not torch.cuda.is_available():
-        command.append("--cpu")
+    if not torch.cuda.is_available():  # the thread count accelerate would pick, given to keep its warning out of the log
+        command += ["--cpu", "--num_cpu_threads_per_process", str(psutil.cpu_count(logical=False) or 1)]
     command += ["-m", "jagg_core.run", "--config", str(run_dir / "config.yaml"), "--output-dir", str(run_dir)]
     return command + (["--resume"] if resume else [])
 

@@ -333,12 +333,12 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                                             height=240, elem_id="loss-plot")
                 gr.Markdown("**Fixed-seed eval samples** (held-out prompts): the base model beside the latest.")
                 with gr.Row():
-                    base_samples = gr.Gallery(label="Iteration 0 (base model)", columns=4, height=300,
+                    base_samples = gr.Gallery(label="Iteration 0 (base model)", columns=2, height=380,
                                               object_fit="contain", elem_id="base-samples")
-                    latest_samples = gr.Gallery(label="Latest", columns=4, height=300, object_fit="contain",
+                    latest_samples = gr.Gallery(label="Latest", columns=2, height=380, object_fit="contain",
                                                 elem_id="latest-samples")
                 rollouts = gr.Gallery(label="Latest rollouts (training images, captioned with their reward)",
-                                      columns=8, height=240, object_fit="contain", elem_id="rollouts")
+                                      columns=6, height=280, object_fit="contain", elem_id="rollouts")
                 log = gr.Textbox(label="Log", lines=10, max_lines=10, autoscroll=True, interactive=False,
                                  elem_id="log")
 

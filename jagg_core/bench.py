@@ -318,8 +318,10 @@ def bench_iterations(model: str, options: BenchOptions) -> list[dict]:
         for seed in options.seeds:
             trainers = {}
             for variant in variants:
-                # iterations + 1 so that the measured iterations neither sample nor checkpoint
-                config = bench_config(model, [f"train.seed={seed}", f"train.iterations={options.iterations + 1}"])
+                # the measured iterations neither sample nor checkpoint: both happen at iteration N + 1
+                beyond = options.iterations + 1
+                config = bench_config(model, [f"train.seed={seed}", f"train.iterations={beyond}",
+                                              f"train.sample_every={beyond}", f"train.checkpoint_every={beyond}"])
                 config.backward = variant.backward_config()
                 trainers[variant] = Trainer(config, Path(root) / f"{variant.mode}-{seed}")
                 trainers[variant].setup()

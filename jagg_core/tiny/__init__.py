@@ -9,3 +9,9 @@
 * :mod:`.evaluate`: ``python -m jagg_core.tiny.evaluate`` scores ODE samples of the 64 held-out
   captions with the ``shapes`` reward (:mod:`jagg_core.rewards.shapes`).
 """
+
+from pathlib import Path
+
+#: Where the build writes the pipeline folder, and the name presets use for it.
+PIPELINE_NAME = "jagg-shapes"
+PIPELINE_DIR = Path(__file__).resolve().parent.parent / "assets" / PIPELINE_NAME

@@ -19,8 +19,11 @@ from diffusers import StableDiffusion3Pipeline
 from PIL import Image
 
 from ..rewards.shapes import PARTS, shape_scores
-from .build import DEFAULT_OUT
+from . import PIPELINE_DIR
 from .dataset import caption_split
+
+EVAL_STEPS = 20
+EVAL_SEED = 1234
 
 
 def load_pipeline(folder: str | Path) -> StableDiffusion3Pipeline:
@@ -50,7 +53,7 @@ def save_grid(images: torch.Tensor, path: Path, columns: int = 8, zoom: int = 4)
     Image.fromarray(grid).resize((columns * w * zoom, rows * h * zoom), Image.Resampling.NEAREST).save(path)
 
 
-def evaluate(folder: str | Path, steps: int = 20, seed: int = 1234, guidance_scale: float = 1.0,
+def evaluate(folder: str | Path, steps: int = EVAL_STEPS, seed: int = EVAL_SEED, guidance_scale: float = 1.0,
              grid: Path | None = None) -> dict[str, float]:
     """Mean ``shapes`` reward (and parts) of ODE samples of the 64 held-out captions."""
     pipe = load_pipeline(folder)
@@ -67,9 +70,9 @@ def evaluate(folder: str | Path, steps: int = 20, seed: int = 1234, guidance_sca
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m jagg_core.tiny.evaluate", description=__doc__.splitlines()[0])
-    parser.add_argument("folder", nargs="?", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("folder", nargs="?", type=Path, default=PIPELINE_DIR)
+    parser.add_argument("--steps", type=int, default=EVAL_STEPS)
+    parser.add_argument("--seed", type=int, default=EVAL_SEED)
     parser.add_argument("--guidance-scale", type=float, default=1.0)
     parser.add_argument("--grid", type=Path, default=None, help="save the samples as a PNG grid here")
     args = parser.parse_args(argv)

@@ -1,0 +1,54 @@
+"""The page in a real headless Chromium (Debian's ``chromium``, driven by Playwright): open it, start a tiny run with
+the Start button, see the eval sample previews appear and the run finish, and save a screenshot (also kept as
+``docs/screenshot.png`` for the README). CI installs ``chromium``; without it this test is skipped."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.test_app import REPO, serve_app
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+# the form fields set before Start (elem ids of the knobs), for a run of a few seconds per iteration
+FAST_FIELDS = {"knob-train-iterations": "2", "knob-sampling-num-steps": "4", "knob-grpo-num-generations": "2",
+               "knob-sampling-resolution": "16"}
+
+
+@pytest.mark.skipif(not CHROMIUM.is_file(), reason="needs Debian's chromium at /usr/bin/chromium "
+                                                   "(apt-get install chromium); CI installs it")
+def test_start_a_run_in_the_browser_and_see_samples(tmp_path):
+    from playwright.sync_api import expect, sync_playwright
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    with serve_app(runs) as url, sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1440, "height": 900})
+            page.goto(url)
+            expect(page.locator("#run-status")).to_contain_text("No run yet", timeout=30_000)
+            for elem_id, value in FAST_FIELDS.items():
+                field = page.locator(f"#{elem_id} input")
+                field.fill(value)
+                field.blur()
+            page.locator("#start-btn").click()
+            expect(page.locator("#form-message")).to_contain_text("Started", timeout=30_000)
+            expect(page.locator("#base-samples img").first).to_be_visible(timeout=150_000)
+            expect(page.locator("#run-status")).to_contain_text("Finished", timeout=150_000)
+            expect(page.locator("#latest-samples img").first).to_be_visible(timeout=30_000)
+            expect(page.locator("#progress input[type=number]")).to_have_value("2", timeout=10_000)
+            expect(page.locator("#start-btn")).to_be_enabled(timeout=30_000)  # the job's processes have exited
+            page.wait_for_timeout(3000)  # let the plots draw
+            shot = tmp_path / "screenshot.png"
+            page.screenshot(path=str(shot), full_page=True)
+        finally:
+            browser.close()
+    assert shot.stat().st_size > 10_000
+    docs = REPO / "docs"
+    docs.mkdir(exist_ok=True)
+    shutil.copyfile(shot, docs / "screenshot.png")
