@@ -50,7 +50,7 @@ def launch_command(run_dir: Path, mixed_precision: str, resume: bool) -> list[st
 
     command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
                "--mixed_precision", mixed_precision, "--dynamo_backend", "no"]
-    if not torch.cuda.is_available():  # the thread count accelerate would pick, given to keep its warning out of the log
+    if not torch.cuda.is_available():  # the thread count accelerate picks; given, it keeps a warning out of the log
         command += ["--cpu", "--num_cpu_threads_per_process", str(psutil.cpu_count(logical=False) or 1)]
     command += ["-m", "jagg_core.run", "--config", str(run_dir / "config.yaml"), "--output-dir", str(run_dir)]
     return command + (["--resume"] if resume else [])
@@ -110,6 +110,7 @@ class JobControl:
         self.lock_file = root / LOCK_NAME
         self._mutex = threading.Lock()
         self._children: dict[int, subprocess.Popen] = {}  # jobs this process launched, reaped by poll()
+        self._stopping: int | None = None  # pid of the job stop() is ending
 
     # ----- the lock ------------------------------------------------------------------------
     def _read_lock(self) -> dict | None:
@@ -134,6 +135,8 @@ class JobControl:
                 child.poll()
             if _group_alive(lock["pgid"]):
                 return Job(Path(lock["run_dir"]), lock["pid"], lock["pgid"], lock["started_at"], lock["resumed"])
+            if lock["pid"] == self._stopping:
+                return None  # stop() records the end and removes the lock itself
             self._finish(Path(lock["run_dir"]), lock["pid"], stopped=False)
         self.lock_file.unlink(missing_ok=True)
         return None
@@ -188,16 +191,20 @@ class JobControl:
             job = self.active()
             if job is None:
                 return None
-            self._signal(job.pgid, signal.SIGTERM)
-            deadline = time.monotonic() + grace_s
-            while self._alive(job) and time.monotonic() < deadline:
-                time.sleep(0.2)
-            if self._alive(job):
-                self._signal(job.pgid, signal.SIGKILL)
-                while self._alive(job) and time.monotonic() < deadline + 10:
+            self._stopping = job.pid
+            try:
+                self._signal(job.pgid, signal.SIGTERM)
+                deadline = time.monotonic() + grace_s
+                while self._alive(job) and time.monotonic() < deadline:
                     time.sleep(0.2)
-            self._finish(job.run_dir, job.pid, stopped=True)
-            self.lock_file.unlink(missing_ok=True)
+                if self._alive(job):
+                    self._signal(job.pgid, signal.SIGKILL)
+                    while self._alive(job) and time.monotonic() < deadline + 10:
+                        time.sleep(0.2)
+                self._finish(job.run_dir, job.pid, stopped=True)
+                self.lock_file.unlink(missing_ok=True)
+            finally:
+                self._stopping = None
             return job
 
     def _alive(self, job: Job) -> bool:

@@ -116,18 +116,26 @@ def timing_words(prog: Progress | None) -> str:
     return " · ".join(parts)
 
 
+# metrics.jsonl key -> series label, for the reward plot and the loss plot
+REWARD_SERIES = {"reward_mean": "rollout reward", "eval_reward_mean": "eval reward (fixed seeds)"}
+LOSS_SERIES = {"loss": "loss", "kl": "KL"}
+
+
 def curves(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Long-format frames ``(iteration, value, series)`` for the reward plot and the loss plot."""
     rows = RunDirectory(run_dir).read_metrics()
-    reward_series = {"reward_mean": "rollout reward", "eval_reward_mean": "eval reward (fixed seeds)"}
-    loss_series = {"loss": "loss", "kl": "KL"}
 
     def frame(series: dict[str, str]) -> pd.DataFrame:
         points = [(row["iteration"], float(row[key]), label) for row in rows for key, label in series.items()
                   if isinstance(row.get(key), (int, float)) and "iteration" in row]
-        return pd.DataFrame(points, columns=["iteration", "value", "series"])
+        # The page's plot fixes its axis types and series from the first frame it gets, so every frame is typed
+        # and names every series (one not measured yet gets a NaN point, which is not drawn).
+        present = {label for _, _, label in points}
+        points += [(0, float("nan"), label) for label in series.values() if label not in present]
+        return pd.DataFrame(points, columns=["iteration", "value", "series"]).astype(
+            {"iteration": "int64", "value": "float64", "series": "str"})
 
-    return frame(reward_series), frame(loss_series)
+    return frame(REWARD_SERIES), frame(LOSS_SERIES)
 
 
 def images(folder: Path) -> list[tuple[str, str]]:

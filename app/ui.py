@@ -38,6 +38,7 @@ from .form import (ADVANCED_KNOBS, KNOBS, MAIN_KNOBS, PROMPT_MODES, PROMPTS_BUIL
 from .jobs import JobControl, runs_root
 
 REFRESH_S = 1.5
+SERIES_COLORS = ("#2563eb", "#f97316")
 LATEST_ADAPTER = "latest adapter"
 PRIVATE, PUBLIC = "private", "public"
 FORM_FIELDS = ("preset", "name", "model", "rewards", "weights", "prompt_mode", "prompt_set", "prompt_file",
@@ -67,6 +68,12 @@ def _grid(knobs: tuple[Knob, ...], values: dict, per_row: int) -> list[gr.compon
         with gr.Row():
             components += [_knob_component(k, values[k.key]) for k in knobs[start:start + per_row]]
     return components
+
+
+def _colors(series: dict[str, str]) -> dict[str, str]:
+    """A fixed colour per series label. The plot's legend is fixed by its first data otherwise, and a series that
+    appears later (the first eval after the first rollouts) would not be drawn."""
+    return dict(zip(series.values(), SERIES_COLORS))
 
 
 def _named(fn, names: tuple[str, ...]):
@@ -235,8 +242,8 @@ class Studio:
             *changed("bar", bar, lambda: gr.update(value=bar[0], maximum=max(bar[1], 1))),
             *changed("metrics", (selected, mtime(run_dir and run_dir / "metrics.jsonl")),
                      lambda: live.curves(run_dir) if run_dir else (None, None), count=2),
-            *changed("samples", (selected, tuple(sample_iterations), mtime(last_samples and last_samples / "prompts.json")),
-                     samples, count=2),
+            *changed("samples", (selected, tuple(sample_iterations),
+                                 mtime(last_samples and last_samples / "prompts.json")), samples, count=2),
             *changed("rollouts", (selected, mtime(rollouts and rollouts / "prompts.json")),
                      lambda: live.images(rollouts) if rollouts else []),
             *changed("log", log, lambda: log),
@@ -327,10 +334,10 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                                          elem_id="progress")
                 timing = gr.Markdown(elem_id="timing")
                 with gr.Row():
-                    reward_plot = gr.LinePlot(x="iteration", y="value", color="series", title="Reward",
-                                              height=240, elem_id="reward-plot")
-                    loss_plot = gr.LinePlot(x="iteration", y="value", color="series", title="Loss",
-                                            height=240, elem_id="loss-plot")
+                    reward_plot = gr.LinePlot(x="iteration", y="value", color="series", title="Reward", height=240,
+                                              color_map=_colors(live.REWARD_SERIES), elem_id="reward-plot")
+                    loss_plot = gr.LinePlot(x="iteration", y="value", color="series", title="Loss", height=240,
+                                            color_map=_colors(live.LOSS_SERIES), elem_id="loss-plot")
                 gr.Markdown("**Fixed-seed eval samples** (held-out prompts): the base model beside the latest.")
                 with gr.Row():
                     base_samples = gr.Gallery(label="Iteration 0 (base model)", columns=2, height=380,

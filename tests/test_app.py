@@ -122,6 +122,16 @@ def test_invalid_input_is_refused_with_the_reason_and_nothing_starts(served, fie
     assert client.predict(api_name="/status")["active"] is False
 
 
+def test_loading_a_preset_fills_the_form(served):
+    client, _ = served
+    values = dict(zip(["description", "name", "model", "rewards", "weights", "prompt_mode", "prompt_set",
+                       *(k.key for k in KNOBS)], client.predict("sd35-medium-pickscore", api_name="/load_preset")))
+    config = load_config(preset="sd35-medium-pickscore")
+    assert (values["name"], values["model"], values["rewards"]) == (config.name, config.model.name, ["pickscore"])
+    assert values["weights"]["data"] == [["pickscore", 1.0]] and values["prompt_set"] == config.prompts.source
+    assert (values["train.iterations"], values["lora.rank"], values["train.mixed_precision"]) == (1000, 32, "bf16")
+
+
 # --- served: a run's whole life -------------------------------------------------------------------------------------
 
 def test_run_lifecycle_start_refuse_stop_resume_finish_push(served, fake_hub):

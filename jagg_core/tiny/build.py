@@ -10,7 +10,8 @@ Stages, all on the CPU and deterministic given ``--seed``:
 3. train two small ``CLIPTextModelWithProjection`` encoders (word-level tokenizer, no T5)
    jointly with a small ``SD3Transformer2DModel`` by rectified flow matching on the latents:
    ``x_s = (1 - s) x_0 + s noise``, target ``noise - x_0``, ``s`` logit-normal, timestep
-   ``1000 s``, 10% empty captions (so classifier-free guidance works), EMA weights kept;
+   ``1000 s``, 10% empty captions (so classifier-free guidance works), a log-uniform number of
+   zero "T5" tokens per batch (so any ``max_sequence_length`` works), EMA weights kept;
 4. save the ``StableDiffusion3Pipeline`` (EMA weights) and check that it reloads, that the
    collapsed-padding training equals the pipeline's 256-token padding, and its eval reward
    (:mod:`jagg_core.tiny.evaluate`).
@@ -42,6 +43,7 @@ from .tokenizer import build_tokenizer
 IMAGE_SIZE = 32
 TOKENS = 16  # CLIP context length (captions are at most 12 tokens with BOS/EOS)
 T5_PADDING = 256  # zero tokens the SD3 pipeline appends without text_encoder_3 (its default)
+PADDING_RANGE = (4, 512)  # training draws the zero-token count log-uniformly from this range
 CAPTION_DROPOUT = 0.1
 EMA_DECAY = 0.998
 
@@ -141,9 +143,12 @@ def train_flow(transformer, encoders, tokenizer, latents: torch.Tensor, captions
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda i: min(1.0, (i + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * i / steps)))
     )
-    transformer.set_attn_processor(CollapsedPaddingAttnProcessor(T5_PADDING))
+    padding = CollapsedPaddingAttnProcessor(T5_PADDING)
+    transformer.set_attn_processor(padding)
+    low, high = math.log(PADDING_RANGE[0]), math.log(PADDING_RANGE[1])
     modules.train()
     for step in range(steps):
+        padding.set_copies(math.exp(low + (high - low) * torch.rand((), generator=generator).item()))
         index = torch.randint(len(latents), (batch,), generator=generator)
         x0 = latents[index]
         drop = torch.rand(batch, generator=generator) < CAPTION_DROPOUT

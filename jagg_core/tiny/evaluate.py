@@ -1,6 +1,7 @@
 """Evaluate a ``jagg-shapes`` pipeline folder: the ``shapes`` reward of ODE samples of held-out prompts.
 
-    python -m jagg_core.tiny.evaluate [FOLDER] [--steps 20] [--seed 1234] [--grid grid.png]
+    python -m jagg_core.tiny.evaluate [FOLDER] [--steps 20] [--seed 1234] [--max-sequence-length 256]
+                                      [--guidance-scale 1.0] [--grid grid.png]
 
 Samples one image per held-out caption (:func:`jagg_core.tiny.dataset.caption_split`) with the
 pipeline's Euler ODE sampler, no classifier-free guidance, a fixed seed; prints the mean reward
@@ -33,11 +34,11 @@ def load_pipeline(folder: str | Path) -> StableDiffusion3Pipeline:
 
 @torch.no_grad()
 def sample(pipe: StableDiffusion3Pipeline, prompts: list[str], steps: int, seed: int,
-           guidance_scale: float = 1.0) -> torch.Tensor:
+           guidance_scale: float = 1.0, max_sequence_length: int = 256) -> torch.Tensor:
     """ODE samples ``[N, 3, H, W]`` in [0, 1], one per prompt, from one seeded generator."""
     generator = torch.Generator().manual_seed(seed)
     out = pipe(prompt=prompts, num_inference_steps=steps, guidance_scale=guidance_scale, generator=generator,
-               output_type="pt")
+               max_sequence_length=max_sequence_length, output_type="pt")
     return out.images.float()
 
 
@@ -54,12 +55,12 @@ def save_grid(images: torch.Tensor, path: Path, columns: int = 8, zoom: int = 4)
 
 
 def evaluate(folder: str | Path, steps: int = EVAL_STEPS, seed: int = EVAL_SEED, guidance_scale: float = 1.0,
-             grid: Path | None = None) -> dict[str, float]:
+             max_sequence_length: int = 256, grid: Path | None = None) -> dict[str, float]:
     """Mean ``shapes`` reward (and parts) of ODE samples of the 64 held-out captions."""
     pipe = load_pipeline(folder)
     pipe.set_progress_bar_config(disable=True)
     _, prompts = caption_split()
-    images = sample(pipe, prompts, steps, seed, guidance_scale)
+    images = sample(pipe, prompts, steps, seed, guidance_scale, max_sequence_length)
     parts = shape_scores(images, prompts)
     result = {"reward": torch.stack([parts[p] for p in PARTS]).mean(0).mean().item()}
     result.update({part: parts[part].mean().item() for part in PARTS})
@@ -74,9 +75,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=EVAL_STEPS)
     parser.add_argument("--seed", type=int, default=EVAL_SEED)
     parser.add_argument("--guidance-scale", type=float, default=1.0)
+    parser.add_argument("--max-sequence-length", type=int, default=256, help="zero T5 tokens (pipeline default 256)")
     parser.add_argument("--grid", type=Path, default=None, help="save the samples as a PNG grid here")
     args = parser.parse_args(argv)
-    result = evaluate(args.folder, args.steps, args.seed, args.guidance_scale, args.grid)
+    result = evaluate(args.folder, args.steps, args.seed, args.guidance_scale, args.max_sequence_length, args.grid)
     print(json.dumps({k: round(v, 4) for k, v in result.items()}))
 
 

@@ -6,6 +6,9 @@ through every block (same input, same per-token layers, same attention query), s
 represented by one token whose attention logit gets ``+log(256)``: softmax over 256 equal keys
 is softmax over one key weighted 256 times. Training with this processor and one zero token
 gives exactly the function the pipeline computes with 256, at a quarter of the tokens.
+
+The build varies ``copies`` from batch to batch (:meth:`CollapsedPaddingAttnProcessor.set_copies`),
+so that the model works with any ``max_sequence_length`` (JAGG's default is 77; 8 is cheapest).
 """
 
 from __future__ import annotations
@@ -21,6 +24,10 @@ class CollapsedPaddingAttnProcessor:
     """SD3 joint attention where the last context token stands for ``copies`` equal tokens."""
 
     def __init__(self, copies: int):
+        self.set_copies(copies)
+
+    def set_copies(self, copies: float) -> None:
+        """Let the last context token stand for ``copies`` equal tokens from now on."""
         self.log_copies = math.log(copies)
 
     def __call__(self, attn: Attention, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
