@@ -4,7 +4,7 @@
 
 Every comparison runs in one process on the same model, the same rollout batch and the same seeds,
 through the project's own code: :class:`~jagg_core.trainer.Trainer` (set-up, rollout, iterations),
-:func:`~jagg_core.jagg.make_plan` and :func:`~jagg_core.jagg.run_backward` under one
+:meth:`~jagg_core.trainer.Trainer.accumulate_gradients` (``make_plan`` + ``run_backward``) under one
 :class:`~jagg_core.config.BackwardConfig` per variant.
 
 1. **Train phase** (the backward of one rollout batch, LoRA gradients from zero) for ``exact`` and
@@ -43,8 +43,8 @@ from pathlib import Path
 import torch
 
 from .config import DEFAULT_PRESET, BackwardConfig, RunConfig, list_presets, load_config
-from .grpo import LossSettings, group_advantages
-from .jagg import BackwardPlan, make_plan, run_backward
+from .grpo import group_advantages
+from .jagg import BackwardPlan
 from .models import embedded_models
 from .quiet import quiet_libraries
 from .trainer import Trainer
@@ -119,8 +119,9 @@ class BenchOptions:
 
     @classmethod
     def quick(cls, **changes) -> "BenchOptions":
-        """The ``--quick`` set: 2 repeats, W = 5 only on the larger models, 6 iterations."""
-        return cls(**{"other_windows": (5,), "repeats": 2, "iterations": 6, **changes})
+        """The ``--quick`` set: W in {2, 5} (exactness and the target window), W = 5 only on the larger
+        models, 2 repeats, 6 iterations."""
+        return cls(**{"windows": (2, 5), "other_windows": (5,), "repeats": 2, "iterations": 6, **changes})
 
     def grid(self, index: int) -> list[Variant]:
         if index == 0:
@@ -157,14 +158,11 @@ class Workload:
 
     def backward(self, variant: Variant) -> BackwardPlan:
         """The train phase under ``variant``: the LoRA gradient of the whole batch into ``.grad``
-        (as :meth:`Trainer.train_on` with one micro-batch, before its optimizer step)."""
-        trainer, cfg, backward = self.trainer, self.trainer.config, variant.backward_config()
-        for param in trainer.params:
+        (:meth:`Trainer.accumulate_gradients`, as in training before the optimizer step)."""
+        for param in self.trainer.params:
             param.grad = None
-        plan = make_plan(backward, self.traj, trainer.trained_steps)
-        settings = LossSettings(cfg.grpo.clip_range, cfg.grpo.kl_beta, scale=1 / trainer.trained_steps)
-        run_backward(trainer.model, self.traj, self.cond, self.advantages, plan, settings, backward, on_policy=True,
-                     backward=trainer.accelerator.backward, autocast=trainer.accelerator.autocast)
+        _, plan = self.trainer.accumulate_gradients(self.traj, self.cond, self.advantages,
+                                                    variant.backward_config(), on_policy=True)
         synchronize(self.device)
         return plan
 

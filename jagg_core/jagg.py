@@ -178,15 +178,9 @@ def run_backward(model: FlowModel, batch: Trajectory, cond: Conditioning, advant
     # Upstream gradients of the interpolated steps, aggregated at their window's endpoints.
     composite: dict[int, torch.Tensor] = {}
     if plan.interpolated:
-        endpoint_now = _current_endpoint_velocities(plan, batch, forward, on_policy, config)
+        velocities = _intermediate_velocities(plan, batch, forward, on_policy, config)
         for j, (a, b, alpha) in plan.interpolated.items():
-            with torch.no_grad():
-                if config.velocities == "forward":
-                    v_j = forward([j])[0]
-                else:
-                    v_j = (batch.velocities[j] + (1 - alpha) * (endpoint_now[a] - batch.velocities[a])
-                           + alpha * (endpoint_now[b] - batch.velocities[b]))
-            v_j = v_j.detach().float().requires_grad_(True)
+            v_j = velocities[j].detach().float().requires_grad_(True)
             loss_j, step_stats = step_loss(v_j, j, batch, advantages, settings)
             (s_j,) = torch.autograd.grad(loss_j, v_j)
             composite[a] = composite.get(a, 0) + (1 - alpha) * s_j
@@ -214,11 +208,23 @@ def run_backward(model: FlowModel, batch: Trajectory, cond: Conditioning, advant
     return BackwardResult(loss_total, average("kl"), average("ratio"), average("clip_frac"), len(plan.pass_steps))
 
 
-def _current_endpoint_velocities(plan: BackwardPlan, batch: Trajectory, forward, on_policy: bool,
-                                 config: BackwardConfig) -> dict[int, torch.Tensor]:
-    """Endpoint velocities under the current parameters, for the cached correction."""
-    endpoints = sorted({e for a, b, _ in plan.interpolated.values() for e in (a, b)})
-    if on_policy or config.velocities == "forward":
-        return {e: batch.velocities[e] for e in endpoints}
+def _intermediate_velocities(plan: BackwardPlan, batch: Trajectory, forward, on_policy: bool,
+                             config: BackwardConfig) -> dict[int, torch.Tensor]:
+    """``v_j`` of every interpolated step under the current parameters (no grad).
+
+    ``forward``: one stacked no-grad forward per window over its intermediate steps. ``cached``: the
+    rollout velocity plus the endpoint correction; on-policy the correction is zero, and off-policy
+    the current endpoint velocities come from one stacked no-grad forward.
+    """
     with torch.no_grad():
-        return {e: forward([e])[0] for e in endpoints}
+        if config.velocities == "forward":
+            by_window: dict[tuple[int, int], list[int]] = {}
+            for j, (a, b, _) in plan.interpolated.items():
+                by_window.setdefault((a, b), []).append(j)
+            return {j: v for steps in by_window.values() for j, v in zip(steps, forward(steps))}
+        if on_policy:
+            return {j: batch.velocities[j] for j in plan.interpolated}
+        endpoints = sorted({e for a, b, _ in plan.interpolated.values() for e in (a, b)})
+        now = dict(zip(endpoints, forward(endpoints)))
+        return {j: batch.velocities[j] + (1 - alpha) * (now[a] - batch.velocities[a])
+                + alpha * (now[b] - batch.velocities[b]) for j, (a, b, alpha) in plan.interpolated.items()}

@@ -20,10 +20,10 @@ import torch
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
-from .config import RunConfig
+from .config import BackwardConfig, RunConfig
 from .errors import UserError
 from .grpo import LossSettings, group_advantages
-from .jagg import make_plan, run_backward
+from .jagg import BackwardPlan, make_plan, run_backward
 from .models import load_flow_model
 from .prompts import load_prompts, split_prompts
 from .rewards import build_rewards
@@ -127,33 +127,41 @@ class Trainer:
         rewards, parts = self.reward(images, sample_prompts)
         return traj, cond, sample_prompts, images, rewards, parts
 
+    def accumulate_gradients(self, traj, cond, advantages: torch.Tensor, backward: BackwardConfig,
+                             on_policy: bool) -> tuple[list, BackwardPlan]:
+        """Add the LoRA gradient of the whole rollout batch to ``.grad``, one micro-batch at a time
+        (``train.gradient_accumulation_steps`` of them); each micro-batch's loss is weighted by its share."""
+        n = advantages.shape[0]
+        chunks = torch.arange(n).tensor_split(min(self.config.train.gradient_accumulation_steps, n))
+        results, plan = [], None
+        for index in chunks:
+            batch = traj.select(index)
+            plan = make_plan(backward, batch, self.trained_steps)
+            settings = LossSettings(self.config.grpo.clip_range, self.config.grpo.kl_beta,
+                                    scale=len(index) / n / self.trained_steps)
+            results.append(run_backward(
+                self.model, batch, {k: v[index] for k, v in cond.items()}, advantages[index], plan, settings,
+                backward, on_policy=on_policy, backward=self.accelerator.backward, autocast=self.accelerator.autocast))
+        return results, plan
+
     def train_on(self, traj, cond, rewards) -> dict:
+        """``grpo.inner_epochs`` optimizer steps on one rollout batch; the first is on-policy."""
         cfg = self.config
         advantages = group_advantages(rewards, cfg.grpo.num_generations, cfg.grpo.adv_clip).to(self.accelerator.device)
-        n = advantages.shape[0]
-        chunks = torch.arange(n).tensor_split(min(cfg.train.gradient_accumulation_steps, n))
-        results, grad_norms, skipped = [], [], False
-        plan = None
+        results, grad_norms, skipped, plan = [], [], False, None
         for epoch in range(cfg.grpo.inner_epochs):
-            for index in chunks:
-                batch = traj.select(index)
-                plan = make_plan(cfg.backward, batch, self.trained_steps)
-                settings = LossSettings(cfg.grpo.clip_range, cfg.grpo.kl_beta, scale=len(index) / n / self.trained_steps)
-                results.append(run_backward(
-                    self.model, batch, {k: v[index] for k, v in cond.items()}, advantages[index], plan, settings,
-                    cfg.backward, on_policy=epoch == 0, backward=self.accelerator.backward,
-                    autocast=self.accelerator.autocast))
+            epoch_results, plan = self.accumulate_gradients(traj, cond, advantages, cfg.backward, on_policy=epoch == 0)
+            results += epoch_results
             grad_norm, step_skipped = self._optimizer_step()
             grad_norms.append(grad_norm)
             skipped = skipped or step_skipped
         count = len(results)
-        # each chunk's loss is already weighted by its share of the batch: sum chunks, average epochs
-        stats = {"loss": sum(r.loss for r in results) / cfg.grpo.inner_epochs,
-                 "kl": sum(r.kl for r in results) / count, "ratio_mean": sum(r.ratio_mean for r in results) / count,
-                 "clip_frac": sum(r.clip_frac for r in results) / count, "grad_norm": grad_norms[-1],
-                 "skipped": skipped, "jagg_windows": len(plan.windows), "jagg_routed_frac": plan.routed_frac,
-                 "jagg_linearity_mean": plan.linearity_mean, "backward_passes": len(plan.pass_steps)}
-        return stats
+        # each micro-batch's loss is already weighted by its share of the batch: sum them, average epochs
+        return {"loss": sum(r.loss for r in results) / cfg.grpo.inner_epochs,
+                "kl": sum(r.kl for r in results) / count, "ratio_mean": sum(r.ratio_mean for r in results) / count,
+                "clip_frac": sum(r.clip_frac for r in results) / count, "grad_norm": grad_norms[-1],
+                "skipped": skipped, "jagg_windows": len(plan.windows), "jagg_routed_frac": plan.routed_frac,
+                "jagg_linearity_mean": plan.linearity_mean, "backward_passes": len(plan.pass_steps)}
 
     def _optimizer_step(self) -> tuple[float, bool]:
         """Average gradients over processes, clip, step; skip (and warn) if anything is non-finite."""

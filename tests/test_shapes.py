@@ -45,7 +45,9 @@ def test_captions_parse_back_and_the_prompt_set_lists_them_all():
 def test_held_out_captions_are_the_trainers_eval_split():
     train, held_out = caption_split()
     assert len(held_out) == EVAL_COUNT and not set(train) & set(held_out)
-    assert held_out == split_prompts(load_prompts("shapes"), EVAL_COUNT, SPLIT_SEED)[1]
+    prompts = load_prompts("shapes")
+    assert held_out == split_prompts(prompts, EVAL_COUNT, SPLIT_SEED)[1]
+    assert split_prompts(prompts, 8, SPLIT_SEED)[1] == held_out[:8]  # smaller eval sets stay held out
 
 
 def test_tokenizer_has_one_token_per_word(tmp_path):

@@ -2,7 +2,9 @@
 
 The held-out captions are exactly the eval prompts that :func:`jagg_core.prompts.split_prompts`
 picks from the built-in ``shapes`` set with ``eval_count=64`` and ``split_seed=0``; the model
-never sees them in training, so the eval reward measures generalisation to new combinations.
+never sees them in training, so the eval reward measures generalisation to new combinations. A
+run with ``split_seed=0`` and any ``eval_count`` up to 64 evaluates on the first ``eval_count``
+of them (``random.Random(0).sample`` draws them one by one, in the same order).
 """
 
 from __future__ import annotations
