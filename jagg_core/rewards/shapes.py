@@ -41,7 +41,8 @@ _ANCHORS = torch.tensor([POSITIONS[p] for p in POSITIONS], dtype=torch.float32)
 _PROTOTYPES = torch.tensor([SHAPE_PROTOTYPES[s] for s in SHAPES], dtype=torch.float32)
 
 
-def _soft_class(points: torch.Tensor, prototypes: torch.Tensor, target: torch.Tensor, temperature: float) -> torch.Tensor:
+def _soft_class(points: torch.Tensor, prototypes: torch.Tensor, target: torch.Tensor,
+                temperature: float) -> torch.Tensor:
     """``softmax(-|point - prototype|^2 / temperature)[target]`` for each row of ``points``."""
     logits = -torch.cdist(points, prototypes).square() / temperature
     return logits.softmax(-1).gather(1, target[:, None])[:, 0]

@@ -12,9 +12,9 @@ Stages, all on the CPU and deterministic given ``--seed``:
    ``x_s = (1 - s) x_0 + s noise``, target ``noise - x_0``, ``s`` logit-normal, timestep
    ``1000 s``, 10% empty captions (so classifier-free guidance works), a log-uniform number of
    zero "T5" tokens per batch (so any ``max_sequence_length`` works), EMA weights kept;
-4. save the ``StableDiffusion3Pipeline`` (EMA weights) and check that it reloads, that the
-   collapsed-padding training equals the pipeline's 256-token padding, and its eval reward
-   (:mod:`jagg_core.tiny.evaluate`).
+4. check that the collapsed-padding training equals the pipeline's 256-token padding, save the
+   ``StableDiffusion3Pipeline`` (EMA weights), reload it to score its held-out eval reward
+   (:mod:`jagg_core.tiny.evaluate`) and write ``build_info.json`` and ``README.md``.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from diffusers.models.attention_processor import JointAttnProcessor2_0
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+from diffusers.models.attention_processor import JointAttnProcessor2_0
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
 from ..rewards.shapes import ShapesReward
@@ -57,6 +57,7 @@ def log(message: str) -> None:
 # --------------------------------------------------------------------------------------------
 
 def make_vae() -> AutoencoderKL:
+    """Factor-4 VAE: 32x32x3 images <-> 8x8x4 latents (SD3 layout: no quant convs)."""
     return AutoencoderKL(
         in_channels=3, out_channels=3, latent_channels=4, sample_size=IMAGE_SIZE,
         down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
@@ -67,6 +68,7 @@ def make_vae() -> AutoencoderKL:
 
 
 def make_text_encoder(vocab_size: int) -> CLIPTextModelWithProjection:
+    """A 2-layer CLIP text encoder of width 32 with a 32-d projection (pooled output)."""
     config = CLIPTextConfig(
         vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=2, max_position_embeddings=TOKENS, projection_dim=32,
@@ -76,6 +78,8 @@ def make_text_encoder(vocab_size: int) -> CLIPTextModelWithProjection:
 
 
 def make_transformer() -> SD3Transformer2DModel:
+    """4 joint blocks of width 96 over the 8x8 latent (patch 1: 64 image tokens); the context is
+    the two CLIP encoders' hidden states side by side (64-d), the pooled input their projections."""
     return SD3Transformer2DModel(
         sample_size=IMAGE_SIZE // 4, patch_size=1, in_channels=4, out_channels=4, num_layers=4,
         attention_head_dim=32, num_attention_heads=3, joint_attention_dim=64, caption_projection_dim=96,
@@ -196,6 +200,7 @@ def check_collapsed_padding(transformer, encoders, tokenizer, latents: torch.Ten
 # --------------------------------------------------------------------------------------------
 
 def build(out: Path, seed: int, vae_steps: int, flow_steps: int, copies: int, vae_batch: int, batch: int) -> None:
+    """Train every component, then save, check and evaluate the pipeline folder ``out``."""
     started = time.time()
     torch.manual_seed(seed)
     torch.use_deterministic_algorithms(True)
@@ -250,7 +255,8 @@ def write_card(out: Path, info: dict) -> None:
     (out / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
     size_mb = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 1e6
     (out / "README.md").write_text(CARD.format(reward=info["eval"]["reward"], steps=EVAL_STEPS, size=size_mb,
-                                               seconds=info["build_seconds"], seed=info["seed"]))
+                                               seconds=info["build_seconds"], seed=info["seed"],
+                                               vae_steps=info["vae_steps"], flow_steps=info["flow_steps"]))
     log(f"eval: {info['eval']}; folder {size_mb:.1f} MB")
 
 
@@ -262,7 +268,8 @@ small CLIP text encoders over a word-level tokenizer (no T5: load with `text_enc
 tokenizer_3=None`), an `AutoencoderKL` (8x8x4 latents), an `SD3Transformer2DModel` trained by
 flow matching, `FlowMatchEulerDiscreteScheduler` (shift 1.0).
 
-Built by `python -m jagg_core.tiny.build --seed {seed}` on the CPU in {seconds} s; {size:.1f} MB.
+Built by `python -m jagg_core.tiny.build --seed {seed} --vae-steps {vae_steps} --flow-steps {flow_steps}`
+on the CPU in {seconds} s; {size:.1f} MB. Settings and eval figures: `build_info.json`.
 Mean `shapes` reward of Euler ODE samples ({steps} steps, no guidance) of the 64 held-out
 captions: {reward:.3f} (`python -m jagg_core.tiny.evaluate`).
 """
@@ -272,8 +279,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m jagg_core.tiny.build", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=PIPELINE_DIR, help="pipeline folder to write")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--vae-steps", type=int, default=400)
-    parser.add_argument("--flow-steps", type=int, default=2500)
+    parser.add_argument("--vae-steps", type=int, default=1200)
+    parser.add_argument("--flow-steps", type=int, default=1000)
     parser.add_argument("--copies", type=int, default=24, help="jittered drawings per training caption")
     parser.add_argument("--vae-batch", type=int, default=32)
     parser.add_argument("--batch", type=int, default=64, help="flow-matching batch")

@@ -40,9 +40,12 @@ class CollapsedPaddingAttnProcessor:
         def split_heads(x: torch.Tensor) -> torch.Tensor:
             return x.view(batch, -1, heads, x.shape[-1] // heads).transpose(1, 2)
 
-        query = torch.cat([split_heads(attn.to_q(hidden_states)), split_heads(attn.add_q_proj(encoder_hidden_states))], 2)
-        key = torch.cat([split_heads(attn.to_k(hidden_states)), split_heads(attn.add_k_proj(encoder_hidden_states))], 2)
-        value = torch.cat([split_heads(attn.to_v(hidden_states)), split_heads(attn.add_v_proj(encoder_hidden_states))], 2)
+        def project(image_proj, context_proj) -> torch.Tensor:
+            return torch.cat([split_heads(image_proj(hidden_states)), split_heads(context_proj(encoder_hidden_states))], 2)
+
+        query = project(attn.to_q, attn.add_q_proj)
+        key = project(attn.to_k, attn.add_k_proj)
+        value = project(attn.to_v, attn.add_v_proj)
         bias = torch.zeros(1, key.shape[2], dtype=query.dtype, device=query.device)
         bias[0, -1] = self.log_copies
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=bias)
