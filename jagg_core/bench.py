@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from .config import DEFAULT_PRESET, BackwardConfig, RunConfig, list_presets, load_config
+from .config import BackwardConfig, RunConfig, list_presets, load_config
 from .grpo import group_advantages
 from .jagg import BackwardPlan
 from .models import embedded_models
@@ -54,10 +54,10 @@ LARGE_MODEL = "bench-sd3-31m"
 JAGG_MODES = ("forward", "cached", "cached_shared")
 ROW_KEYS = ("section", "model", "params_m", "mode", "window", "joint", "frac", "seconds", "speedup",
             "peak_mem_ratio", "peak_mem_basis", "grad_cosine", "grad_rel_err")
-#: Overrides of the tiny-sd3 preset for models that have no preset of their own.
+#: The preset a model runs with when its name is not a preset's (default: tiny-sd3's), and overrides.
+MODEL_PRESETS = {EMBEDDED_MODEL: "shapes"}
 MODEL_OVERRIDES = {
     LARGE_MODEL: ["model.max_sequence_length=16"],
-    EMBEDDED_MODEL: ["rewards=[{name: shapes}]", "prompts.source=shapes"],
 }
 #: glibc settings of the memory subprocess: every buffer of 64 KiB or more is its own mapping, returned
 #: to the system when freed, so the resident set follows the live tensors and its peak is theirs.
@@ -135,10 +135,11 @@ def default_models() -> list[str]:
 
 
 def bench_config(model: str, overrides: list[str] = ()) -> RunConfig:
-    """The run config for ``model``: its preset if there is one, else tiny-sd3's with the model swapped in."""
+    """The run config for ``model``: its preset if there is one, else that of :data:`MODEL_PRESETS`
+    (tiny-sd3's by default) with the model swapped in."""
     if model in list_presets():
         return load_config(preset=model, overrides=list(overrides))
-    return load_config(preset=DEFAULT_PRESET,
+    return load_config(preset=MODEL_PRESETS.get(model, "tiny-sd3"),
                        overrides=[f"model.name={model}", *MODEL_OVERRIDES.get(model, []), *overrides])
 
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from .errors import UserError
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"
-DEFAULT_PRESET = "tiny-sd3"
+DEFAULT_PRESET = "shapes"
 
 
 class _Section(BaseModel):
@@ -27,7 +27,7 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     """The base flow model and how it is called."""
 
-    name: str = Field("tiny-sd3", description="tiny-sd3 | tiny-flux | tiny-qwen | embedded name | Hub id | local folder")
+    name: str = Field("jagg-shapes", description="tiny-sd3 | tiny-flux | tiny-qwen | embedded name | Hub id | local folder")
     revision: str | None = None
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     guidance_scale: float = Field(1.0, ge=0.0, description="classifier-free guidance; 1 disables CFG")
@@ -122,7 +122,7 @@ class RunConfig(_Section):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     grpo: GrpoConfig = Field(default_factory=GrpoConfig)
     backward: BackwardConfig = Field(default_factory=BackwardConfig)
-    rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec(name="jpeg_compressibility")])
+    rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec(name="shapes")])
     prompts: PromptsConfig = Field(default_factory=PromptsConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     hub: HubConfig = Field(default_factory=HubConfig)

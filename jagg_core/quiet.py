@@ -8,11 +8,15 @@ import warnings
 
 
 def quiet_libraries() -> None:
-    """Errors only from bitsandbytes, transformers, diffusers and huggingface_hub loggers."""
+    """Errors only from the libraries' loggers, and no loading progress bars."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     for name in ("bitsandbytes", "transformers", "diffusers", "huggingface_hub", "accelerate", "peft"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    import diffusers.utils.logging
+    import transformers.utils.logging
+    diffusers.utils.logging.disable_progress_bar()  # "Loading pipeline components"
+    transformers.utils.logging.disable_progress_bar()  # "Loading weights"
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", message=".*torchvision.*")

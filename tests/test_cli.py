@@ -129,3 +129,18 @@ def test_sigterm_stops_cleanly_and_says_how_to_resume(tmp_path):
     status = json.loads((run_dir / "status.json").read_text())
     assert status["state"] == "stopped"
     assert run.checkpoint_iterations()
+
+
+def test_the_default_preset_runs_with_no_arguments_but_a_short_length(tmp_path):
+    """``python -m jagg_core.run`` trains the embedded shapes model on the shapes reward."""
+    run_dir = tmp_path / "default"
+    result = run_cli("--set", "train.iterations=2", "--set", "train.sample_every=2", "--output-dir", str(run_dir))
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = RunDirectory(run_dir)
+    config = yaml.safe_load(run.config_file.read_text())
+    assert config["model"]["name"] == "jagg-shapes" and config["rewards"][0]["name"] == "shapes"
+    rows = run.read_metrics()
+    assert [r["iteration"] for r in rows] == [0, 1, 2]
+    assert 0.4 <= rows[0]["eval_reward_mean"] <= 0.85, "the base model's held-out reward leaves room for RL"
+    assert len(list(run.samples_dir(2).glob("*.png"))) == config["prompts"]["eval_count"]
+    assert run.read_status()["state"] == "finished"

@@ -200,6 +200,17 @@ class PackedFlowModel(FlowModel):
     ``mu(image_seq_len)`` (and the terminal stretch, if configured).
     """
 
+    def encode_prompts(self, prompts: list[str]) -> Conditioning:
+        cond = self.encode_without_cfg(prompts)
+        if self.use_cfg:
+            negative = self.encode_without_cfg([self.config.negative_prompt] * len(prompts))
+            cond.update({NEGATIVE + k: v for k, v in negative.items()})
+        return cond
+
+    @abstractmethod
+    def encode_without_cfg(self, prompts: list[str]) -> Conditioning:
+        """The prompts' conditioning tensors (the negative prompt is encoded by the same call)."""
+
     def latent_shape(self, resolution: int) -> tuple[int, ...]:
         return (self.image_seq_len(resolution), self.transformer.config.in_channels)
 

@@ -14,7 +14,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import UserError
-from .base import NEGATIVE, Conditioning, PackedFlowModel
+from .base import Conditioning, PackedFlowModel
 
 #: FluxPipeline.check_inputs rejects longer T5 sequences.
 MAX_T5_TOKENS = 512
@@ -33,14 +33,7 @@ class FluxModel(PackedFlowModel):
                             f"FLUX allows at most {MAX_T5_TOKENS}")
         super().__init__(pipe, config, device)
 
-    def encode_prompts(self, prompts: list[str]) -> Conditioning:
-        cond = self._encode(prompts)
-        if self.use_cfg:
-            negative = self._encode([self.config.negative_prompt] * len(prompts))
-            cond.update({NEGATIVE + k: v for k, v in negative.items()})
-        return cond
-
-    def _encode(self, prompts: list[str]) -> Conditioning:
+    def encode_without_cfg(self, prompts: list[str]) -> Conditioning:
         embeds, pooled, _text_ids = self.pipe.encode_prompt(prompt=prompts, prompt_2=None, device=self.device,
                                                             max_sequence_length=self.config.max_sequence_length)
         return {"prompt_embeds": embeds, "pooled_projections": pooled}

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .base import NEGATIVE, Conditioning, PackedFlowModel
+from .base import Conditioning, PackedFlowModel
 
 
 class QwenImageModel(PackedFlowModel):
@@ -23,14 +23,7 @@ class QwenImageModel(PackedFlowModel):
     # default_lora_targets: the base class's to_q/to_k/to_v/to_out.0, as diffusers'
     # examples/dreambooth/train_dreambooth_lora_qwen_image.py.
 
-    def encode_prompts(self, prompts: list[str]) -> Conditioning:
-        cond = self._encode(prompts)
-        if self.use_cfg:
-            negative = self._encode([self.config.negative_prompt] * len(prompts))
-            cond.update({NEGATIVE + k: v for k, v in negative.items()})
-        return cond
-
-    def _encode(self, prompts: list[str]) -> Conditioning:
+    def encode_without_cfg(self, prompts: list[str]) -> Conditioning:
         length = self.config.max_sequence_length
         embeds, mask = self.pipe.encode_prompt(prompt=prompts, device=self.device, max_sequence_length=length)
         if mask is None:  # the pipeline drops an all-ones mask

@@ -52,18 +52,22 @@ def tiny_vae(latent_channels: int) -> AutoencoderKL:
                          shift_factor=0.0609, scaling_factor=1.5035)
 
 
-def build_tiny_sd3() -> StableDiffusion3Pipeline:
+def tiny_sd3_pipeline(num_layers: int, heads: int, head_dim: int, context_length: int = 77) -> StableDiffusion3Pipeline:
     """SD3 with two tiny CLIP encoders and no T5 (the pipeline pads CLIP states to the joint dim)."""
-    tokenizer = tiny_clip_tokenizer()
-    transformer = SD3Transformer2DModel(sample_size=16, patch_size=2, in_channels=4, out_channels=4, num_layers=2,
-                                        attention_head_dim=16, num_attention_heads=2,
-                                        joint_attention_dim=2 * CLIP_HIDDEN, caption_projection_dim=32,
+    tokenizer = tiny_clip_tokenizer(max_length=context_length)
+    transformer = SD3Transformer2DModel(sample_size=16, patch_size=2, in_channels=4, out_channels=4,
+                                        num_layers=num_layers, attention_head_dim=head_dim, num_attention_heads=heads,
+                                        joint_attention_dim=2 * CLIP_HIDDEN, caption_projection_dim=heads * head_dim,
                                         pooled_projection_dim=2 * CLIP_HIDDEN, pos_embed_max_size=32)
     return StableDiffusion3Pipeline(
         transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=tiny_vae(4),
         text_encoder=tiny_clip_text_encoder(len(tokenizer)), tokenizer=tokenizer,
         text_encoder_2=tiny_clip_text_encoder(len(tokenizer)), tokenizer_2=tokenizer,
         text_encoder_3=None, tokenizer_3=None)
+
+
+def build_tiny_sd3() -> StableDiffusion3Pipeline:
+    return tiny_sd3_pipeline(num_layers=2, heads=2, head_dim=16)
 
 
 def tiny_t5_tokenizer() -> T5Tokenizer:
@@ -145,16 +149,7 @@ def build_bench_sd3() -> StableDiffusion3Pipeline:
     """A 31M-parameter SD3 transformer (6 joint blocks of width 384) with tiny-sd3's text encoders and
     VAE and a 16-token CLIP context: large enough that the benchmarks (``jagg_core.bench``) are
     compute-bound on a CPU. Pair it with ``model.max_sequence_length=16`` (the zero T5 padding)."""
-    tokenizer = tiny_clip_tokenizer(max_length=16)
-    transformer = SD3Transformer2DModel(sample_size=16, patch_size=2, in_channels=4, out_channels=4, num_layers=6,
-                                        attention_head_dim=64, num_attention_heads=6,
-                                        joint_attention_dim=2 * CLIP_HIDDEN, caption_projection_dim=384,
-                                        pooled_projection_dim=2 * CLIP_HIDDEN, pos_embed_max_size=32)
-    return StableDiffusion3Pipeline(
-        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=tiny_vae(4),
-        text_encoder=tiny_clip_text_encoder(len(tokenizer)), tokenizer=tokenizer,
-        text_encoder_2=tiny_clip_text_encoder(len(tokenizer)), tokenizer_2=tokenizer,
-        text_encoder_3=None, tokenizer_3=None)
+    return tiny_sd3_pipeline(num_layers=6, heads=6, head_dim=64, context_length=16)
 
 
 TINY_BUILDERS = {"tiny-sd3": build_tiny_sd3, "tiny-flux": build_tiny_flux, "tiny-qwen": build_tiny_qwen,
