@@ -14,9 +14,10 @@ from tests.test_app import REPO, serve_app
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-# the form fields set before Start (elem ids of the knobs), for a run of a few seconds per iteration
-FAST_FIELDS = {"knob-train-iterations": "2", "knob-sampling-num-steps": "4", "knob-grpo-num-generations": "2",
-               "knob-sampling-resolution": "16"}
+# the form fields set before Start (elem ids of the knobs), for a run of a few seconds per iteration at the
+# default (embedded shapes) model's native 32 px, so the screenshot shows what a user sees
+FAST_FIELDS = {"knob-train-iterations": "2", "knob-sampling-num-steps": "8", "knob-grpo-num-generations": "4",
+               "knob-sampling-resolution": "32"}
 
 
 @pytest.mark.skipif(not CHROMIUM.is_file(), reason="needs Debian's chromium at /usr/bin/chromium "

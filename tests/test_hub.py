@@ -226,7 +226,7 @@ def test_model_card_preview_of_a_bare_run(tmp_path, capsys):
     assert str(write_model_card(run, "alice/bare")) + "\n" == printed
     assert validate_card_metadata(printed) == []
     assert card.data.base_model is None and "widget" not in card.data.to_dict()
-    assert card.data.tags == ["lora", "diffusers", "grpo", "jagg", "jpeg_compressibility"]
+    assert card.data.tags == ["lora", "diffusers", "grpo", "jagg", "shapes"]
     assert "images/" not in card.text and 'pipe.load_lora_weights("alice/bare")' in card.text
 
 
