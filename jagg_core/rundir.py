@@ -22,9 +22,9 @@ import shutil
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
-from PIL import Image
+
+from .rewards.base import to_pil
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 STATE_FILE = "trainer_state.json"
@@ -38,12 +38,6 @@ def atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
-
-
-def tensor_to_pil(image: torch.Tensor) -> Image.Image:
-    """[3, H, W] in [0, 1] -> RGB PIL image."""
-    array = (image.detach().float().clamp(0, 1).permute(1, 2, 0).cpu().numpy() * 255).round().astype(np.uint8)
-    return Image.fromarray(array)
 
 
 class RunDirectory:
@@ -127,8 +121,8 @@ class RunDirectory:
         tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        for i, image in enumerate(images):
-            tensor_to_pil(image).save(tmp / f"{i:03d}.png")
+        for i, image in enumerate(to_pil(images)):
+            image.save(tmp / f"{i:03d}.png")
         (tmp / "prompts.json").write_text(json.dumps(prompts, indent=1))
         if extra:
             (tmp / "info.json").write_text(json.dumps(extra, indent=1))
