@@ -52,10 +52,9 @@ def make_optimizer(name: str, params, lr: float, weight_decay: float) -> torch.o
 
 
 class Trainer:
-    def __init__(self, config: RunConfig, run_dir: str | Path, *, resume: bool = False, hub_token: str | None = None):
+    def __init__(self, config: RunConfig, run_dir: str | Path, *, resume: bool = False):
         self.config = config
         self.run = RunDirectory(run_dir)
-        self.hub_token = hub_token
         self.accelerator = Accelerator(mixed_precision=config.train.mixed_precision, cpu=not torch.cuda.is_available())
         self.is_main = self.accelerator.is_main_process
         self.rank = self.accelerator.process_index
@@ -72,7 +71,7 @@ class Trainer:
         self.params = self.model.add_lora(cfg.lora)
         if cfg.lora.init_lora:
             from .hub import resolve_lora
-            self.model.load_lora(resolve_lora(cfg.lora.init_lora, token=self.hub_token))
+            self.model.load_lora(resolve_lora(cfg.lora.init_lora))  # token: HF_TOKEN or `hf auth login`
         optimizer = make_optimizer(cfg.train.optimizer, self.params, cfg.train.learning_rate, cfg.train.weight_decay)
         self.optimizer = self.accelerator.prepare(optimizer)
         prompts = load_prompts(cfg.prompts.source)
