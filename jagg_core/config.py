@@ -64,7 +64,9 @@ class GrpoConfig(_Section):
     clip_range: float = Field(1e-4, gt=0.0)
     adv_clip: float = Field(5.0, gt=0.0)
     kl_beta: float = Field(0.0, ge=0.0)
-    timestep_fraction: float = Field(1.0, gt=0.0, le=1.0)
+    timestep_fraction: float = Field(1.0, gt=0.0, le=1.0, description="train the first fraction of the steps")
+    ode_after_trained: bool = Field(False, description="rollouts take the ODE step after the trained steps, so "
+                                                       "only trained steps inject noise (Flow-GRPO-Fast)")
     inner_epochs: int = Field(1, ge=1, description="optimizer steps on each rollout batch")
 
 

@@ -9,6 +9,10 @@ Step i goes from sigma ``s = sigma_i`` to ``s' = sigma_{i+1}``, ``dt = s' - s < 
 
 ``log p(z' | z)`` is the Gaussian log-density averaged over elements, in fp32. ``a = 0`` is the
 Euler ODE step ``z' = z + v dt``.
+
+A rollout may inject noise only in its first ``sde_steps`` steps and take the ODE step after them
+(as Flow-GRPO-Fast): then every difference between the samples of a group comes from the steps that
+are trained, and the group's rewards carry less noise from steps whose policy is not updated.
 """
 
 from __future__ import annotations
@@ -51,14 +55,15 @@ def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: float) -> torch.
 @dataclass
 class Trajectory:
     """One rollout batch: ``latents[i]`` is z_i (``latents[0]`` the noise), ``velocities[i]`` the
-    velocity used at step i, ``log_probs[i]`` log p(z_{i+1} | z_i) under the rollout policy."""
+    velocity used at step i, ``log_probs[i]`` log p(z_{i+1} | z_i) under the rollout policy (0 for
+    an ODE step, whose ``std_t`` is 0)."""
 
     latents: torch.Tensor          # [T + 1, B, *latent]
     velocities: torch.Tensor       # [T, B, *latent]
     log_probs: torch.Tensor        # [T, B] fp32
     sigmas: torch.Tensor           # [T + 1]
     std_t: torch.Tensor            # [T]
-    ref_velocities: torch.Tensor | None = None  # [T, B, *latent], adapters disabled (for the KL)
+    ref_velocities: torch.Tensor | None = None  # [S, B, *latent] for the S noisy steps, adapters disabled (KL)
 
     @property
     def num_steps(self) -> int:
@@ -78,14 +83,25 @@ def initial_noise(model: FlowModel, batch: int, resolution: int, generator: torc
 
 @torch.no_grad()
 def sde_rollout(model: FlowModel, cond: Conditioning, sigmas: torch.Tensor, noise_level: float,
-                z0: torch.Tensor, generator: torch.Generator, with_reference: bool = False) -> Trajectory:
-    """Sample ``z_0 -> z_T`` with the SDE step, recording latents, velocities and log-probs."""
+                z0: torch.Tensor, generator: torch.Generator, with_reference: bool = False,
+                sde_steps: int | None = None) -> Trajectory:
+    """Sample ``z_0 -> z_T`` recording latents, velocities and log-probs: the SDE step for the first
+    ``sde_steps`` steps (default: all), the Euler ODE step after them."""
+    num_steps = len(sigmas) - 1
+    sde_steps = num_steps if sde_steps is None else sde_steps
     std_t = step_noise_std(sigmas, noise_level)
+    std_t[sde_steps:] = 0.0
     latents, velocities, log_probs, refs = [z0.float()], [], [], []
     z = z0.float()
-    for i in range(len(sigmas) - 1):
+    for i in range(num_steps):
         s, s_next, sd = float(sigmas[i]), float(sigmas[i + 1]), float(std_t[i])
         v = model.velocity(z, sigmas[i].to(z.device), cond).float()
+        velocities.append(v)
+        if i >= sde_steps:
+            z = z + v * (s_next - s)
+            latents.append(z)
+            log_probs.append(torch.zeros(z.shape[0], device=z.device))
+            continue
         if with_reference:
             with model.adapters_disabled():
                 refs.append(model.velocity(z, sigmas[i].to(z.device), cond).float())
@@ -94,7 +110,6 @@ def sde_rollout(model: FlowModel, cond: Conditioning, sigmas: torch.Tensor, nois
         noise = torch.randn(z.shape, generator=generator, dtype=torch.float32).to(z.device)
         z = mean + std * noise
         latents.append(z)
-        velocities.append(v)
         log_probs.append(gaussian_log_prob(z, mean, std))
     return Trajectory(torch.stack(latents), torch.stack(velocities), torch.stack(log_probs), sigmas, std_t,
                       torch.stack(refs) if with_reference else None)

@@ -120,7 +120,8 @@ class Trainer:
         z0 = initial_noise(self.model, len(sample_prompts), cfg.sampling.resolution, generator)
         with self.accelerator.autocast():
             traj = sde_rollout(self.model, cond, self.sigmas, cfg.sampling.noise_level, z0, generator,
-                               with_reference=cfg.grpo.kl_beta > 0)
+                               with_reference=cfg.grpo.kl_beta > 0,
+                               sde_steps=self.trained_steps if cfg.grpo.ode_after_trained else None)
             with torch.no_grad():
                 images = self.model.decode(traj.latents[-1])
         rewards, parts = self.reward(images, sample_prompts)

@@ -77,3 +77,20 @@ def test_group_advantages_normalise_per_prompt_and_clip():
     torch.testing.assert_close(adv[2:], torch.zeros(2))
     clipped = group_advantages(torch.tensor([0.0] * 99 + [1.0]), 100, 2.0)
     assert clipped.max() == 2.0
+
+
+def test_rollout_with_sde_steps_takes_the_ode_step_after_them():
+    gen = torch.Generator().manual_seed(4)
+    sigmas = torch.linspace(1, 0, 7)
+    z0 = torch.randn(3, 8, generator=gen)
+    state = gen.get_state()
+    traj = sde_rollout(LinearVelocity(), {}, sigmas, 0.7, z0, gen, sde_steps=2)
+    full = sde_rollout(LinearVelocity(), {}, sigmas, 0.7, z0, torch.Generator().set_state(state))
+    assert (traj.std_t[:2] > 0).all() and (traj.std_t[2:] == 0).all() and (full.std_t > 0).all()
+    torch.testing.assert_close(traj.latents[:3], full.latents[:3])  # the same SDE steps first
+    torch.testing.assert_close(traj.log_probs[:2], full.log_probs[:2])
+    for i in range(2, 6):
+        euler = traj.latents[i] + traj.velocities[i] * float(sigmas[i + 1] - sigmas[i])
+        torch.testing.assert_close(traj.latents[i + 1], euler)
+        assert (traj.log_probs[i] == 0).all()
+    assert not torch.allclose(full.latents[3], full.latents[2] + full.velocities[2] * float(sigmas[3] - sigmas[2]))
