@@ -77,6 +77,8 @@ ADVANCED_KNOBS = (
     Knob("sampling.noise_level", "Noise level", "float", "SDE noise level a"),
     Knob("grpo.clip_range", "Clip range", "float", "PPO ratio clip"),
     Knob("grpo.kl_beta", "KL beta", "float", "pull towards the base model (0 = off)"),
+    Knob("grpo.timestep_fraction", "Trained steps", "float", "share of the denoising steps trained (the first ones)"),
+    Knob("grpo.ode_after_trained", "ODE after trained steps", "bool", "noise only in the trained steps"),
     Knob("model.guidance_scale", "CFG scale", "float", "classifier-free guidance; 1 disables it"),
     Knob("grpo.prompts_per_iteration", "Prompts per iteration", "int"),
     Knob("lora.alpha", "LoRA alpha", "float"),
