@@ -11,7 +11,7 @@ import torch
 from jagg_core.errors import UserError
 from jagg_core.prompts import load_prompts, split_prompts
 from jagg_core.rewards.shapes import PARTS, ShapesReward, shape_scores
-from jagg_core.tiny.dataset import EVAL_COUNT, SPLIT_SEED, all_captions, caption_split
+from jagg_core.tiny.dataset import EVAL_COUNT, SPLIT_SEED, all_captions, caption_split, render_dataset
 from jagg_core.tiny.shapes import COLOURS, POSITIONS, SHAPES, WORDS, Scene, draw_array, parse_caption
 from jagg_core.tiny.tokenizer import build_tokenizer
 
@@ -48,6 +48,19 @@ def test_held_out_captions_are_the_trainers_eval_split():
     prompts = load_prompts("shapes")
     assert held_out == split_prompts(prompts, EVAL_COUNT, SPLIT_SEED)[1]
     assert split_prompts(prompts, 8, SPLIT_SEED)[1] == held_out[:8]  # smaller eval sets stay held out
+
+
+def test_training_drawings_put_the_given_share_of_shapes_at_another_position():
+    captions = [s.caption for s in SCENES]
+    for share in (0.0, 0.3, 1.0):
+        images, labels = render_dataset(captions, copies=40, size=32, seed=0, wrong_position=share)
+        assert labels == captions * 40
+        parts = shape_scores(images, labels)
+        assert parts["colour"].min() > 0.9 and parts["shape"].min() > 0.5  # only the position moves
+        misplaced = (parts["position"] < 0.5).float().mean().item()
+        assert misplaced == pytest.approx(share, abs=0.07), share
+    again, _ = render_dataset(captions, copies=2, size=32, seed=0, wrong_position=0.3)
+    assert torch.equal(again, render_dataset(captions, copies=2, size=32, seed=0, wrong_position=0.3)[0])
 
 
 def test_tokenizer_has_one_token_per_word(tmp_path):

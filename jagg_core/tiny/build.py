@@ -4,7 +4,10 @@
 
 Stages, all on the CPU and deterministic given ``--seed``:
 
-1. render jittered 32x32 drawings of the training captions (:mod:`jagg_core.tiny.dataset`);
+1. render jittered 32x32 drawings of the training captions (:mod:`jagg_core.tiny.dataset`), a
+   share ``--wrong-position`` of them with the shape at another position than the caption says
+   (caption noise: the model then follows the position word most of the time, not always, which
+   leaves a verifiable gap for reward fine-tuning to close);
 2. train a small ``AutoencoderKL`` (factor 4: 32x32x3 -> 8x8x4) to reconstruct them; set its
    ``shift_factor`` / ``scaling_factor`` from the latents' mean and std;
 3. train two small ``CLIPTextModelWithProjection`` encoders (word-level tokenizer, no T5)
@@ -199,14 +202,15 @@ def check_collapsed_padding(transformer, encoders, tokenizer, latents: torch.Ten
 # Main
 # --------------------------------------------------------------------------------------------
 
-def build(out: Path, seed: int, vae_steps: int, flow_steps: int, copies: int, vae_batch: int, batch: int) -> None:
+def build(out: Path, seed: int, vae_steps: int, flow_steps: int, copies: int, vae_batch: int, batch: int,
+          wrong_position: float) -> None:
     """Train every component, then save, check and evaluate the pipeline folder ``out``."""
     started = time.time()
     torch.manual_seed(seed)
     torch.use_deterministic_algorithms(True)
     generator = torch.Generator().manual_seed(seed)
     train_captions, held_out = caption_split()
-    images, labels = render_dataset(train_captions, copies, IMAGE_SIZE, seed)
+    images, labels = render_dataset(train_captions, copies, IMAGE_SIZE, seed, wrong_position)
     log(f"dataset: {len(images)} images of {len(train_captions)} captions ({len(held_out)} held out)")
 
     tokenizer = build_tokenizer(max_length=TOKENS)
@@ -238,7 +242,8 @@ def build(out: Path, seed: int, vae_steps: int, flow_steps: int, copies: int, va
     out.mkdir(parents=True, exist_ok=True)
     pipe.save_pretrained(out, safe_serialization=True)
     info = {
-        "seed": seed, "vae_steps": vae_steps, "flow_steps": flow_steps, "copies": copies, "vae_batch": vae_batch,
+        "seed": seed, "vae_steps": vae_steps, "flow_steps": flow_steps, "copies": copies,
+        "wrong_position": wrong_position, "vae_batch": vae_batch,
         "batch": batch, "threads": torch.get_num_threads(), "train_captions": len(train_captions),
         "held_out_captions": len(held_out), "build_seconds": round(time.time() - started), "torch": torch.__version__,
     }
@@ -256,7 +261,8 @@ def write_card(out: Path, info: dict) -> None:
     size_mb = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 1e6
     (out / "README.md").write_text(CARD.format(reward=info["eval"]["reward"], steps=EVAL_STEPS, size=size_mb,
                                                seconds=info["build_seconds"], seed=info["seed"],
-                                               vae_steps=info["vae_steps"], flow_steps=info["flow_steps"]))
+                                               vae_steps=info["vae_steps"], flow_steps=info["flow_steps"],
+                                               wrong_position=info["wrong_position"]))
     log(f"eval: {info['eval']}; folder {size_mb:.1f} MB")
 
 
@@ -268,8 +274,10 @@ small CLIP text encoders over a word-level tokenizer (no T5: load with `text_enc
 tokenizer_3=None`), an `AutoencoderKL` (8x8x4 latents), an `SD3Transformer2DModel` trained by
 flow matching, `FlowMatchEulerDiscreteScheduler` (shift 1.0).
 
-Built by `python -m jagg_core.tiny.build --seed {seed} --vae-steps {vae_steps} --flow-steps {flow_steps}`
-on the CPU in {seconds} s; {size:.1f} MB. Settings and eval figures: `build_info.json`.
+Built by `python -m jagg_core.tiny.build --seed {seed} --vae-steps {vae_steps} --flow-steps {flow_steps}
+--wrong-position {wrong_position}` on the CPU in {seconds} s; {size:.1f} MB. A share {wrong_position} of the
+training drawings put the shape at another position than their caption says (caption noise), so
+the model follows the position word most of the time but not always. Settings and eval figures: `build_info.json`.
 Mean `shapes` reward of Euler ODE samples ({steps} steps, no guidance) of the 64 held-out
 captions: {reward:.3f} (`python -m jagg_core.tiny.evaluate`).
 """
@@ -280,14 +288,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=PIPELINE_DIR, help="pipeline folder to write")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vae-steps", type=int, default=1200)
-    parser.add_argument("--flow-steps", type=int, default=1000)
+    parser.add_argument("--flow-steps", type=int, default=1600)
     parser.add_argument("--copies", type=int, default=24, help="jittered drawings per training caption")
+    parser.add_argument("--wrong-position", type=float, default=0.15,
+                        help="share of training drawings whose shape sits at another position than the caption's")
     parser.add_argument("--vae-batch", type=int, default=32)
     parser.add_argument("--batch", type=int, default=64, help="flow-matching batch")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (results can differ by count)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    build(args.out, args.seed, args.vae_steps, args.flow_steps, args.copies, args.vae_batch, args.batch)
+    build(args.out, args.seed, args.vae_steps, args.flow_steps, args.copies, args.vae_batch, args.batch,
+          args.wrong_position)
 
 
 if __name__ == "__main__":

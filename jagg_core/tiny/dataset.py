@@ -9,11 +9,13 @@ of them (``random.Random(0).sample`` draws them one by one, in the same order).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 
 from ..prompts import split_prompts
-from .shapes import all_scenes, draw_array, parse_caption
+from .shapes import POSITIONS, all_scenes, draw_array, parse_caption
 
 EVAL_COUNT = 64
 SPLIT_SEED = 0
@@ -29,11 +31,15 @@ def caption_split() -> tuple[list[str], list[str]]:
     return split_prompts(all_captions(), EVAL_COUNT, SPLIT_SEED)
 
 
-def render_dataset(captions: list[str], copies: int, size: int, seed: int) -> tuple[torch.Tensor, list[str]]:
+def render_dataset(captions: list[str], copies: int, size: int, seed: int,
+                   wrong_position: float = 0.0) -> tuple[torch.Tensor, list[str]]:
     """``copies`` jittered drawings of each caption: images ``[N, 3, size, size]`` in [0, 1].
 
     Each drawing varies the shape's size (0.36..0.48 of the image) and moves its centre by up to
-    0.04 of the image, from a generator seeded with ``seed``.
+    0.04 of the image, from a generator seeded with ``seed``. With probability ``wrong_position``
+    a drawing puts the shape at one of the other four positions, drawn uniformly, while keeping
+    its caption: caption noise, as in web alt-text, so that the trained model follows the
+    position word only part of the time (the gap a reward fine-tune closes).
     """
     rng = np.random.default_rng(seed)
     scenes = [parse_caption(c) for c in captions]
@@ -44,7 +50,10 @@ def render_dataset(captions: list[str], copies: int, size: int, seed: int) -> tu
         for scene in scenes:
             scale = float(rng.uniform(0.36, 0.48))
             offset = tuple(float(o) for o in rng.uniform(-0.04, 0.04, size=2))
-            images.append(draw_array(scene, size=size, scale=scale, offset=offset))
+            drawn = scene
+            if rng.uniform() < wrong_position:
+                others = [p for p in POSITIONS if p != scene.position]
+                drawn = replace(scene, position=others[rng.integers(len(others))])
+            images.append(draw_array(drawn, size=size, scale=scale, offset=offset))
             labels.append(scene.caption)
     return torch.from_numpy(np.stack(images)), labels
-
