@@ -3,7 +3,7 @@ the validated :class:`~jagg_core.config.RunConfig` a filled-in form means.
 
 A run config is built as the command line builds one: the chosen preset's YAML, the form's values applied as
 overrides (:func:`~jagg_core.config.apply_override`), then :func:`~jagg_core.config.validate_config` and the
-reward/prompt checks of :func:`jagg_core.run.check_references`. Any problem is a one-line
+reward/prompt checks of :func:`jagg_core.preflight.check_references`. Any problem is a one-line
 :class:`~jagg_core.errors.UserError` naming the field, raised before anything is launched.
 """
 
@@ -19,7 +19,7 @@ import yaml
 from jagg_core.config import DEFAULT_PRESET, RunConfig, apply_override, list_presets, preset_path, validate_config
 from jagg_core.errors import UserError
 from jagg_core.prompts import FILE_SUFFIXES, builtin_prompt_sets, load_prompts
-from jagg_core.run import check_references
+from jagg_core.preflight import check_references
 
 PROMPTS_BUILTIN, PROMPTS_UPLOAD, PROMPTS_TEXT = "Built-in set", "Upload a file", "Write my own"
 PROMPT_MODES = (PROMPTS_BUILTIN, PROMPTS_UPLOAD, PROMPTS_TEXT)
@@ -30,16 +30,22 @@ class Knob:
     """One form field that edits one config key.
 
     ``kind`` picks the widget: an integer or float box, a checkbox, or a choice. A checkbox may stand for two
-    config values (``on``/``off``), e.g. "8-bit AdamW" is ``train.optimizer`` = ``adamw8bit`` or ``adamw``.
+    config values (``on``/``off``), e.g. "8-bit AdamW" is ``train.optimizer`` = ``adamw8bit`` or ``adamw``. The
+    help text under the widget (``info``) is the config schema's description of the key, as in the README's
+    config reference, so the two never say different things.
     """
 
     key: str
     label: str
     kind: Literal["int", "float", "bool", "choice"]
-    info: str = ""
     choices: tuple[tuple[str, str], ...] = ()  # (shown label, config value)
     on: Any = True
     off: Any = False
+
+    @property
+    def info(self) -> str:
+        """The schema's description of ``key`` (:meth:`RunConfig.describe`)."""
+        return RunConfig.describe(self.key)
 
     @property
     def elem_id(self) -> str:
@@ -57,41 +63,39 @@ class Knob:
 
 
 MAIN_KNOBS = (
-    Knob("train.iterations", "Iterations", "int", "GRPO iterations (rollout + update)"),
-    Knob("grpo.num_generations", "Group size", "int", "images per prompt, compared with each other (at least 2)"),
-    Knob("sampling.num_steps", "Sampling steps", "int", "denoising steps per rollout"),
-    Knob("sampling.resolution", "Resolution", "int", "pixels, a multiple of 16"),
+    Knob("train.iterations", "Iterations", "int"),
+    Knob("grpo.num_generations", "Group size", "int"),
+    Knob("sampling.num_steps", "Sampling steps", "int"),
+    Knob("sampling.resolution", "Resolution", "int"),
     Knob("train.learning_rate", "Learning rate", "float"),
-    Knob("lora.rank", "LoRA rank", "int", "adapter size"),
+    Knob("lora.rank", "LoRA rank", "int"),
 )
 
 ADVANCED_KNOBS = (
-    Knob("backward.mode", "Backward", "choice", "JAGG window gradients, or the exact per-step backward",
-         choices=(("JAGG", "jagg"), ("exact", "exact"))),
-    Knob("backward.window", "JAGG window", "int", "denoising steps per window"),
-    Knob("backward.velocities", "Velocities", "choice", "in-window velocities: cached (no extra forwards) or "
-         "a forward pass per step", choices=(("cached", "cached"), ("forward", "forward"))),
-    Knob("backward.frac", "JAGG fraction", "float", "share of windows (most linear first) that use JAGG"),
-    Knob("backward.joint", "Joint endpoints", "bool", "both window endpoints in one batch"),
+    Knob("backward.mode", "Backward", "choice", choices=(("JAGG", "jagg"), ("exact", "exact"))),
+    Knob("backward.window", "JAGG window", "int"),
+    Knob("backward.velocities", "Velocities", "choice", choices=(("cached", "cached"), ("forward", "forward"))),
+    Knob("backward.frac", "JAGG fraction", "float"),
+    Knob("backward.joint", "Joint endpoints", "bool"),
     Knob("backward.shared_knots", "Shared knots", "bool"),
-    Knob("sampling.noise_level", "Noise level", "float", "SDE noise level a"),
-    Knob("grpo.clip_range", "Clip range", "float", "PPO ratio clip"),
-    Knob("grpo.kl_beta", "KL beta", "float", "pull towards the base model (0 = off)"),
-    Knob("grpo.timestep_fraction", "Trained steps", "float", "share of the denoising steps trained (the first ones)"),
-    Knob("grpo.ode_after_trained", "ODE after trained steps", "bool", "noise only in the trained steps"),
-    Knob("model.guidance_scale", "CFG scale", "float", "classifier-free guidance; 1 disables it"),
+    Knob("sampling.noise_level", "Noise level", "float"),
+    Knob("grpo.clip_range", "Clip range", "float"),
+    Knob("grpo.kl_beta", "KL beta", "float"),
+    Knob("grpo.timestep_fraction", "Trained steps", "float"),
+    Knob("grpo.ode_after_trained", "ODE after trained steps", "bool"),
+    Knob("model.guidance_scale", "CFG scale", "float"),
     Knob("grpo.prompts_per_iteration", "Prompts per iteration", "int"),
     Knob("lora.alpha", "LoRA alpha", "float"),
     Knob("train.mixed_precision", "Mixed precision", "choice",
          choices=(("no", "no"), ("fp16", "fp16"), ("bf16", "bf16"))),
     Knob("model.dtype", "Base model dtype", "choice",
          choices=(("float32", "float32"), ("bfloat16", "bfloat16"), ("float16", "float16"))),
-    Knob("train.optimizer", "8-bit AdamW", "bool", "bitsandbytes, GPU only", on="adamw8bit", off="adamw"),
-    Knob("model.quantize_4bit", "4-bit base model", "bool", "NF4 transformer, GPU only"),
+    Knob("train.optimizer", "8-bit AdamW", "bool", on="adamw8bit", off="adamw"),
+    Knob("model.quantize_4bit", "4-bit base model", "bool"),
     Knob("train.seed", "Seed", "int"),
-    Knob("prompts.eval_count", "Eval prompts", "int", "held-out prompts for the fixed-seed samples"),
-    Knob("train.sample_every", "Sample every", "int", "iterations between eval samples"),
-    Knob("train.checkpoint_every", "Checkpoint every", "int", "iterations between checkpoints"),
+    Knob("prompts.eval_count", "Eval prompts", "int"),
+    Knob("train.sample_every", "Sample every", "int"),
+    Knob("train.checkpoint_every", "Checkpoint every", "int"),
 )
 
 KNOBS = MAIN_KNOBS + ADVANCED_KNOBS

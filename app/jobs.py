@@ -1,8 +1,8 @@
 """Training jobs: launch, stop and find the one training process of this machine.
 
 A job is ``accelerate launch -m jagg_core.run --config RUN/config.yaml --output-dir RUN`` started in its own
-process group (``start_new_session``), with stdout and stderr in ``RUN/stdout.log``. The app never imports
-training state: it only starts and signals the process group and reads the run directory.
+process group (``start_new_session``), with stdout and stderr in the run's output log (``RUN/stdout.log``).
+The app never imports training state: it only starts and signals the process group and reads the run directory.
 
 One job at a time per machine. The runs root holds a lock file, ``.active-job.json``, with the job's pid, process
 group and run directory. It is created exclusively (``O_EXCL``), so two Start clicks, two browser tabs or two app
@@ -30,7 +30,6 @@ from jagg_core.rundir import RunDirectory
 
 RUNS_DIR_ENV = "JAGG_RUNS_DIR"
 LOCK_NAME = ".active-job.json"
-OUTPUT_LOG = "stdout.log"
 RUN_STAMP = re.compile(r"-(\d{8}-\d{6})(-\d+)?$")
 STOP_GRACE_S = 30.0
 LAUNCHING_GRACE_S = 60.0  # an empty lock younger than this is a launch in progress, older is stale
@@ -52,7 +51,7 @@ def launch_command(run_dir: Path, mixed_precision: str, resume: bool) -> list[st
                "--mixed_precision", mixed_precision, "--dynamo_backend", "no"]
     if not torch.cuda.is_available():  # the thread count accelerate picks; given, it keeps a warning out of the log
         command += ["--cpu", "--num_cpu_threads_per_process", str(psutil.cpu_count(logical=False) or 1)]
-    command += ["-m", "jagg_core.run", "--config", str(run_dir / "config.yaml"), "--output-dir", str(run_dir)]
+    command += ["-m", "jagg_core.run", "--config", str(RunDirectory(run_dir).config_file), "--output-dir", str(run_dir)]
     return command + (["--resume"] if resume else [])
 
 
@@ -81,7 +80,7 @@ def _group_alive(pgid: int) -> bool:
 def last_error_line(run_dir: Path) -> str:
     """The most telling line of the job's output: the last ``error``/exception line, else the last line."""
     try:
-        lines = [line.strip() for line in (run_dir / OUTPUT_LOG).read_text(errors="replace").splitlines()
+        lines = [line.strip() for line in RunDirectory(run_dir).output_log.read_text(errors="replace").splitlines()
                  if line.strip()]
     except OSError:
         return ""
@@ -169,7 +168,7 @@ class JobControl:
                 raise UserError("another run is being launched right now; wait a moment") from None
             os.close(fd)
             try:
-                with (run_dir / OUTPUT_LOG).open("ab") as output:
+                with RunDirectory(run_dir).output_log.open("ab") as output:
                     process = subprocess.Popen(launch_command(run_dir, mixed_precision, resume), stdout=output,
                                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -223,7 +222,7 @@ class JobControl:
     # ----- runs ----------------------------------------------------------------------------
     def runs(self) -> list[Path]:
         """The run directories under the root, newest first (by the ``-YYYYmmdd-HHMMSS`` of their name)."""
-        found = [p for p in self.root.iterdir() if p.is_dir() and (p / "config.yaml").is_file()]
+        found = [p for p in self.root.iterdir() if p.is_dir() and RunDirectory(p).is_run()]
         return sorted(found, key=_created, reverse=True)
 
     def new_run_dir(self, name: str) -> Path:
@@ -244,4 +243,5 @@ def _created(run_dir: Path) -> tuple[str, int]:
     match = RUN_STAMP.search(run_dir.name)
     if match:
         return match.group(1), int((match.group(2) or "-1")[1:])
-    return time.strftime("%Y%m%d-%H%M%S", time.localtime((run_dir / "config.yaml").stat().st_mtime)), 0
+    modified = RunDirectory(run_dir).config_file.stat().st_mtime
+    return time.strftime("%Y%m%d-%H%M%S", time.localtime(modified)), 0

@@ -6,17 +6,14 @@ so a read never sees half a file. Missing files mean "not yet" and give empty va
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
-import yaml
 
-from jagg_core.rundir import RunDirectory, iteration_dirname
-
-from .jobs import OUTPUT_LOG
+from jagg_core import metrics
+from jagg_core.rundir import ImageSet, RunDirectory, iteration_dirname
 
 LOG_TAIL_BYTES = 64 * 1024
 ETA_WINDOW = 5  # iterations averaged for the ETA
@@ -49,7 +46,7 @@ def progress(run_dir: Path, job_started_at: float | None = None) -> Progress:
         state = "interrupted"
     elif state is None:
         state = "none"
-    total = int(status.get("total_iterations") or _configured_iterations(run_dir))
+    total = int(status.get("total_iterations") or run.configured_iterations())
     iteration = int(status.get("iteration") or 0)
     started, updated = status.get("started_at"), status.get("updated_at")
     elapsed = None
@@ -59,18 +56,12 @@ def progress(run_dir: Path, job_started_at: float | None = None) -> Progress:
         elapsed = (updated or started) - started
     eta = None
     if state == "running":
-        rows = [r for r in run.read_metrics() if r.get("iteration", 0) > 0][-ETA_WINDOW:]
-        times = [r.get("time_rollout_s", 0.0) + r.get("time_train_s", 0.0) for r in rows]
+        rows = [r for r in run.read_metrics() if r[metrics.ITERATION] > 0][-ETA_WINDOW:]
+        times = [sum(r.get(key, 0.0) for key in (metrics.TIME_ROLLOUT, metrics.TIME_TRAIN, metrics.TIME_EVAL))
+                 for r in rows]
         if times:
             eta = max(0.0, (total - iteration) * sum(times) / len(times))
     return Progress(state, str(status.get("message") or ""), iteration, total, elapsed, eta)
-
-
-def _configured_iterations(run_dir: Path) -> int:
-    try:
-        return int(yaml.safe_load((run_dir / "config.yaml").read_text())["train"]["iterations"])
-    except (OSError, KeyError, TypeError, ValueError):
-        return 0
 
 
 def duration(seconds: float | None) -> str:
@@ -116,9 +107,9 @@ def timing_words(prog: Progress | None) -> str:
     return " · ".join(parts)
 
 
-# metrics.jsonl key -> series label, for the reward plot and the loss plot
-REWARD_SERIES = {"reward_mean": "rollout reward", "eval_reward_mean": "eval reward (fixed seeds)"}
-LOSS_SERIES = {"loss": "loss", "kl": "KL"}
+# metric key -> series label, for the reward plot and the loss plot
+REWARD_SERIES = {metrics.REWARD_MEAN: "rollout reward", metrics.EVAL_REWARD_MEAN: "eval reward (fixed seeds)"}
+LOSS_SERIES = {metrics.LOSS: "loss", metrics.KL: "KL"}
 
 
 def curves(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -126,8 +117,8 @@ def curves(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     rows = RunDirectory(run_dir).read_metrics()
 
     def frame(series: dict[str, str]) -> pd.DataFrame:
-        points = [(row["iteration"], float(row[key]), label) for row in rows for key, label in series.items()
-                  if isinstance(row.get(key), (int, float)) and "iteration" in row]
+        points = [(row[metrics.ITERATION], float(row[key]), label) for row in rows for key, label in series.items()
+                  if isinstance(row.get(key), (int, float))]
         # The page's plot fixes its axis types and series from the first frame it gets, so every frame is typed
         # and names every series (one not measured yet gets a NaN point, which is not drawn).
         present = {label for _, _, label in points}
@@ -138,63 +129,31 @@ def curves(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     return frame(REWARD_SERIES), frame(LOSS_SERIES)
 
 
-def images(folder: Path) -> list[tuple[str, str]]:
-    """``(png path, caption)`` of an image folder: the prompt, and its reward when known."""
-    pngs = sorted(folder.glob("[0-9][0-9][0-9].png"))
-    if not pngs:
+def captioned(images: ImageSet | None) -> list[tuple[str, str]]:
+    """``(png path, caption)`` of an image set: the prompt, and its reward when known."""
+    if images is None:
         return []
-    prompts, rewards = _read_json_list(folder / "prompts.json"), []
-    info = folder / "info.json"
-    if info.is_file():
-        try:
-            rewards = json.loads(info.read_text()).get("rewards") or []
-        except (OSError, ValueError):
-            rewards = []
-    captioned = []
-    for i, png in enumerate(pngs):
-        caption = prompts[i] if i < len(prompts) else png.stem
-        if i < len(rewards) and isinstance(rewards[i], (int, float)):
-            caption += f"  ·  reward {rewards[i]:.3f}"
-        captioned.append((str(png), caption))
-    return captioned
-
-
-def _read_json_list(path: Path) -> list:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return []
-    return data if isinstance(data, list) else []
-
-
-def sample_iterations(run_dir: Path) -> list[int]:
-    """Iterations that have fixed-seed eval samples, oldest first (0 is the base model)."""
-    folders = (run_dir / "samples").glob("iter_*")
-    return sorted(int(p.name.removeprefix("iter_")) for p in folders if (p / "prompts.json").is_file())
+    captions = []
+    for i, (png, prompt) in enumerate(zip(images.images, images.prompts)):
+        reward = images.rewards[i] if i < len(images.rewards) else None
+        captions.append((str(png), prompt + (f"  ·  reward {reward:.3f}" if isinstance(reward, (int, float)) else "")))
+    return captions
 
 
 def eval_samples(run_dir: Path) -> tuple[int | None, list, int | None, list]:
     """``(first iteration, its images, latest iteration, its images)`` of the eval samples."""
-    found = sample_iterations(run_dir)
+    run = RunDirectory(run_dir)
+    found = run.sample_iterations()
     if not found:
         return None, [], None, []
     first, last = found[0], found[-1]
-    folder = run_dir / "samples"
-    latest = images(folder / iteration_dirname(last)) if last != first else []
-    return first, images(folder / iteration_dirname(first)), (last if last != first else None), latest
+    latest = captioned(run.samples(last)) if last != first else []
+    return first, captioned(run.samples(first)), (last if last != first else None), latest
 
 
 def log_tail(run_dir: Path, lines: int = 40) -> str:
-    """The last lines of the job's output (``stdout.log``, else ``train.log``), progress-bar redraws folded."""
-    path = run_dir / OUTPUT_LOG
-    if not path.is_file():
-        path = run_dir / "train.log"
-    try:
-        with path.open("rb") as handle:
-            handle.seek(max(0, path.stat().st_size - LOG_TAIL_BYTES))
-            text = handle.read().decode(errors="replace")
-    except OSError:
-        return ""
+    """The last lines of the job's output, progress-bar redraws folded."""
+    text = RunDirectory(run_dir).log_tail(LOG_TAIL_BYTES)
     shown = [line.rsplit("\r", 1)[-1].rstrip() for line in text.split("\n")]
     return "\n".join([line for line in shown if line][-lines:])
 

@@ -23,14 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import gradio as gr
-import yaml
 
 from jagg_core import hub
 from jagg_core.config import DEFAULT_PRESET, list_presets
 from jagg_core.errors import UserError
 from jagg_core.prompts import builtin_prompt_sets
 from jagg_core.rewards import available_rewards
-from jagg_core.rundir import iteration_dirname
+from jagg_core.rundir import RunDirectory
 
 from . import live
 from .form import (ADVANCED_KNOBS, KNOBS, MAIN_KNOBS, PROMPT_MODES, PROMPTS_BUILTIN, PROMPTS_TEXT, PROMPTS_UPLOAD,
@@ -103,7 +102,7 @@ class Studio:
         """The run called ``name``; without a name, the active run, else the newest."""
         if name:
             path = self.jobs.root / Path(name).name
-            return path if (path / "config.yaml").is_file() else None
+            return path if RunDirectory(path).is_run() else None
         job = self.jobs.active()
         if job is not None:
             return job.run_dir
@@ -146,7 +145,7 @@ class Studio:
         run_dir = self.jobs.new_run_dir(form.name or form.preset)
         try:
             config = build_config(form, run_dir)
-            (run_dir / "config.yaml").write_text(config.to_yaml())
+            RunDirectory(run_dir).write_config(config.to_yaml())
             self.jobs.launch(run_dir, config.train.mixed_precision)
         except (UserError, OSError) as err:
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -171,9 +170,8 @@ class Studio:
         state = live.progress(run_dir).state
         if state == "finished":
             return self._refuse(f"{run_dir.name} has finished; there is nothing to resume")
-        precision = (yaml.safe_load((run_dir / "config.yaml").read_text()).get("train") or {}).get(
-            "mixed_precision", "no")
         try:
+            precision = (RunDirectory(run_dir).read_config().get("train") or {}).get("mixed_precision", "no")
             self.jobs.launch(run_dir, precision, resume=True)
         except (UserError, OSError) as err:
             return self._refuse(str(err))
@@ -219,16 +217,17 @@ class Studio:
             return list(made) if count > 1 else [made]
 
         def mtime(path: Path | None) -> int | None:
-            return path.stat().st_mtime_ns if path is not None and path.is_file() else None
+            """A file's or a folder's modification time (a folder written by write_images is new each time)."""
+            return path.stat().st_mtime_ns if path is not None and path.exists() else None
 
         def samples() -> tuple:
             first, first_images, last, last_images = live.eval_samples(run_dir) if run_dir else (None, [], None, [])
             return (gr.update(value=first_images, label=self._sample_label(first, "base model" if first == 0 else "")),
                     gr.update(value=last_images, label=self._sample_label(last, "latest")))
 
-        rollouts = run_dir / "rollouts" / "latest" if run_dir else None
-        sample_iterations = live.sample_iterations(run_dir) if run_dir else []
-        last_samples = run_dir / "samples" / iteration_dirname(sample_iterations[-1]) if sample_iterations else None
+        run = RunDirectory(run_dir) if run_dir else None
+        sample_iterations = run.sample_iterations() if run else []
+        last_samples = run.samples_dir(sample_iterations[-1]) if sample_iterations else None
         resumable = job is None and prog is not None and prog.state in ("stopped", "failed", "interrupted")
         status, timing = live.status_words(run_dir, prog), live.timing_words(prog)
         bar = (prog.iteration, prog.total) if prog else (0, 0)
@@ -240,12 +239,11 @@ class Studio:
             *changed("status", status, lambda: status),
             *changed("timing", timing, lambda: timing),
             *changed("bar", bar, lambda: gr.update(value=bar[0], maximum=max(bar[1], 1))),
-            *changed("metrics", (selected, mtime(run_dir and run_dir / "metrics.jsonl")),
+            *changed("metrics", (selected, mtime(run and run.metrics_file)),
                      lambda: live.curves(run_dir) if run_dir else (None, None), count=2),
-            *changed("samples", (selected, tuple(sample_iterations),
-                                 mtime(last_samples and last_samples / "prompts.json")), samples, count=2),
-            *changed("rollouts", (selected, mtime(rollouts and rollouts / "prompts.json")),
-                     lambda: live.images(rollouts) if rollouts else []),
+            *changed("samples", (selected, tuple(sample_iterations), mtime(last_samples)), samples, count=2),
+            *changed("rollouts", (selected, mtime(run and run.rollouts_dir)),
+                     lambda: live.captioned(run.rollouts()) if run else []),
             *changed("log", log, lambda: log),
             *changed("checkpoints", ckpts, lambda: gr.update(choices=[LATEST_ADAPTER, *ckpts], value=LATEST_ADAPTER)),
             *changed("buttons", buttons, lambda: [gr.update(interactive=b) for b in buttons], count=3),

@@ -4,8 +4,8 @@
 
 Every comparison runs in one process on the same model, the same rollout batch and the same seeds,
 through the project's own code: :class:`~jagg_core.trainer.Trainer` (set-up, rollout, iterations),
-:meth:`~jagg_core.trainer.Trainer.accumulate_gradients` (``make_plan`` + ``run_backward``) under one
-:class:`~jagg_core.config.BackwardConfig` per variant.
+:meth:`~jagg_core.trainer.Trainer.plan_backward` and :meth:`~jagg_core.trainer.Trainer.accumulate_gradients`
+(``make_plan`` + ``run_backward``) under one :class:`~jagg_core.config.BackwardConfig` per variant.
 
 1. **Train phase** (the backward of one rollout batch, LoRA gradients from zero) for ``exact`` and
    the JAGG modes ``forward`` (a no-grad forward per intermediate step, the paper), ``cached``
@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from . import metrics
 from .config import BackwardConfig, RunConfig, list_presets, load_config
 from .grpo import group_advantages
 from .jagg import BackwardPlan
@@ -153,8 +154,9 @@ class Workload:
         self.trainer.setup()
         cfg = self.trainer.config
         self.device = self.trainer.accelerator.device
-        self.traj, self.cond, _, _, rewards, _ = self.trainer.rollout(1)
-        self.advantages = group_advantages(rewards, cfg.grpo.num_generations, cfg.grpo.adv_clip).to(self.device)
+        rollout = self.trainer.rollout(1)
+        self.traj, self.cond = rollout.trajectory, rollout.cond
+        self.advantages = group_advantages(rollout.rewards, cfg.grpo.num_generations, cfg.grpo.adv_clip).to(self.device)
         self.params_m = base_params_m(self.trainer)
 
     def backward(self, variant: Variant) -> BackwardPlan:
@@ -162,8 +164,8 @@ class Workload:
         (:meth:`Trainer.accumulate_gradients`, as in training before the optimizer step)."""
         for param in self.trainer.params:
             param.grad = None
-        _, plan = self.trainer.accumulate_gradients(self.traj, self.cond, self.advantages,
-                                                    variant.backward_config(), on_policy=True)
+        plan = self.trainer.plan_backward(self.traj, variant.backward_config())
+        self.trainer.accumulate_gradients(self.traj, self.cond, self.advantages, plan, on_policy=True)
         synchronize(self.device)
         return plan
 
@@ -331,12 +333,12 @@ def bench_iterations(model: str, options: BenchOptions) -> list[dict]:
             for iteration in range(1, options.iterations + 1):
                 for variant, trainer in trainers.items():
                     row = trainer.iteration(iteration)
-                    elapsed = row["time_rollout_s"] + row["time_train_s"]
+                    elapsed = row[metrics.TIME_ROLLOUT] + row[metrics.TIME_TRAIN]
                     curve = curves[variant][str(seed)]
-                    curve.append([(curve[-1][0] if curve else 0.0) + elapsed, row["reward_mean"]])
+                    curve.append([(curve[-1][0] if curve else 0.0) + elapsed, row[metrics.REWARD_MEAN]])
                     if iteration > first:
-                        times[variant]["rollout"].append(row["time_rollout_s"])
-                        times[variant]["train"].append(row["time_train_s"])
+                        times[variant]["rollout"].append(row[metrics.TIME_ROLLOUT])
+                        times[variant]["train"].append(row[metrics.TIME_TRAIN])
             params_m, device = base_params_m(trainers[EXACT]), str(trainers[EXACT].accelerator.device)
     iteration_s = {v: min(times[v]["rollout"]) + min(times[v]["train"]) for v in variants}
     return [{"section": "iteration", "model": model, "params_m": params_m, "mode": v.mode, "window": v.window,

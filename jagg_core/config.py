@@ -2,54 +2,79 @@
 
 A run is described by one YAML document with the sections below. Presets live in
 ``presets/NAME.yaml``; ``load_config`` merges a preset or file with overrides and validates the
-result. Every unknown key or bad value raises :class:`~jagg_core.errors.UserError` naming the key
-and what is allowed.
+result. Every unknown key or bad value (non-finite numbers included) raises
+:class:`~jagg_core.errors.UserError` naming the key and what is allowed.
+
+Every key is described here, in its ``Field(description=...)``: :func:`config_reference` renders the
+schema as the README's config reference (``python -m jagg_core.config --reference``), and the app's
+form shows the same descriptions as its help text.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.fields import FieldInfo
 
-from .errors import UserError
+from .errors import UserError, exit_on_user_error
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"
 DEFAULT_PRESET = "shapes"
+SEED_BOUND = 2 ** 63  # seeds are 64-bit: torch.Generator.manual_seed and the per-iteration seed mix need < 2**63
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelConfig(_Section):
-    """The base flow model and how it is called."""
+    """The base flow model, how it is loaded and how it is called (CFG, text length)."""
 
-    name: str = Field("jagg-shapes", description="tiny-sd3 | tiny-flux | tiny-qwen | embedded name | Hub id | local folder")
-    revision: str | None = None
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    guidance_scale: float = Field(1.0, ge=0.0, description="classifier-free guidance; 1 disables CFG")
-    negative_prompt: str = ""
-    flux_guidance: float = Field(3.5, ge=0.0, description="FLUX guidance embedding (dev models)")
-    max_sequence_length: int = Field(77, ge=8, le=1024)
-    quantize_4bit: bool = Field(False, description="load the transformer in 4-bit NF4 (bitsandbytes, GPU only)")
+    name: str = Field("jagg-shapes", description="base model: a tiny test model (tiny-sd3, tiny-flux, tiny-qwen), the "
+                      "embedded jagg-shapes, a Hub id owner/name or a local diffusers pipeline folder "
+                      "(SD3/SD3.5, FLUX.1, Qwen-Image)")
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of model.name; "
+                                 "null = the default branch")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="dtype the pipeline's weights are loaded in; the LoRA parameters stay float32")
+    guidance_scale: float = Field(1.0, ge=0.0, description="classifier-free guidance g: v = v_neg + g (v_pos - v_neg) "
+                                  "in rollouts, training and eval; 1 disables CFG (one forward instead of two)")
+    negative_prompt: str = Field("", description="negative prompt of CFG (used only when guidance_scale > 1)")
+    flux_guidance: float = Field(3.5, ge=0.0, description="value of the FLUX guidance embedding (guidance-distilled "
+                                 "models such as FLUX.1-dev); ignored by models without one")
+    max_sequence_length: int = Field(77, ge=8, le=1024, description="prompt tokens given to the T5 / Qwen text "
+                                     "encoder (longer prompts are truncated; FLUX allows at most 512)")
+    quantize_4bit: bool = Field(False, description="load the transformer in 4-bit NF4 (bitsandbytes, bf16 compute, "
+                                "CUDA GPU only); the LoRA trains on top of it (QLoRA)")
 
 
 class LoraConfig(_Section):
-    rank: int = Field(8, ge=1, le=512)
-    alpha: float = Field(8.0, gt=0)
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    target_modules: list[str] | None = Field(None, description="default: the family's attention projections")
-    init_lora: str | None = Field(None, description="start from this diffusers LoRA (Hub repo or local folder)")
+    """The LoRA adapter trained on the transformer (peft), saved in diffusers format."""
+
+    rank: int = Field(8, ge=1, le=512, description="LoRA rank r: each adapted linear layer W gets "
+                      "W + (alpha / r) B A with A: in -> r, B: r -> out")
+    alpha: float = Field(8.0, gt=0, description="LoRA alpha: the low-rank update is scaled by alpha / rank")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout probability on the input of the LoRA branch "
+                           "(peft lora_dropout)")
+    target_modules: list[str] | None = Field(None, description="module names to adapt; null = the family's attention "
+                                             "projections (FLUX: also its feed-forward layers)")
+    init_lora: str | None = Field(None, description="start from this diffusers LoRA (Hub repo or local folder); "
+                                  "it must match rank and target_modules")
 
 
 class SamplingConfig(_Section):
-    resolution: int = Field(64, ge=16, le=2048)
-    num_steps: int = Field(10, ge=2, le=200)
-    eval_num_steps: int | None = Field(None, ge=2, le=200, description="ODE steps for eval samples; default num_steps")
-    noise_level: float = Field(0.7, gt=0.0, le=2.0, description="SDE noise level a")
+    """Rollouts (the Flow-GRPO SDE sampler, which gives each step a log-probability) and eval samples (Euler ODE)."""
+
+    resolution: int = Field(64, ge=16, le=2048, description="side of the square images in pixels; a multiple of 16")
+    num_steps: int = Field(10, ge=2, le=200, description="denoising steps T of each rollout, on the family's sigma "
+                           "schedule from noise (sigma 1) to image (sigma 0)")
+    eval_num_steps: int | None = Field(None, ge=2, le=200, description="Euler ODE steps of the fixed-seed eval "
+                                       "samples; null = sampling.num_steps")
+    noise_level: float = Field(0.7, gt=0.0, le=2.0, description="SDE noise level a: step i from sigma s to s' adds "
+                               "Gaussian noise of std a sqrt(s / (1 - s)) sqrt(s - s')")
 
     @model_validator(mode="after")
     def _resolution_multiple(self):
@@ -59,66 +84,113 @@ class SamplingConfig(_Section):
 
 
 class GrpoConfig(_Section):
-    num_generations: int = Field(4, ge=2, description="group size: images per prompt")
-    prompts_per_iteration: int = Field(2, ge=1)
-    clip_range: float = Field(1e-4, gt=0.0)
-    adv_clip: float = Field(5.0, gt=0.0)
-    kl_beta: float = Field(0.0, ge=0.0)
-    timestep_fraction: float = Field(1.0, gt=0.0, le=1.0, description="train the first fraction of the steps")
+    """GRPO: groups of samples per prompt, group-normalized advantages, the per-step PPO-clip loss and its KL term."""
+
+    num_generations: int = Field(4, ge=2, description="group size G: images sampled per prompt; each image's "
+                                 "advantage is relative to its group")
+    prompts_per_iteration: int = Field(2, ge=1, description="training prompts drawn per iteration (and per process); "
+                                       "a rollout batch holds prompts_per_iteration x num_generations images")
+    clip_range: float = Field(1e-4, gt=0.0, description="PPO ratio clip eps: the ratio exp(logp - logp_old) is "
+                              "clipped to [1 - eps, 1 + eps]")
+    adv_clip: float = Field(5.0, gt=0.0, description="advantages (r - mean_group) / (std_group + 1e-4) are clamped "
+                            "to [-adv_clip, adv_clip]")
+    kl_beta: float = Field(0.0, ge=0.0, description="weight of the KL to the base model (adapter disabled), "
+                           "KL = ||mean_theta - mean_ref||^2 / (2 std^2) per step; 0 = off (no reference forwards)")
+    timestep_fraction: float = Field(1.0, gt=0.0, le=1.0, description="fraction of the rollout steps trained: the "
+                                     "first ceil(num_steps x fraction), from the noise end")
     ode_after_trained: bool = Field(False, description="rollouts take the ODE step after the trained steps, so "
                                                        "only trained steps inject noise (Flow-GRPO-Fast)")
-    inner_epochs: int = Field(1, ge=1, description="optimizer steps on each rollout batch")
+    inner_epochs: int = Field(1, ge=1, description="optimizer steps on each rollout batch; the first is on-policy, "
+                              "the later ones reuse the rollout's log-probs as logp_old")
 
 
 class BackwardConfig(_Section):
-    mode: Literal["exact", "jagg"] = "jagg"
-    window: int = Field(5, ge=1)
-    velocities: Literal["cached", "forward"] = "cached"
-    frac: float = Field(1.0, ge=0.0, le=1.0, description="fraction of windows (by linearity) that use JAGG")
-    joint: bool = Field(True, description="forward/backward both endpoints as one stacked batch")
-    shared_knots: bool = False
+    """How the LoRA gradient of the trained steps is computed: the exact per-step backward, or JAGG windows."""
+
+    mode: Literal["exact", "jagg"] = Field("jagg", description="exact: one transformer backward per trained step "
+                                           "(Flow-GRPO); jagg: the per-step gradients of each window are aggregated "
+                                           "at its two endpoints")
+    window: int = Field(5, ge=1, description="W consecutive trained steps per JAGG window; a window costs 2 backward "
+                        "passes instead of W, W <= 2 is exact")
+    velocities: Literal["cached", "forward"] = Field(
+        "cached", description="velocities of a window's intermediate steps: cached = the rollout's with a first-order "
+        "endpoint correction (no extra forward), forward = a no-grad forward per intermediate step")
+    frac: float = Field(1.0, ge=0.0, le=1.0, description="fraction of windows, highest linearity score first, that "
+                        "use JAGG; the rest take the exact backward")
+    joint: bool = Field(True, description="run the JAGG backward's transformer passes two at a time as one stacked "
+                        "batch: faster, about 2x the peak memory; false = one at a time, the exact backward's peak")
+    shared_knots: bool = Field(False, description="adjacent windows share an endpoint, so K windows cost K+1 passes "
+                               "instead of 2K")
 
 
 class RewardSpec(_Section):
-    name: str
-    weight: float = 1.0
-    options: dict[str, Any] = Field(default_factory=dict)
+    """One term of the reward: an image's reward is the weighted sum r = sum_k w_k r_k over the list ``rewards``."""
+
+    name: str = Field(description="registered reward name, e.g. shapes, jpeg_compressibility, aesthetic, "
+                      "pickscore, hpsv2, ocr, http")
+    weight: float = Field(1.0, description="weight w_k of this reward in the sum r = sum_k w_k r_k")
+    options: dict[str, Any] = Field(default_factory=dict, description="keyword options of the reward (e.g. url for "
+                                    "http, model_id for the CLIP-based ones); unknown options are refused")
 
 
 class PromptsConfig(_Section):
+    """The prompt set and its split into training prompts and held-out eval prompts."""
+
     source: str = Field("shapes", description="built-in set name, a .txt/.csv/.jsonl file, or hf://DATASET[:COLUMN]")
-    eval_count: int = Field(8, ge=1, description="held-out prompts for fixed-seed eval samples")
-    split_seed: int = 0
+    eval_count: int = Field(8, ge=1, description="distinct prompts held out from training for the fixed-seed eval "
+                            "samples")
+    split_seed: int = Field(0, ge=0, lt=SEED_BOUND, description="seed of the random choice of the held-out eval "
+                            "prompts among the distinct prompts")
 
 
 class TrainConfig(_Section):
-    iterations: int = Field(10, ge=1)
-    learning_rate: float = Field(1e-4, gt=0)
-    weight_decay: float = Field(1e-4, ge=0)
-    optimizer: Literal["adamw", "adamw8bit"] = "adamw"
-    max_grad_norm: float = Field(1.0, gt=0)
-    gradient_accumulation_steps: int = Field(1, ge=1, description="micro-batches the rollout batch is split into")
-    mixed_precision: Literal["no", "fp16", "bf16"] = "no"
-    gradient_checkpointing: bool = False
-    seed: int = 0
-    sample_every: int = Field(5, ge=1)
-    checkpoint_every: int = Field(5, ge=1)
-    keep_checkpoints: int = Field(3, ge=1)
-    eval_seed: int = 1234
+    """The optimizer, precision and memory options, seeds, and how often to sample and checkpoint."""
+
+    iterations: int = Field(10, ge=1, description="GRPO iterations, each a rollout batch, its rewards and "
+                            "grpo.inner_epochs optimizer steps")
+    learning_rate: float = Field(1e-4, gt=0, description="AdamW learning rate of the LoRA parameters "
+                                 "(constant, no schedule)")
+    weight_decay: float = Field(1e-4, ge=0, description="AdamW decoupled weight decay")
+    optimizer: Literal["adamw", "adamw8bit"] = Field("adamw", description="adamw = torch AdamW; adamw8bit = "
+                                                     "bitsandbytes 8-bit AdamW (CUDA GPU only)")
+    max_grad_norm: float = Field(1.0, gt=0, description="the LoRA gradient's global L2 norm is clipped to this "
+                                 "before each step; a non-finite norm skips the step")
+    gradient_accumulation_steps: int = Field(1, ge=1, description="micro-batches the rollout batch is split into for "
+                                             "the backward (less memory, same gradient, one optimizer step)")
+    mixed_precision: Literal["no", "fp16", "bf16"] = Field(
+        "no", description="accelerate autocast of the transformer forwards; the SDE steps, log-probs and loss stay "
+        "float32")
+    gradient_checkpointing: bool = Field(False, description="recompute the transformer's activations in the backward: "
+                                         "less memory, about one more forward per backward pass")
+    seed: int = Field(0, ge=0, lt=SEED_BOUND, description="seed of the LoRA initialization and of each iteration's "
+                      "prompts and noise, drawn from (seed, iteration, process) so a resume repeats them")
+    sample_every: int = Field(5, ge=1, description="iterations between fixed-seed eval samples (also at the last "
+                              "iteration)")
+    checkpoint_every: int = Field(5, ge=1, description="iterations between checkpoints of the LoRA and optimizer "
+                                  "state (also at the last iteration)")
+    keep_checkpoints: int = Field(3, ge=1, description="newest checkpoints kept on disk; older ones are deleted")
+    eval_seed: int = Field(1234, ge=0, lt=SEED_BOUND, description="seed of the eval samples' initial noise, the same "
+                           "at every eval so the samples compare across iterations")
 
 
 class HubConfig(_Section):
-    push: bool = False
-    repo_id: str | None = None
-    private: bool = False
+    """Publish the adapter and its model card to the Hugging Face Hub when the run finishes."""
+
+    push: bool = Field(False, description="push the adapter and model card to hub.repo_id at the end of the run "
+                       "(token: HF_TOKEN or hf auth login)")
+    repo_id: str | None = Field(None, description="Hub model repo owner/name to push to, created if missing; "
+                                "required when push is true")
+    private: bool = Field(False, description="create the repo private (an existing repo keeps its visibility)")
 
 
 class RunConfig(_Section):
-    """A whole run."""
+    """A whole run: its name and directory, then one section per part of the training."""
 
-    name: str = "run"
-    description: str = ""
-    output_dir: str | None = None
+    name: str = Field("run", description="run name; the default run directory is runs/NAME-TIMESTAMP")
+    description: str = Field("", description="free text about the run; a preset's first line is listed by "
+                             "--list-presets")
+    output_dir: str | None = Field(None, description="run directory; null = runs/NAME-TIMESTAMP (--output-dir "
+                                   "overrides it)")
     model: ModelConfig = Field(default_factory=ModelConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
@@ -139,6 +211,11 @@ class RunConfig(_Section):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+    @classmethod
+    def describe(cls, key: str) -> str:
+        """The schema's description of the dotted config key ``key`` (``train.seed``, ``rewards.weight``)."""
+        return schema_field(key).description or ""
 
 
 def list_presets() -> dict[str, str]:
@@ -254,3 +331,150 @@ def load_config(preset: str | None = None, config_file: str | Path | None = None
     for text in overrides:
         apply_override(data, *parse_override(text))
     return validate_config(data)
+
+
+def schema_field(key: str) -> FieldInfo:
+    """The pydantic field of the dotted config key ``key``; list sections (``rewards``) are walked into."""
+    *sections, name = key.split(".")
+    schema = _schema_at(sections)
+    if schema is None or name not in schema.model_fields:
+        raise UserError(f"unknown config key '{key}'")
+    return schema.model_fields[name]
+
+
+# ----- the config reference (README "Config reference", ``python -m jagg_core.config --reference``) -----------
+REFERENCE_BEGIN, REFERENCE_END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
+
+
+def _section_type(annotation: Any) -> type[BaseModel] | None:
+    """The section model of a field: ``ModelConfig`` for ``model``, ``RewardSpec`` for ``rewards``; else None."""
+    if get_origin(annotation) is list:
+        annotation = get_args(annotation)[0]
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def _literal_choices(annotation: Any) -> list:
+    if get_origin(annotation) is Literal:
+        return list(get_args(annotation))
+    return [choice for arg in get_args(annotation) for choice in _literal_choices(arg)]
+
+
+def _yaml_value(value: Any) -> str:
+    """``value`` as it is written in a config file, on one line."""
+    if isinstance(value, list):
+        value = [item.model_dump(mode="json", exclude_defaults=True) if isinstance(item, BaseModel) else item
+                 for item in value]
+    if value == "":
+        return '""'
+    text = yaml.safe_dump(value, default_flow_style=True, width=10 ** 6).strip()
+    return text.removesuffix("\n...").strip()
+
+
+def _bound(value: Any) -> str:
+    return "2^63" if value == SEED_BOUND else f"{value:g}"
+
+
+def _range(field: FieldInfo) -> str:
+    """The numeric bounds of a field: ``>= 1``, ``(0, 2]``, ``[0, 2^63)``; empty without bounds."""
+    low = high = None
+    for item in field.metadata:
+        for attr, bracket in (("ge", "["), ("gt", "(")):
+            if getattr(item, attr, None) is not None:
+                low = (bracket, getattr(item, attr))
+        for attr, bracket in (("le", "]"), ("lt", ")")):
+            if getattr(item, attr, None) is not None:
+                high = (bracket, getattr(item, attr))
+    if low and high:
+        return f"{low[0]}{_bound(low[1])}, {_bound(high[1])}{high[0]}"
+    if low:
+        return f"{'>=' if low[0] == '[' else '>'} {_bound(low[1])}"
+    if high:
+        return f"{'<=' if high[0] == ']' else '<'} {_bound(high[1])}"
+    return ""
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _default(field: FieldInfo) -> str:
+    if field.is_required():
+        return "required"
+    value = field.get_default(call_default_factory=True)
+    return f"`{_yaml_value(value)}`"
+
+
+def _doc(model: type[BaseModel]) -> str:
+    """A section's docstring as one Markdown paragraph."""
+    return " ".join((model.__doc__ or "").split()).replace("``", "`")
+
+
+def _table(model: type[BaseModel], prefix: str) -> list[str]:
+    rows = ["| key | default | description |", "|---|---|---|"]
+    for name, field in model.model_fields.items():
+        if _section_type(field.annotation) is not None:
+            continue
+        text = (field.description or "").rstrip(".")
+        choices = _literal_choices(field.annotation)
+        if choices:
+            text += ". Allowed: " + ", ".join(f"`{_yaml_value(choice)}`" for choice in choices)
+        bounds = _range(field)
+        if bounds:
+            text += f". Range: `{bounds}`"
+        rows.append(f"| `{prefix}{name}` | {_cell(_default(field))} | {_cell(text)}. |")
+    return rows
+
+
+def config_reference() -> str:
+    """The Markdown reference of every config key: one table per section (key, default, description), from the
+    schema. The README's "Config reference" is this text (``python -m jagg_core.config --reference``)."""
+    lines = ["### top level", "", _doc(RunConfig), "", *_table(RunConfig, "")]
+    for name, field in RunConfig.model_fields.items():
+        section = _section_type(field.annotation)
+        if section is None:
+            continue
+        intro = _doc(section)
+        if get_origin(field.annotation) is list:
+            intro += f" Default: `{_yaml_value(field.get_default(call_default_factory=True))}`."
+            prefix = f"{name}[]."
+        else:
+            prefix = f"{name}."
+        lines += ["", f"### {name}", "", intro, "", *_table(section, prefix)]
+    return "\n".join(lines) + "\n"
+
+
+def update_reference(path: str | Path) -> bool:
+    """Rewrite the part of the Markdown file ``path`` between the reference markers; True if it changed."""
+    path = Path(path)
+    text = path.read_text()
+    head, begin, rest = text.partition(REFERENCE_BEGIN + "\n")
+    _, end, tail = rest.partition(REFERENCE_END)
+    if not begin or not end:
+        raise UserError(f"{path} lacks the lines {REFERENCE_BEGIN} and {REFERENCE_END}")
+    updated = head + begin + config_reference() + end + tail
+    if updated == text:
+        return False
+    path.write_text(updated)
+    return True
+
+
+def _main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m jagg_core.config", description="The run config's schema.")
+    parser.add_argument("--reference", action="store_true", help="print the Markdown config reference")
+    parser.add_argument("--update", metavar="FILE", help="write the reference between the config-reference "
+                        "markers of FILE (e.g. README.md)")
+    args = parser.parse_args(argv)
+    if args.update:
+        with exit_on_user_error("jagg_core.config"):
+            print(f"{args.update}: {'updated' if update_reference(args.update) else 'already up to date'}")
+    elif args.reference:
+        print(config_reference(), end="")
+    else:
+        parser.print_help()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

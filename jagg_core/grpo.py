@@ -20,11 +20,22 @@ def group_advantages(rewards: torch.Tensor, group_size: int, clip: float) -> tor
     return ((groups - mean) / (std + 1e-4)).clamp(-clip, clip).flatten()
 
 
-@dataclass
+@dataclass(frozen=True)
 class LossSettings:
     clip_range: float
     kl_beta: float
-    scale: float = 1.0   # multiplies every step loss (1 / trained steps, times the micro-batch share)
+    scale: float = 1.0   # multiplies every step loss: see loss_scale
+
+
+def loss_scale(micro_batch: int, batch: int, trained_steps: int) -> float:
+    """The scale of a micro-batch's step losses.
+
+    The loss of a rollout batch of ``B`` samples over ``T`` trained steps is the mean
+    ``L = 1/(B T) sum_b sum_j L_bj``. :func:`step_loss` averages over the ``m`` samples of its
+    micro-batch, so each micro-batch's step losses are scaled by ``m / (B T)``: summed over the
+    micro-batches and steps they give ``L``, and their gradients add up to ``dL/dtheta``.
+    """
+    return micro_batch / (batch * trained_steps)
 
 
 def step_loss(v: torch.Tensor, step: int, batch: Trajectory, advantages: torch.Tensor,

@@ -31,13 +31,13 @@ windows by score use JAGG, the others the exact backward.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass, field, replace
+from typing import Callable, Literal
 
 import torch
 
 from .config import BackwardConfig
-from .grpo import LossSettings, step_loss
+from .grpo import LossSettings, loss_scale, step_loss
 from .models.base import Conditioning, FlowModel
 from .sampler import Trajectory
 
@@ -108,11 +108,18 @@ def route_windows(scores: list[float], frac: float) -> list[bool]:
 
 @dataclass
 class BackwardPlan:
-    """Which steps are passes and which are interpolated, with their endpoint weights."""
+    """The backward of one rollout batch, made once by :func:`make_plan` and followed by every micro-batch
+    and inner epoch: which steps are passes and which are interpolated (with their endpoint weights), how
+    passes are batched, where intermediate velocities come from, and the loss with its batch geometry."""
 
     windows: list[Window]
     use_jagg: list[bool]
     scores: list[float]
+    loss: LossSettings
+    batch_size: int                   # samples in the rollout batch
+    trained_steps: int                # T: steps 0..T-1 are trained
+    joint: bool = False               # pass steps two at a time, stacked in one forward
+    velocities: Literal["cached", "forward"] = "cached"
     pass_steps: list[int] = field(default_factory=list)
     interpolated: dict[int, tuple[int, int, float]] = field(default_factory=dict)  # j -> (a, b, alpha_j)
 
@@ -125,15 +132,18 @@ class BackwardPlan:
         return sum(self.scores) / max(len(self.scores), 1)
 
 
-def make_plan(config: BackwardConfig, batch: Trajectory, trained_steps: int) -> BackwardPlan:
-    """Plan the backward of steps ``0..trained_steps-1`` of ``batch`` under ``config``."""
+def make_plan(config: BackwardConfig, batch: Trajectory, trained_steps: int, loss: LossSettings) -> BackwardPlan:
+    """Plan the backward of steps ``0..trained_steps-1`` of the rollout batch ``batch`` under ``config``,
+    with the step loss ``loss`` (its ``scale`` is set per micro-batch by :func:`run_backward`)."""
+    common = {"loss": loss, "batch_size": batch.batch_size, "trained_steps": trained_steps}
     if config.mode == "exact":
         windows = plan_windows(trained_steps, 1, False)
-        plan = BackwardPlan(windows, [False] * len(windows), [1.0] * len(windows))
+        plan = BackwardPlan(windows, [False] * len(windows), [1.0] * len(windows), **common)
     else:
         windows = plan_windows(trained_steps, config.window, config.shared_knots)
         scores = [linearity_score(batch.velocities, batch.sigmas, w) for w in windows]
-        plan = BackwardPlan(windows, route_windows(scores, config.frac), scores)
+        plan = BackwardPlan(windows, route_windows(scores, config.frac), scores, joint=config.joint,
+                            velocities=config.velocities, **common)
     passes: set[int] = set()
     for win, jagg in zip(plan.windows, plan.use_jagg):
         if jagg:
@@ -155,16 +165,19 @@ class BackwardResult:
     num_passes: int
 
 
-def run_backward(model: FlowModel, batch: Trajectory, cond: Conditioning, advantages: torch.Tensor,
-                 plan: BackwardPlan, settings: LossSettings, config: BackwardConfig, *, on_policy: bool,
+def run_backward(model: FlowModel, plan: BackwardPlan, batch: Trajectory, cond: Conditioning,
+                 advantages: torch.Tensor, *, on_policy: bool,
                  backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
                  autocast: Callable = nullcontext) -> BackwardResult:
-    """Accumulate ``d(sum_j L_j)/dtheta`` into the parameters' ``.grad`` following ``plan``.
+    """Accumulate this micro-batch's share of ``dL/dtheta`` into the parameters' ``.grad`` following ``plan``.
 
-    ``on_policy`` says the parameters are those that made the rollout, so the rollout's endpoint
-    velocities are the current ones. ``backward`` runs a scalar's backward (accelerate's, for
-    loss scaling); ``autocast`` opens the mixed-precision context for forwards.
+    ``batch``, ``cond`` and ``advantages`` are a micro-batch of the planned rollout batch (or all of it);
+    its step losses are scaled by :func:`~jagg_core.grpo.loss_scale`, so the micro-batches' gradients add
+    up to the gradient of the batch's loss. ``on_policy`` says the parameters are those that made the
+    rollout, so the rollout's endpoint velocities are the current ones. ``backward`` runs a scalar's
+    backward (accelerate's, for loss scaling); ``autocast`` opens the mixed-precision context for forwards.
     """
+    settings = replace(plan.loss, scale=loss_scale(batch.batch_size, plan.batch_size, plan.trained_steps))
     stats: list[dict[str, torch.Tensor]] = []
     loss_total = 0.0
 
@@ -178,7 +191,7 @@ def run_backward(model: FlowModel, batch: Trajectory, cond: Conditioning, advant
     # Upstream gradients of the interpolated steps, aggregated at their window's endpoints.
     composite: dict[int, torch.Tensor] = {}
     if plan.interpolated:
-        velocities = _intermediate_velocities(plan, batch, forward, on_policy, config)
+        velocities = _intermediate_velocities(plan, batch, forward, on_policy)
         for j, (a, b, alpha) in plan.interpolated.items():
             v_j = velocities[j].detach().float().requires_grad_(True)
             loss_j, step_stats = step_loss(v_j, j, batch, advantages, settings)
@@ -189,7 +202,7 @@ def run_backward(model: FlowModel, batch: Trajectory, cond: Conditioning, advant
             stats.append(step_stats)
 
     # One forward with grad and one backward per pass step (two stacked at a time when joint).
-    group = 2 if config.mode == "jagg" and config.joint else 1
+    group = 2 if plan.joint else 1
     for k in range(0, len(plan.pass_steps), group):
         steps = plan.pass_steps[k:k + group]
         surrogate = 0
@@ -208,8 +221,7 @@ def run_backward(model: FlowModel, batch: Trajectory, cond: Conditioning, advant
     return BackwardResult(loss_total, average("kl"), average("ratio"), average("clip_frac"), len(plan.pass_steps))
 
 
-def _intermediate_velocities(plan: BackwardPlan, batch: Trajectory, forward, on_policy: bool,
-                             config: BackwardConfig) -> dict[int, torch.Tensor]:
+def _intermediate_velocities(plan: BackwardPlan, batch: Trajectory, forward, on_policy: bool) -> dict[int, torch.Tensor]:
     """``v_j`` of every interpolated step under the current parameters (no grad).
 
     ``forward``: one stacked no-grad forward per window over its intermediate steps. ``cached``: the
@@ -217,7 +229,7 @@ def _intermediate_velocities(plan: BackwardPlan, batch: Trajectory, forward, on_
     the current endpoint velocities come from one stacked no-grad forward.
     """
     with torch.no_grad():
-        if config.velocities == "forward":
+        if plan.velocities == "forward":
             by_window: dict[tuple[int, int], list[int]] = {}
             for j, (a, b, _) in plan.interpolated.items():
                 by_window.setdefault((a, b), []).append(j)

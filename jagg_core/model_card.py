@@ -24,9 +24,10 @@ from pathlib import Path
 import yaml
 from huggingface_hub import ModelCard, ModelCardData
 
+from . import metrics
 from .errors import UserError
+from .rundir import LORA_FILE, ImageSet, RunDirectory, iteration_dirname
 
-ADAPTER_FILE = "pytorch_lora_weights.safetensors"
 CURVE_FILE = "images/reward_curve.png"
 GRID_FILE = "images/before_after.png"
 SAMPLES_DIR = "samples"
@@ -34,15 +35,6 @@ GRID_COLUMNS = 4
 WIDGET_SAMPLES = 8
 SECRET_KEY = re.compile(r"token|secret|password|api_?key", re.IGNORECASE)
 HUB_REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
-
-
-@dataclass
-class SampleSet:
-    """The fixed-seed eval samples saved at one iteration (``RUN/samples/iter_NNNNNN``)."""
-
-    iteration: int
-    images: list[Path]
-    prompts: list[str]
 
 
 @dataclass
@@ -55,89 +47,32 @@ class RunSnapshot:
     checkpoint: str | None
     adapter: Path
     iteration: int | None
-    before: SampleSet | None
-    after: SampleSet | None
+    before: ImageSet | None
+    after: ImageSet | None
 
     @property
     def base_model(self) -> str:
         return self.run_info.get("base_model") or self.config.get("model", {}).get("name", "")
 
 
-def _iteration_of(name: str) -> int | None:
-    match = re.fullmatch(r"iter_(\d+)", name)
-    return int(match.group(1)) if match else None
-
-
-def checkpoint_dir_name(checkpoint: str) -> str:
-    """``iter_10`` or ``iter_000010`` -> ``iter_000010`` (the trainer's folder name)."""
-    iteration = _iteration_of(checkpoint.strip())
-    if iteration is None:
-        raise UserError(f"checkpoint '{checkpoint}' must look like iter_N, e.g. iter_000100")
-    return f"iter_{iteration:06d}"
-
-
-def _read_metrics(path: Path) -> list[dict]:
-    """metrics.jsonl rows; a partly written last line (the trainer may be running) is skipped."""
-    rows = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(row, dict) and isinstance(row.get("iteration"), int):
-                rows.append(row)
-    return rows
-
-
-def _read_samples(folder: Path) -> SampleSet | None:
-    """The samples of one ``iter_NNNNNN`` folder, or None if it is not complete (yet)."""
-    iteration = _iteration_of(folder.name)
-    images = sorted(folder.glob("*.png"))
-    prompts_file = folder / "prompts.json"
-    if iteration is None or not images or not prompts_file.is_file():
-        return None
-    prompts = json.loads(prompts_file.read_text())
-    return SampleSet(iteration, images[: len(prompts)], prompts[: len(images)])
-
-
 def read_run(run_dir: str | Path, checkpoint: str | None = None) -> RunSnapshot:
     """Gather what a push publishes: the latest adapter, or the one of ``checkpoint`` (``iter_N``)."""
-    run_dir = Path(run_dir)
-    config_file = run_dir / "config.yaml"
-    if not config_file.is_file():
-        raise UserError(f"{run_dir} is not a JAGG run directory (no config.yaml)")
-    try:
-        config = yaml.safe_load(config_file.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise UserError(f"{config_file} is not valid YAML: {str(err).splitlines()[0]}") from None
-    info_file = run_dir / "run_info.json"
-    run_info = json.loads(info_file.read_text()) if info_file.is_file() else {}
-    metrics = _read_metrics(run_dir / "metrics.jsonl")
-
+    run = RunDirectory(run_dir)
+    config = run.read_config()
+    rows = run.read_metrics()
     if checkpoint is None:
-        checkpoint_name = None
-        adapter = run_dir / "lora" / ADAPTER_FILE
+        checkpoint_name, adapter = None, run.lora_file
         if not adapter.is_file():
-            raise UserError(f"{run_dir} has no adapter yet ({adapter} is missing): wait for the first checkpoint")
-        iteration = metrics[-1]["iteration"] if metrics else None
+            raise UserError(f"{run.path} has no adapter yet ({adapter} is missing): wait for the first checkpoint")
+        iteration = rows[-1][metrics.ITERATION] if rows else None
     else:
-        checkpoint_name = checkpoint_dir_name(checkpoint)
-        folder = run_dir / "checkpoints" / checkpoint_name
-        adapter = folder / ADAPTER_FILE
-        if not adapter.is_file():
-            folders = sorted((run_dir / "checkpoints").glob("iter_*"))
-            available = [p.name for p in folders if (p / ADAPTER_FILE).is_file()]
-            raise UserError(f"{run_dir} has no checkpoint {checkpoint_name}; "
-                            f"available: {', '.join(available) or 'none'}")
-        iteration = _iteration_of(checkpoint_name)
-        metrics = [row for row in metrics if row["iteration"] <= iteration]
-
-    sample_sets = [s for s in map(_read_samples, sorted((run_dir / "samples").glob("iter_*"))) if s is not None]
-    before = next((s for s in sample_sets if s.iteration == 0), None)
-    trained = [s for s in sample_sets if s.iteration > 0 and (iteration is None or s.iteration <= iteration)]
-    return RunSnapshot(config, run_info, metrics, checkpoint_name, adapter, iteration,
-                       before, trained[-1] if trained else None)
+        iteration, adapter = run.checkpoint_adapter(checkpoint)
+        checkpoint_name = iteration_dirname(iteration)
+        rows = [row for row in rows if row[metrics.ITERATION] <= iteration]
+    sampled = run.sample_iterations()
+    trained = [i for i in sampled if i > 0 and (iteration is None or i <= iteration)]
+    return RunSnapshot(config, run.read_run_info(), rows, checkpoint_name, adapter, iteration,
+                       run.samples(0) if 0 in sampled else None, run.samples(trained[-1]) if trained else None)
 
 
 def _scrub(node):
@@ -154,22 +89,22 @@ def public_config(config: dict) -> str:
     return yaml.safe_dump(_scrub(config), sort_keys=False)
 
 
-def reward_curve_png(metrics: list[dict]) -> bytes:
+def reward_curve_png(rows: list[dict]) -> bytes:
     """Training reward (mean with a +-std band) and held-out eval reward against iteration, as PNG bytes."""
     from matplotlib.figure import Figure  # no pyplot: no global state, safe in the app's worker threads
 
-    train = [row for row in metrics if "reward_mean" in row]
-    evals = [row for row in metrics if row.get("eval_reward_mean") is not None]
+    train = [row for row in rows if metrics.REWARD_MEAN in row]
+    evals = [row for row in rows if row.get(metrics.EVAL_REWARD_MEAN) is not None]
     fig = Figure(figsize=(6, 3.5), dpi=100)
     ax = fig.subplots()
     if train:
-        x = [row["iteration"] for row in train]
-        mean = [row["reward_mean"] for row in train]
-        std = [row.get("reward_std", 0.0) for row in train]
+        x = [row[metrics.ITERATION] for row in train]
+        mean = [row[metrics.REWARD_MEAN] for row in train]
+        std = [row.get(metrics.REWARD_STD, 0.0) for row in train]
         ax.plot(x, mean, label="train reward (mean)")
         ax.fill_between(x, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2)
     if evals:
-        ax.plot([row["iteration"] for row in evals], [row["eval_reward_mean"] for row in evals], "o-",
+        ax.plot([row[metrics.ITERATION] for row in evals], [row[metrics.EVAL_REWARD_MEAN] for row in evals], "o-",
                 label="held-out eval reward")
     ax.set_xlabel("iteration")
     ax.set_ylabel("reward")
@@ -181,7 +116,7 @@ def reward_curve_png(metrics: list[dict]) -> bytes:
     return buffer.getvalue()
 
 
-def sample_grid_png(before: SampleSet, after: SampleSet, cell: int = 256) -> bytes:
+def sample_grid_png(before: ImageSet, after: ImageSet, cell: int = 256) -> bytes:
     """Two rows of eval samples, the base model on top and the adapter below (same prompts and seeds)."""
     from PIL import Image, ImageDraw, ImageFont
 
@@ -201,9 +136,9 @@ def sample_grid_png(before: SampleSet, after: SampleSet, cell: int = 256) -> byt
     return buffer.getvalue()
 
 
-def _eval_reward(metrics: list[dict]) -> tuple[dict | None, dict | None]:
+def _eval_reward(rows: list[dict]) -> tuple[dict | None, dict | None]:
     """The first and last metrics rows that carry a held-out eval reward."""
-    evals = [row for row in metrics if row.get("eval_reward_mean") is not None]
+    evals = [row for row in rows if row.get(metrics.EVAL_REWARD_MEAN) is not None]
     return (evals[0], evals[-1]) if len(evals) >= 2 else (None, None)
 
 
@@ -285,8 +220,8 @@ image = pipe({json.dumps(prompt)}).images[0]
     if first and last:
         results.append("Mean reward of fixed-seed samples of held-out prompts:\n\n"
                        "| | iteration | held-out reward |\n|---|---|---|\n"
-                       f"| before | {first['iteration']} | {first['eval_reward_mean']:.4f} |\n"
-                       f"| after | {last['iteration']} | {last['eval_reward_mean']:.4f} |\n")
+                       f"| before | {first[metrics.ITERATION]} | {first[metrics.EVAL_REWARD_MEAN]:.4f} |\n"
+                       f"| after | {last[metrics.ITERATION]} | {last[metrics.EVAL_REWARD_MEAN]:.4f} |\n")
     if snap.metrics:
         results.append(f"![Reward per iteration]({CURVE_FILE})\n")
     if len(results) > 1:
@@ -298,7 +233,7 @@ image = pipe({json.dumps(prompt)}).images[0]
 def publish_files(snap: RunSnapshot, repo_id: str) -> dict[str, bytes | Path]:
     """Every file of the published repo: path in the repo -> bytes, or a local path for the adapter."""
     files: dict[str, bytes | Path] = {
-        ADAPTER_FILE: snap.adapter,
+        LORA_FILE: snap.adapter,
         "README.md": str(build_model_card(snap, repo_id)).encode(),
         "config.yaml": public_config(snap.config).encode(),
     }

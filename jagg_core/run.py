@@ -1,6 +1,8 @@
 """Headless runs: ``python -m jagg_core.run [--preset NAME | --config FILE] [--set a.b=c ...]``.
 
 With no arguments it runs the default preset. Works the same under ``accelerate launch``.
+``--help``, ``--list-presets``, ``--dry-run`` and mistakes in the input are answered without
+importing torch or diffusers; those load only when a run starts.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from pathlib import Path
 
 from .config import DEFAULT_PRESET, RunConfig, list_presets, load_config
 from .errors import UserError, exit_on_user_error
-from .quiet import quiet_libraries
+from .preflight import check_references
+from .rundir import RunDirectory
 
 PROG = "jagg_core.run"
 RUNS_DIR = Path("runs")
@@ -43,29 +46,21 @@ def latest_run_dir(name: str) -> Path:
 def resolve(args: argparse.Namespace) -> tuple[RunConfig, Path]:
     """The config and run directory this invocation means."""
     run_dir = Path(args.output_dir) if args.output_dir else None
-    if args.resume and run_dir is not None and (run_dir / "config.yaml").is_file() and not (args.preset or args.config):
-        config = load_config(config_file=run_dir / "config.yaml", overrides=args.overrides)
+    if args.resume and run_dir is not None and RunDirectory(run_dir).is_run() and not (args.preset or args.config):
+        config = load_config(config_file=RunDirectory(run_dir).config_file, overrides=args.overrides)
     else:
         config = load_config(preset=args.preset, config_file=args.config, overrides=args.overrides)
     if run_dir is None and config.output_dir:
         run_dir = Path(config.output_dir)
     if run_dir is None:
         run_dir = latest_run_dir(config.name) if args.resume else RUNS_DIR / f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if not args.resume and run_dir.joinpath("checkpoints").is_dir() and any(run_dir.joinpath("checkpoints").iterdir()):
+    checkpoints = RunDirectory(run_dir).checkpoints_dir
+    if not args.resume and checkpoints.is_dir() and any(checkpoints.iterdir()):
         raise UserError(f"{run_dir} already holds a run; add --resume to continue it or choose another --output-dir")
     return config, run_dir
 
 
-def check_references(config: RunConfig) -> None:
-    """Rewards (names, options) and prompts exist: checks a dry run can make without loading a model."""
-    from .prompts import load_prompts, split_prompts
-    from .rewards import build_rewards
-    build_rewards(config.rewards)  # rewards load their models lazily, on first call
-    split_prompts(load_prompts(config.prompts.source), config.prompts.eval_count, config.prompts.split_seed)
-
-
 def main(argv: list[str] | None = None) -> int:
-    quiet_libraries()
     args = parse_args(argv)
     with exit_on_user_error(PROG):
         if args.list_presets:
@@ -82,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train(config: RunConfig, run_dir: Path, resume: bool) -> int:
-    from .rundir import RunDirectory
+    from .quiet import quiet_libraries
+    quiet_libraries()
     from .trainer import StopRequested, Trainer, install_stop_handlers
 
     install_stop_handlers()

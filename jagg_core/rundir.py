@@ -2,42 +2,79 @@
 
     RUN/config.yaml            resolved config (no secrets)
     RUN/run_info.json          {"family", "base_model"}
-    RUN/metrics.jsonl          one JSON object per iteration
-    RUN/samples/iter_NNNNNN/   fixed-seed eval samples: 000.png ... + prompts.json
-    RUN/rollouts/latest/       the latest rollout images + prompts.json
-    RUN/checkpoints/iter_NNNNNN/  LoRA + optimizer + trainer_state.json (written atomically)
+    RUN/metrics.jsonl          one JSON object per iteration (keys: :mod:`jagg_core.metrics`)
+    RUN/samples/iter_NNNNNN/   fixed-seed eval samples: 000.png ... + prompts.json + info.json
+    RUN/rollouts/latest/       the latest rollout images + prompts.json + info.json
+    RUN/checkpoints/iter_NNNNNN/  LoRA + optimizer.pt + trainer_state.json (written atomically)
     RUN/lora/pytorch_lora_weights.safetensors   latest adapter, diffusers format
     RUN/status.json            {"state": running|finished|failed|stopped, "pid", "iteration", ...}
     RUN/train.log              the trainer's log lines
+    RUN/stdout.log             the output of a job the app launched
 
+:class:`RunDirectory` is the only code that knows these names: every reader and writer asks it.
 Every file is replaced atomically (written beside, then renamed), so a reader or a killed writer
-never sees half a file, and a checkpoint folder exists only once complete.
+never sees half a file, and a checkpoint folder exists only once complete. This module imports
+no deep-learning library, so the app's job control can use it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-import torch
+import yaml
 
-from .rewards.base import to_pil
+from . import metrics
+from .errors import UserError
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "trainer_state.json"
+ITERATION_NAME = re.compile(r"iter_(\d+)")
 
 
 def iteration_dirname(iteration: int) -> str:
+    """``10`` -> ``iter_000010``."""
     return f"iter_{iteration:06d}"
+
+
+def parse_iteration(name: str) -> int | None:
+    """``iter_000010`` or ``iter_10`` -> ``10``; anything else -> None."""
+    match = ITERATION_NAME.fullmatch(name.strip())
+    return int(match.group(1)) if match else None
 
 
 def atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def _read_json(path: Path, kind: type) -> Any:
+    """The JSON value of ``path`` if it is a ``kind``, else an empty ``kind`` (missing, half-written, other)."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return kind()
+    return value if isinstance(value, kind) else kind()
+
+
+@dataclass
+class ImageSet:
+    """The images of one folder (eval samples of an iteration, or the latest rollouts), with their prompts and,
+    when known, their rewards."""
+
+    folder: Path
+    iteration: int | None
+    images: list[Path]
+    prompts: list[str]
+    rewards: list[float] = field(default_factory=list)
 
 
 class RunDirectory:
@@ -48,6 +85,10 @@ class RunDirectory:
     @property
     def config_file(self) -> Path:
         return self.path / "config.yaml"
+
+    @property
+    def run_info_file(self) -> Path:
+        return self.path / "run_info.json"
 
     @property
     def metrics_file(self) -> Path:
@@ -62,6 +103,10 @@ class RunDirectory:
         return self.path / "train.log"
 
     @property
+    def output_log(self) -> Path:
+        return self.path / "stdout.log"
+
+    @property
     def checkpoints_dir(self) -> Path:
         return self.path / "checkpoints"
 
@@ -69,30 +114,85 @@ class RunDirectory:
     def lora_dir(self) -> Path:
         return self.path / "lora"
 
+    @property
+    def lora_file(self) -> Path:
+        return self.lora_dir / LORA_FILE
+
+    @property
+    def samples_root(self) -> Path:
+        return self.path / "samples"
+
+    @property
+    def rollouts_dir(self) -> Path:
+        return self.path / "rollouts" / "latest"
+
     def samples_dir(self, iteration: int) -> Path:
-        return self.path / "samples" / iteration_dirname(iteration)
+        return self.samples_root / iteration_dirname(iteration)
+
+    def checkpoint_dir(self, iteration: int) -> Path:
+        return self.checkpoints_dir / iteration_dirname(iteration)
+
+    def is_run(self) -> bool:
+        """Whether this folder holds a run (its config has been written)."""
+        return self.config_file.is_file()
 
     # ----- small files -----------------------------------------------------------------
     def create(self) -> None:
-        for sub in ("samples", "checkpoints", "lora", "rollouts"):
-            (self.path / sub).mkdir(parents=True, exist_ok=True)
+        for folder in (self.samples_root, self.checkpoints_dir, self.lora_dir, self.rollouts_dir.parent):
+            folder.mkdir(parents=True, exist_ok=True)
 
-    def write_json(self, name: str, data: dict) -> None:
-        atomic_write_text(self.path / name, json.dumps(data, indent=1))
+    def write_json(self, path: Path, data: dict) -> None:
+        atomic_write_text(path, json.dumps(data, indent=1))
+
+    def write_config(self, text: str) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.config_file, text)
+
+    def read_config(self) -> dict:
+        """The resolved config as a mapping; a missing or broken file is a one-line :class:`UserError`."""
+        if not self.is_run():
+            raise UserError(f"{self.path} is not a JAGG run directory (no config.yaml)")
+        try:
+            config = yaml.safe_load(self.config_file.read_text())
+        except (yaml.YAMLError, UnicodeDecodeError) as err:
+            raise UserError(f"{self.config_file} is not valid YAML: {str(err).splitlines()[0]}") from None
+        if not isinstance(config, dict):
+            raise UserError(f"{self.config_file} does not hold a run config")
+        return config
+
+    def configured_iterations(self) -> int:
+        """``train.iterations`` of the config, 0 if it cannot be read."""
+        try:
+            return int(self.read_config()["train"]["iterations"])
+        except (UserError, KeyError, TypeError, ValueError):
+            return 0
+
+    def write_run_info(self, family: str, base_model: str) -> None:
+        self.write_json(self.run_info_file, {"family": family, "base_model": base_model})
+
+    def read_run_info(self) -> dict:
+        return _read_json(self.run_info_file, dict)
 
     def read_status(self) -> dict:
-        try:
-            return json.loads(self.status_file.read_text())
-        except (OSError, ValueError):
-            return {}
+        return _read_json(self.status_file, dict)
 
     def write_status(self, state: str, **fields) -> None:
         status = {**self.read_status(), **fields, "state": state, "updated_at": time.time()}
-        self.write_json("status.json", status)
+        self.write_json(self.status_file, status)
 
     def log(self, line: str) -> None:
         with self.log_file.open("a") as handle:
             handle.write(line.rstrip("\n") + "\n")
+
+    def log_tail(self, max_bytes: int) -> str:
+        """The last ``max_bytes`` of the job's output (``stdout.log``, else ``train.log``); "" if neither exists."""
+        path = self.output_log if self.output_log.is_file() else self.log_file
+        try:
+            with path.open("rb") as handle:
+                handle.seek(max(0, path.stat().st_size - max_bytes))
+                return handle.read().decode(errors="replace")
+        except OSError:
+            return ""
 
     # ----- metrics ---------------------------------------------------------------------
     def append_metrics(self, row: dict) -> None:
@@ -100,53 +200,94 @@ class RunDirectory:
             handle.write(json.dumps(row) + "\n")
 
     def read_metrics(self) -> list[dict]:
+        """The rows of metrics.jsonl with namespaced keys (old runs' flat keys renamed, see
+        :func:`jagg_core.metrics.normalize`); a line cut by a kill mid-write, or not a row, is skipped."""
         if not self.metrics_file.is_file():
             return []
         rows = []
         for line in self.metrics_file.read_text().splitlines():
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except ValueError:
-                continue  # a line cut by a kill mid-write
+                continue
+            if isinstance(row, dict) and isinstance(row.get(metrics.ITERATION), int):
+                rows.append(metrics.normalize(row))
         return rows
 
     def truncate_metrics(self, last_iteration: int) -> None:
         """Keep the rows up to ``last_iteration`` (on resume, iterations after the checkpoint rerun)."""
-        rows = [r for r in self.read_metrics() if r.get("iteration", 0) <= last_iteration]
+        rows = [r for r in self.read_metrics() if r[metrics.ITERATION] <= last_iteration]
         atomic_write_text(self.metrics_file, "".join(json.dumps(r) + "\n" for r in rows))
 
     # ----- images ----------------------------------------------------------------------
-    def write_images(self, folder: Path, images: torch.Tensor, prompts: list[str], **extra) -> None:
-        """Write ``000.png ...`` and ``prompts.json`` into ``folder``, replacing it atomically."""
+    def write_images(self, folder: Path, images: list, prompts: list[str], **info) -> None:
+        """Write PIL ``images`` as ``000.png ...`` with ``prompts.json`` (and ``info.json`` holding ``info``,
+        e.g. rewards and iteration) into ``folder``, replacing it atomically."""
         tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        for i, image in enumerate(to_pil(images)):
+        for i, image in enumerate(images):
             image.save(tmp / f"{i:03d}.png")
         (tmp / "prompts.json").write_text(json.dumps(prompts, indent=1))
-        if extra:
-            (tmp / "info.json").write_text(json.dumps(extra, indent=1))
+        if info:
+            (tmp / "info.json").write_text(json.dumps(info, indent=1))
         old = folder.with_name(f".{folder.name}.{os.getpid()}.old")
         if folder.exists():
             os.replace(folder, old)
         os.replace(tmp, folder)
         shutil.rmtree(old, ignore_errors=True)
 
+    @staticmethod
+    def read_images(folder: Path) -> ImageSet | None:
+        """The images of ``folder`` (written by :meth:`write_images`), or None while it is not complete."""
+        images = sorted(folder.glob("[0-9][0-9][0-9].png"))
+        prompts = _read_json(folder / "prompts.json", list)
+        if not images or not prompts:
+            return None
+        info = _read_json(folder / "info.json", dict)
+        rewards = info.get("rewards") if isinstance(info.get("rewards"), list) else []
+        iteration = parse_iteration(folder.name)
+        if iteration is None and isinstance(info.get("iteration"), int):
+            iteration = info["iteration"]
+        count = min(len(images), len(prompts))
+        return ImageSet(folder, iteration, images[:count], [str(p) for p in prompts[:count]], rewards[:count])
+
+    def sample_iterations(self) -> list[int]:
+        """Iterations that have fixed-seed eval samples, oldest first (0 is the base model)."""
+        found = (parse_iteration(p.name) for p in self.samples_root.glob("iter_*") if (p / "prompts.json").is_file())
+        return sorted(i for i in found if i is not None)
+
+    def samples(self, iteration: int) -> ImageSet | None:
+        return self.read_images(self.samples_dir(iteration))
+
+    def rollouts(self) -> ImageSet | None:
+        return self.read_images(self.rollouts_dir)
+
     # ----- checkpoints -----------------------------------------------------------------
     def checkpoint_iterations(self) -> list[int]:
         """Iterations of the complete checkpoints, oldest first."""
         if not self.checkpoints_dir.is_dir():
             return []
-        return sorted(int(p.name.removeprefix("iter_")) for p in self.checkpoints_dir.glob("iter_*")
-                      if (p / STATE_FILE).is_file())
+        found = (parse_iteration(p.name) for p in self.checkpoints_dir.glob("iter_*") if (p / STATE_FILE).is_file())
+        return sorted(i for i in found if i is not None)
 
     def latest_checkpoint(self) -> Path | None:
         iterations = self.checkpoint_iterations()
-        return self.checkpoints_dir / iteration_dirname(iterations[-1]) if iterations else None
+        return self.checkpoint_dir(iterations[-1]) if iterations else None
+
+    def checkpoint_adapter(self, name: str) -> tuple[int, Path]:
+        """The iteration and adapter file of checkpoint ``name`` (``iter_N``); a one-line error if there is none."""
+        iteration = parse_iteration(name)
+        if iteration is None:
+            raise UserError(f"checkpoint '{name}' must look like iter_N, e.g. iter_000100")
+        if iteration not in self.checkpoint_iterations():
+            available = ", ".join(iteration_dirname(i) for i in self.checkpoint_iterations()) or "none"
+            raise UserError(f"{self.path} has no checkpoint {iteration_dirname(iteration)}; available: {available}")
+        return iteration, self.checkpoint_dir(iteration) / LORA_FILE
 
     def write_checkpoint(self, iteration: int, write_contents, keep: int) -> Path:
         """Call ``write_contents(tmp_folder)``, add the state file last, rename into place, prune."""
-        final = self.checkpoints_dir / iteration_dirname(iteration)
+        final = self.checkpoint_dir(iteration)
         tmp = self.checkpoints_dir / f".tmp-{iteration_dirname(iteration)}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -156,7 +297,7 @@ class RunDirectory:
             shutil.rmtree(final)
         os.replace(tmp, final)
         for old in self.checkpoint_iterations()[:-keep]:
-            shutil.rmtree(self.checkpoints_dir / iteration_dirname(old), ignore_errors=True)
+            shutil.rmtree(self.checkpoint_dir(old), ignore_errors=True)
         for stale in self.checkpoints_dir.glob(".tmp-*"):
             if not stale.name.endswith(f"-{os.getpid()}"):
                 shutil.rmtree(stale, ignore_errors=True)
@@ -165,7 +306,6 @@ class RunDirectory:
     def publish_lora(self, checkpoint: Path) -> None:
         """Copy the checkpoint's adapter to ``RUN/lora/`` atomically."""
         self.lora_dir.mkdir(parents=True, exist_ok=True)
-        target = self.lora_dir / LORA_FILE
         tmp = self.lora_dir / f".{LORA_FILE}.{os.getpid()}.tmp"
         shutil.copyfile(checkpoint / LORA_FILE, tmp)
-        os.replace(tmp, target)
+        os.replace(tmp, self.lora_file)

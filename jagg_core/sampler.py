@@ -69,6 +69,10 @@ class Trajectory:
     def num_steps(self) -> int:
         return self.velocities.shape[0]
 
+    @property
+    def batch_size(self) -> int:
+        return self.latents.shape[1]
+
     def select(self, index: torch.Tensor | slice) -> "Trajectory":
         """The sub-batch of samples ``index``."""
         ref = self.ref_velocities[:, index] if self.ref_velocities is not None else None

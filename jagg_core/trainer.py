@@ -14,21 +14,26 @@ import random
 import signal
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
+from . import metrics
 from .config import BackwardConfig, RunConfig
 from .errors import UserError
 from .grpo import LossSettings, group_advantages
-from .jagg import BackwardPlan, make_plan, run_backward
+from .hubclient import resolve_lora
+from .images import to_pil
+from .jagg import BackwardPlan, BackwardResult, make_plan, run_backward
 from .models import load_flow_model
+from .models.base import Conditioning
 from .prompts import load_prompts, split_prompts
 from .rewards import build_rewards
-from .rundir import LORA_FILE, RunDirectory
-from .sampler import initial_noise, ode_sample, sde_rollout
+from .rundir import OPTIMIZER_FILE, RunDirectory
+from .sampler import Trajectory, initial_noise, ode_sample, sde_rollout
 
 
 class StopRequested(Exception):
@@ -51,6 +56,18 @@ def make_optimizer(name: str, params, lr: float, weight_decay: float) -> torch.o
     return optimizer
 
 
+@dataclass
+class Rollout:
+    """One iteration's rollout batch on this process, samples prompt-major (``G`` per prompt)."""
+
+    trajectory: Trajectory
+    cond: Conditioning
+    prompts: list[str]                       # the prompt of each sample
+    images: torch.Tensor                     # [N, 3, H, W] in [0, 1]
+    rewards: torch.Tensor                    # [N] combined reward
+    reward_parts: dict[str, torch.Tensor]    # each reward term, [N]
+
+
 class Trainer:
     def __init__(self, config: RunConfig, run_dir: str | Path, *, resume: bool = False):
         self.config = config
@@ -70,7 +87,6 @@ class Trainer:
             self.model.transformer.enable_gradient_checkpointing()
         self.params = self.model.add_lora(cfg.lora)
         if cfg.lora.init_lora:
-            from .hub import resolve_lora
             self.model.load_lora(resolve_lora(cfg.lora.init_lora))  # token: HF_TOKEN or `hf auth login`
         optimizer = make_optimizer(cfg.train.optimizer, self.params, cfg.train.learning_rate, cfg.train.weight_decay)
         self.optimizer = self.accelerator.prepare(optimizer)
@@ -85,8 +101,8 @@ class Trainer:
             self._load_checkpoint()
         if self.is_main:
             self.run.create()
-            self.run.config_file.write_text(cfg.to_yaml())
-            self.run.write_json("run_info.json", {"family": self.model.family, "base_model": cfg.model.name})
+            self.run.write_config(cfg.to_yaml())
+            self.run.write_run_info(self.model.family, cfg.model.name)
 
     def _load_checkpoint(self) -> None:
         checkpoint = self.run.latest_checkpoint()
@@ -94,9 +110,9 @@ class Trainer:
             self._log(f"no checkpoint in {self.run.path}; starting from iteration 1")
             return
         self.model.load_lora(checkpoint)
-        state = torch.load(checkpoint / "optimizer.pt", map_location=self.accelerator.device, weights_only=True)
+        state = torch.load(checkpoint / OPTIMIZER_FILE, map_location=self.accelerator.device, weights_only=True)
         self.optimizer.load_state_dict(state)
-        done = int(checkpoint.name.removeprefix("iter_"))
+        done = self.run.checkpoint_iterations()[-1]
         self.start_iteration = done + 1
         if self.is_main:
             self.run.truncate_metrics(done)
@@ -109,7 +125,7 @@ class Trainer:
             self.run.log(line)
 
     # ----- one iteration -------------------------------------------------------------------
-    def rollout(self, iteration: int):
+    def rollout(self, iteration: int) -> Rollout:
         cfg = self.config
         group = cfg.grpo.num_generations
         picker = random.Random(iteration_seed(cfg.train.seed, iteration, self.rank, 0))
@@ -125,43 +141,47 @@ class Trainer:
             with torch.no_grad():
                 images = self.model.decode(traj.latents[-1])
         rewards, parts = self.reward(images, sample_prompts)
-        return traj, cond, sample_prompts, images, rewards, parts
+        return Rollout(traj, cond, sample_prompts, images, rewards, parts)
 
-    def accumulate_gradients(self, traj, cond, advantages: torch.Tensor, backward: BackwardConfig,
-                             on_policy: bool) -> tuple[list, BackwardPlan]:
-        """Add the LoRA gradient of the whole rollout batch to ``.grad``, one micro-batch at a time
-        (``train.gradient_accumulation_steps`` of them); each micro-batch's loss is weighted by its share."""
+    def plan_backward(self, traj: Trajectory, backward: BackwardConfig) -> BackwardPlan:
+        """The backward plan of one rollout batch under ``backward``, with this run's loss settings."""
+        loss = LossSettings(self.config.grpo.clip_range, self.config.grpo.kl_beta)
+        return make_plan(backward, traj, self.trained_steps, loss)
+
+    def accumulate_gradients(self, traj: Trajectory, cond: Conditioning, advantages: torch.Tensor,
+                             plan: BackwardPlan, on_policy: bool) -> list[BackwardResult]:
+        """Add the LoRA gradient of the whole rollout batch to ``.grad`` following ``plan``, one micro-batch at a
+        time (``train.gradient_accumulation_steps`` of them)."""
         n = advantages.shape[0]
         chunks = torch.arange(n).tensor_split(min(self.config.train.gradient_accumulation_steps, n))
-        results, plan = [], None
-        for index in chunks:
-            batch = traj.select(index)
-            plan = make_plan(backward, batch, self.trained_steps)
-            settings = LossSettings(self.config.grpo.clip_range, self.config.grpo.kl_beta,
-                                    scale=len(index) / n / self.trained_steps)
-            results.append(run_backward(
-                self.model, batch, {k: v[index] for k, v in cond.items()}, advantages[index], plan, settings,
-                backward, on_policy=on_policy, backward=self.accelerator.backward, autocast=self.accelerator.autocast))
-        return results, plan
+        return [run_backward(self.model, plan, traj.select(index), {k: v[index] for k, v in cond.items()},
+                             advantages[index], on_policy=on_policy, backward=self.accelerator.backward,
+                             autocast=self.accelerator.autocast)
+                for index in chunks]
 
-    def train_on(self, traj, cond, rewards) -> dict:
-        """``grpo.inner_epochs`` optimizer steps on one rollout batch; the first is on-policy."""
+    def train_on(self, rollout: Rollout) -> dict:
+        """``grpo.inner_epochs`` optimizer steps on one rollout batch, all following one backward plan; the
+        first is on-policy."""
         cfg = self.config
-        advantages = group_advantages(rewards, cfg.grpo.num_generations, cfg.grpo.adv_clip).to(self.accelerator.device)
-        results, grad_norms, skipped, plan = [], [], False, None
+        advantages = group_advantages(rollout.rewards, cfg.grpo.num_generations, cfg.grpo.adv_clip).to(
+            self.accelerator.device)
+        plan = self.plan_backward(rollout.trajectory, cfg.backward)
+        results, grad_norms, skipped = [], [], False
         for epoch in range(cfg.grpo.inner_epochs):
-            epoch_results, plan = self.accumulate_gradients(traj, cond, advantages, cfg.backward, on_policy=epoch == 0)
-            results += epoch_results
+            results += self.accumulate_gradients(rollout.trajectory, rollout.cond, advantages, plan,
+                                                 on_policy=epoch == 0)
             grad_norm, step_skipped = self._optimizer_step()
             grad_norms.append(grad_norm)
             skipped = skipped or step_skipped
         count = len(results)
         # each micro-batch's loss is already weighted by its share of the batch: sum them, average epochs
-        return {"loss": sum(r.loss for r in results) / cfg.grpo.inner_epochs,
-                "kl": sum(r.kl for r in results) / count, "ratio_mean": sum(r.ratio_mean for r in results) / count,
-                "clip_frac": sum(r.clip_frac for r in results) / count, "grad_norm": grad_norms[-1],
-                "skipped": skipped, "jagg_windows": len(plan.windows), "jagg_routed_frac": plan.routed_frac,
-                "jagg_linearity_mean": plan.linearity_mean, "backward_passes": len(plan.pass_steps)}
+        return {metrics.LOSS: sum(r.loss for r in results) / cfg.grpo.inner_epochs,
+                metrics.KL: sum(r.kl for r in results) / count,
+                metrics.RATIO_MEAN: sum(r.ratio_mean for r in results) / count,
+                metrics.CLIP_FRAC: sum(r.clip_frac for r in results) / count, metrics.GRAD_NORM: grad_norms[-1],
+                metrics.SKIPPED: skipped, metrics.JAGG_WINDOWS: len(plan.windows),
+                metrics.JAGG_ROUTED_FRAC: plan.routed_frac, metrics.JAGG_LINEARITY_MEAN: plan.linearity_mean,
+                metrics.BACKWARD_PASSES: len(plan.pass_steps)}
 
     def _optimizer_step(self) -> tuple[float, bool]:
         """Average gradients over processes, clip, step; skip (and warn) if anything is non-finite."""
@@ -203,14 +223,14 @@ class Trainer:
                 images.append(self.model.decode(z))
         images = torch.cat(images)
         rewards, _ = self.reward(images, self.eval_prompts)
-        self.run.write_images(self.run.samples_dir(iteration), images, self.eval_prompts,
+        self.run.write_images(self.run.samples_dir(iteration), to_pil(images), self.eval_prompts,
                               rewards=rewards.tolist(), iteration=iteration)
         return float(rewards.mean())
 
     def save_checkpoint(self, iteration: int) -> None:
         def contents(folder: Path) -> None:
             self.model.save_lora(folder)
-            torch.save(self.optimizer.state_dict(), folder / "optimizer.pt")
+            torch.save(self.optimizer.state_dict(), folder / OPTIMIZER_FILE)
         checkpoint = self.run.write_checkpoint(iteration, contents, keep=self.config.train.keep_checkpoints)
         self.run.publish_lora(checkpoint)
 
@@ -222,8 +242,10 @@ class Trainer:
             self.run.write_status("running", pid=os.getpid(), iteration=self.start_iteration - 1, total_iterations=total,
                                   message="loading", started_at=time.time())
         if self.start_iteration == 1 and self.is_main:
+            start = time.perf_counter()
             base_reward = self.evaluate(0)
-            self.run.append_metrics({"iteration": 0, "eval_reward_mean": base_reward})
+            self.run.append_metrics({metrics.ITERATION: 0, metrics.EVAL_REWARD_MEAN: base_reward,
+                                     metrics.TIME_EVAL: time.perf_counter() - start})
             self._log(f"iter 0/{total}  base eval reward {base_reward:.4f}")
         bar = tqdm(range(self.start_iteration, total + 1), initial=self.start_iteration - 1, total=total,
                    desc="GRPO", disable=not self.is_main, dynamic_ncols=True)
@@ -232,45 +254,49 @@ class Trainer:
             if self.is_main:
                 self.run.append_metrics(row)
                 self.run.write_status("running", iteration=iteration, message=f"iteration {iteration}/{total}")
-                bar.set_postfix(reward=f"{row['reward_mean']:.3f}")
+                bar.set_postfix(reward=f"{row[metrics.REWARD_MEAN]:.3f}")
         identical = self._adapters_identical_across_processes()
         if self.is_main:
             self.run.write_status("finished", iteration=total, message=f"finished {total} iterations",
                                   processes=self.accelerator.num_processes, adapters_identical=identical)
-            self._log(f"finished: adapter at {self.run.lora_dir / LORA_FILE}")
+            self._log(f"finished: adapter at {self.run.lora_file}")
 
     def iteration(self, iteration: int) -> dict:
+        """One GRPO iteration (rollout, update, and the eval and checkpoint when due); returns its metrics row."""
         cfg = self.config
         t0 = time.perf_counter()
-        traj, cond, prompts, images, rewards, parts = self.rollout(iteration)
+        rollout = self.rollout(iteration)
         time_rollout = time.perf_counter() - t0
         if self.is_main:
-            self.run.write_images(self.run.path / "rollouts" / "latest", images, prompts,
-                                  rewards=rewards.tolist(), iteration=iteration)
-        all_rewards = self.accelerator.gather(rewards.to(self.accelerator.device)).cpu()
+            self.run.write_images(self.run.rollouts_dir, to_pil(rollout.images), rollout.prompts,
+                                  rewards=rollout.rewards.tolist(), iteration=iteration)
+        all_rewards = self.accelerator.gather(rollout.rewards.to(self.accelerator.device)).cpu()
         t1 = time.perf_counter()
         if torch.isfinite(all_rewards).all():
-            stats = self.train_on(traj, cond, rewards)
+            stats = self.train_on(rollout)
         else:
             warnings.warn(f"iteration {iteration}: non-finite reward; this update is skipped", stacklevel=2)
-            stats = {"skipped": True}
+            stats = {metrics.SKIPPED: True}
         time_train = time.perf_counter() - t1
         finite = all_rewards[torch.isfinite(all_rewards)]
-        row = {"iteration": iteration, "reward_mean": float(finite.mean()) if finite.numel() else float("nan"),
-               "reward_std": float(finite.std()) if finite.numel() > 1 else 0.0,
-               **{f"reward_{name}": float(v.mean()) for name, v in parts.items()},
-               **stats, "lr": self.optimizer.param_groups[0]["lr"],
-               "time_rollout_s": time_rollout, "time_train_s": time_train}
+        row = {metrics.ITERATION: iteration,
+               metrics.REWARD_MEAN: float(finite.mean()) if finite.numel() else float("nan"),
+               metrics.REWARD_STD: float(finite.std()) if finite.numel() > 1 else 0.0,
+               **{metrics.reward_part(name): float(v.mean()) for name, v in rollout.reward_parts.items()},
+               **stats, metrics.LEARNING_RATE: self.optimizer.param_groups[0]["lr"],
+               metrics.TIME_ROLLOUT: time_rollout, metrics.TIME_TRAIN: time_train}
         if iteration % cfg.train.sample_every == 0 or iteration == cfg.train.iterations:
             if self.is_main:
-                row["eval_reward_mean"] = self.evaluate(iteration)
+                t2 = time.perf_counter()
+                row[metrics.EVAL_REWARD_MEAN] = self.evaluate(iteration)
+                row[metrics.TIME_EVAL] = time.perf_counter() - t2
         if iteration % cfg.train.checkpoint_every == 0 or iteration == cfg.train.iterations:
             if self.is_main:
                 self.save_checkpoint(iteration)
         self.accelerator.wait_for_everyone()
-        eval_part = f"  eval {row['eval_reward_mean']:.4f}" if "eval_reward_mean" in row else ""
-        self._log(f"iter {iteration}/{cfg.train.iterations}  reward {row['reward_mean']:.4f} ± {row['reward_std']:.3f}"
-                  f"  loss {row.get('loss', float('nan')):+.5f}{eval_part}"
+        eval_part = f"  eval {row[metrics.EVAL_REWARD_MEAN]:.4f}" if metrics.EVAL_REWARD_MEAN in row else ""
+        self._log(f"iter {iteration}/{cfg.train.iterations}  reward {row[metrics.REWARD_MEAN]:.4f} "
+                  f"± {row[metrics.REWARD_STD]:.3f}  loss {row.get(metrics.LOSS, float('nan')):+.5f}{eval_part}"
                   f"  rollout {time_rollout:.1f}s  train {time_train:.1f}s")
         return row
 

@@ -25,7 +25,8 @@ from PIL import Image
 from jagg_core import hub as hub_module
 from jagg_core.config import RunConfig
 from jagg_core.errors import UserError
-from jagg_core.hub import push_if_configured, push_run, resolve_lora, resolve_token, write_model_card
+from jagg_core.hub import push_if_configured, push_run, write_model_card
+from jagg_core.hubclient import resolve_lora, resolve_token
 from jagg_core.models.tiny import build_tiny_pipeline
 from tests.fake_hub_server import FakeHub, validate_card_metadata
 
@@ -93,6 +94,7 @@ def run_dir(tmp_path, loras):
         (run / target).mkdir(parents=True)
         adapter = folders[source] / "pytorch_lora_weights.safetensors"
         (run / target / "pytorch_lora_weights.safetensors").write_bytes(adapter.read_bytes())
+    (run / "checkpoints/iter_000002/trainer_state.json").write_text(json.dumps({"iteration": 2}))
     return run
 
 

@@ -81,8 +81,8 @@ def exact_gradient(model, traj, cond, adv, settings):
 def backward_gradient(model, traj, cond, adv, settings, config, on_policy=True):
     for p in params_of(model):
         p.grad = None
-    plan = make_plan(config, traj, traj.num_steps)
-    result = run_backward(model, traj, cond, adv, plan, settings, config, on_policy=on_policy)
+    plan = make_plan(config, traj, traj.num_steps, LossSettings(settings.clip_range, settings.kl_beta))
+    result = run_backward(model, plan, traj, cond, adv, on_policy=on_policy)
     return torch.cat([p.grad.flatten().clone() for p in params_of(model)]), plan, result
 
 
@@ -101,6 +101,23 @@ def test_jagg_is_exact_when_jacobian_is_affine_in_sigma(window, shared_knots, jo
     got, plan, _ = backward_gradient(model, traj, cond, adv, SETTINGS, config)
     assert plan.interpolated, "the plan must interpolate some steps for this test to mean anything"
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("mode", ["exact", "jagg"])
+def test_micro_batches_following_one_plan_add_up_to_the_whole_batch_gradient(mode):
+    """One plan per rollout batch: its micro-batches' scaled losses (m / (B T)) sum to the batch's loss."""
+    model = AffineJacobianModel(curvature=True)
+    traj, cond, adv = rollout(model)
+    config = BackwardConfig(mode=mode, window=5, frac=0.5)
+    whole, plan, _ = backward_gradient(model, traj, cond, adv, SETTINGS, config)
+    for p in params_of(model):
+        p.grad = None
+    for index in torch.arange(traj.batch_size).tensor_split(2):
+        run_backward(model, plan, traj.select(index), {k: v[index] for k, v in cond.items()}, adv[index],
+                     on_policy=True)
+    split = torch.cat([p.grad.flatten() for p in params_of(model)])
+    assert split.abs().sum() > 0
+    torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-7)
 
 
 def test_jagg_with_kl_is_exact_when_jacobian_is_affine():
@@ -168,8 +185,8 @@ def lora_grad(model):
 
 def tiny_backward(model, traj, cond, adv, config):
     model.transformer.zero_grad(set_to_none=True)
-    settings = LossSettings(clip_range=0.2, kl_beta=0.0, scale=1.0 / traj.num_steps)
-    run_backward(model, traj, cond, adv, make_plan(config, traj, traj.num_steps), settings, config, on_policy=True)
+    plan = make_plan(config, traj, traj.num_steps, LossSettings(clip_range=0.2, kl_beta=0.0))
+    run_backward(model, plan, traj, cond, adv, on_policy=True)
     return lora_grad(model).clone()
 
 
@@ -208,9 +225,9 @@ def test_pass_counts_two_per_window_or_k_plus_one_with_shared_knots():
     model = AffineJacobianModel()
     traj, _, _ = rollout(model)
     traj_13 = traj  # 10 steps
-    assert len(make_plan(BackwardConfig(mode="exact"), traj_13, 10).pass_steps) == 10
-    assert len(make_plan(BackwardConfig(mode="jagg", window=5), traj_13, 10).pass_steps) == 4
-    shared = make_plan(BackwardConfig(mode="jagg", window=4, shared_knots=True), traj_13, 10)
+    assert len(make_plan(BackwardConfig(mode="exact"), traj_13, 10, SETTINGS).pass_steps) == 10
+    assert len(make_plan(BackwardConfig(mode="jagg", window=5), traj_13, 10, SETTINGS).pass_steps) == 4
+    shared = make_plan(BackwardConfig(mode="jagg", window=4, shared_knots=True), traj_13, 10, SETTINGS)
     assert [(w.start, w.end) for w in shared.windows] == [(0, 3), (3, 6), (6, 9)]
     assert shared.pass_steps == [0, 3, 6, 9]  # K + 1 = 4 passes for K = 3 windows
 
@@ -238,7 +255,7 @@ def test_routing_picks_the_most_linear_windows():
     class Batch:
         pass
     batch = Batch()
-    batch.velocities, batch.sigmas = velocities, sigmas
-    plan = make_plan(config, batch, 6)
+    batch.velocities, batch.sigmas, batch.batch_size = velocities, sigmas, 2
+    plan = make_plan(config, batch, 6, SETTINGS)
     assert plan.use_jagg == [True, False]
     assert plan.pass_steps == [0, 2, 3, 4, 5] and list(plan.interpolated) == [1]

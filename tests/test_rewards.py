@@ -19,6 +19,7 @@ from jagg_core.config import RewardSpec
 from jagg_core.errors import UserError
 from jagg_core.rewards import available_rewards, build_reward, build_rewards
 from jagg_core.rewards import clip as clip_rewards
+from jagg_core.rewards.catalog import reward_entry
 from jagg_core.rewards.clip import AestheticHead
 from jagg_core.rewards.jpeg import jpeg_size_kb
 from jagg_core.rewards.ocr import levenshtein, quoted_text, text_match
@@ -38,6 +39,21 @@ def flat_and_noise(size=64):
 def test_registry_lists_the_rewards_of_the_issue():
     assert {"jpeg_compressibility", "jpeg_incompressibility", "aesthetic", "clip_score", "pickscore",
             "hpsv2", "image_reward", "ocr", "http"} <= set(available_rewards())
+
+
+def test_every_catalog_entry_loads_its_class_under_its_name():
+    for name in available_rewards():
+        cls = reward_entry(name).load_class()
+        assert cls.name == name and callable(cls)
+
+
+def test_option_types_are_checked_before_any_model_loads():
+    with pytest.raises(UserError, match=r"bad value 5 for options.url of reward 'http'"):
+        build_rewards([spec("http", url=5)])
+    with pytest.raises(UserError, match=r"bad value 'abc' for options.timeout of reward 'http'"):
+        build_rewards([spec("http", url="http://localhost:1", timeout="abc")])
+    with pytest.raises(UserError, match=r"options.timeout of reward 'http'"):
+        build_rewards([spec("http", url="http://localhost:1", timeout=float("inf"))])
 
 
 def test_unknown_reward_and_option_are_one_line_user_errors():
@@ -183,7 +199,7 @@ def test_missing_optional_package_says_how_to_install(name, module, package, mon
 
 
 def test_bad_hpsv2_version_is_rejected():
-    with pytest.raises(UserError, match="v2.0, v2.1"):
+    with pytest.raises(UserError, match="bad value .v3. for options.version of reward .hpsv2.: Input should be .v2.0. or .v2.1."):
         build_reward(spec("hpsv2", version="v3"))
 
 

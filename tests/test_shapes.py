@@ -12,7 +12,7 @@ from jagg_core.errors import UserError
 from jagg_core.prompts import load_prompts, split_prompts
 from jagg_core.rewards.shapes import PARTS, ShapesReward, shape_scores
 from jagg_core.tiny.dataset import EVAL_COUNT, SPLIT_SEED, all_captions, caption_split, render_dataset
-from jagg_core.tiny.shapes import COLOURS, POSITIONS, SHAPES, WORDS, Scene, draw_array, parse_caption
+from jagg_core.shapes_world import COLOURS, POSITIONS, SHAPES, WORDS, Scene, draw_array, parse_caption
 from jagg_core.tiny.tokenizer import build_tokenizer
 
 FOLDER = Path(__file__).resolve().parent.parent / "jagg_core" / "assets" / "jagg-shapes"
@@ -76,9 +76,8 @@ def test_tokenizer_has_one_token_per_word(tmp_path):
 
 def test_reward_is_registered():
     from jagg_core.rewards import available_rewards
-    if "shapes" not in available_rewards():
-        pytest.skip("jagg_core/rewards/__init__.py does not import the shapes module yet")
-    assert "shapes" in available_rewards()
+    from jagg_core.rewards.catalog import reward_entry
+    assert "shapes" in available_rewards() and reward_entry("shapes").load_class() is ShapesReward
 
 
 def test_correct_drawings_score_high():

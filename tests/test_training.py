@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from jagg_core import metrics
 from jagg_core.models.tiny import build_tiny_pipeline
 from jagg_core.rundir import RunDirectory
 from jagg_core.trainer import Trainer
@@ -36,8 +37,9 @@ def test_one_iteration_per_family_and_the_adapter_reloads_in_diffusers(family_mo
     run = RunDirectory(tmp_path / "run")
     rows = run.read_metrics()
     assert [r["iteration"] for r in rows] == [0, 1]
-    assert all(k in rows[1] for k in ("reward_mean", "loss", "grad_norm", "jagg_windows", "eval_reward_mean"))
-    assert rows[1]["skipped"] is False and rows[1]["grad_norm"] > 0
+    assert all(k in rows[1] for k in (metrics.REWARD_MEAN, metrics.LOSS, metrics.GRAD_NORM, metrics.JAGG_WINDOWS,
+                                      metrics.EVAL_REWARD_MEAN, metrics.TIME_EVAL))
+    assert rows[1][metrics.SKIPPED] is False and rows[1][metrics.GRAD_NORM] > 0
     assert run.read_status()["state"] == "finished"
     assert (run.samples_dir(0) / "000.png").is_file() and (run.samples_dir(1) / "prompts.json").is_file()
 
@@ -89,7 +91,7 @@ def test_non_finite_reward_skips_the_update(tmp_path, offline):
     with pytest.warns(UserWarning, match="non-finite reward"):
         row = trainer.iteration(1)
     trainer.reward = real_reward
-    assert row["skipped"] is True
+    assert row[metrics.SKIPPED] is True
     for old, new in zip(before, trainer.params):
         assert torch.equal(old, new)
 
@@ -101,7 +103,7 @@ def test_non_finite_gradient_skips_the_update_and_never_reaches_the_adapter(tmp_
     before = lora_snapshot(trainer)
     with pytest.warns(UserWarning, match="non-finite gradient"):
         row = trainer.iteration(1)
-    assert row["skipped"] is True
+    assert row[metrics.SKIPPED] is True
     for old, new in zip(before, trainer.params):
         assert torch.equal(old, new)
     saved = load_file(tmp_path / "run" / "lora" / "pytorch_lora_weights.safetensors")
@@ -113,8 +115,8 @@ def test_exact_and_jagg_runs_write_their_backward_statistics(tmp_path, offline):
     train(tiny_config(backward__window=3, backward__shared_knots=True, train__iterations=1), tmp_path / "jagg")
     exact = RunDirectory(tmp_path / "exact").read_metrics()[1]
     jagg = RunDirectory(tmp_path / "jagg").read_metrics()[1]
-    assert exact["backward_passes"] == 6 and exact["jagg_routed_frac"] == 0.0
-    assert jagg["jagg_windows"] == 3 and jagg["backward_passes"] == 4  # K + 1 knots for K = 3
-    assert 0.0 < jagg["jagg_linearity_mean"] <= 1.0
+    assert exact[metrics.BACKWARD_PASSES] == 6 and exact[metrics.JAGG_ROUTED_FRAC] == 0.0
+    assert jagg[metrics.JAGG_WINDOWS] == 3 and jagg[metrics.BACKWARD_PASSES] == 4  # K + 1 knots for K = 3
+    assert 0.0 < jagg[metrics.JAGG_LINEARITY_MEAN] <= 1.0
     config = json.loads((tmp_path / "jagg" / "run_info.json").read_text())
     assert config == {"family": "sd3", "base_model": "tiny-sd3"}

@@ -12,7 +12,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import UserError
-from ..hub import hub_offline
+from ..hubclient import download, hub_offline
 from .base import FlowModel
 from .flux import FluxModel
 from .qwen_image import QwenImageModel
@@ -43,23 +43,22 @@ def _read_model_index(name: str, revision: str | None) -> dict:
         index = local / "model_index.json"
         if not index.is_file():
             raise UserError(f"'{name}' is a folder without model_index.json; point model.name at a diffusers pipeline folder")
-        return json.loads(index.read_text())
+        return _parse_model_index(index)
     if local.suffix or name.startswith((".", "/", "~")) or name.count("/") != 1:
         raise UserError(f"model '{name}' is neither a local pipeline folder nor a Hub id (owner/name); "
                         f"tiny models: {', '.join(TINY_BUILDERS)}; embedded: {', '.join(embedded_models()) or 'none'}")
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, OfflineModeIsEnabled,
-                                        RepositoryNotFoundError)
+    return _parse_model_index(download(name, "model_index.json", f"load model '{name}'", revision=revision))
+
+
+def _parse_model_index(path: Path) -> dict:
+    """The pipeline index as a dict; anything else is a one-line error."""
     try:
-        return json.loads(Path(hf_hub_download(name, "model_index.json", revision=revision,
-                                               local_files_only=hub_offline())).read_text())
-    except GatedRepoError:
-        raise UserError(f"model '{name}' is gated: accept its licence on the Hub, then `hf auth login`") from None
-    except RepositoryNotFoundError:
-        raise UserError(f"model '{name}' was not found on the Hub (or needs a token: `hf auth login`)") from None
-    except (LocalEntryNotFoundError, OfflineModeIsEnabled):
-        raise UserError(f"model '{name}' is not in the local cache and the Hub is unreachable; "
-                        f"run `hf download {name}` while online") from None
+        index = json.loads(path.read_text())
+    except (UnicodeDecodeError, ValueError):
+        raise UserError(f"{path} is not valid JSON; a diffusers pipeline folder needs its model_index.json") from None
+    if not isinstance(index, dict) or not isinstance(index.get("_class_name"), str):
+        raise UserError(f"{path} is not a diffusers model_index.json (an object with a _class_name)")
+    return index
 
 
 def _quantization(config: ModelConfig, device: torch.device):

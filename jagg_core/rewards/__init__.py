@@ -1,48 +1,30 @@
-"""Rewards: a registry of ``(images, prompts) -> scores`` functions, combined with weights.
+"""Rewards: ``(images, prompts) -> scores`` functions, combined with weights.
 
 ``build_rewards(config.rewards, device)`` gives a :class:`CombinedReward` whose call returns
-``(sum_k w_k * r_k, {name_k: r_k})``. To add a reward, write a module in this package that
-defines a :class:`~jagg_core.rewards.base.Reward` subclass decorated with
-``@register("name")``, and import the module below (one line).
+``(sum_k w_k * r_k, {name_k: r_k})``. The rewards, their options and their modules are listed in
+:mod:`.catalog`; a reward's module is imported only when the reward is built.
 """
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from ..config import RewardSpec
 from ..errors import UserError
-from .base import REGISTRY, Reward, register
+from .catalog import available_rewards, reward_entry, reward_options
 
-# Each import registers that module's rewards (one line per module).
-from . import clip  # noqa: E402,F401  isort: skip
-from . import jpeg  # noqa: E402,F401  isort: skip
-from . import ocr  # noqa: E402,F401  isort: skip
-from . import packaged  # noqa: E402,F401  isort: skip
-from . import remote  # noqa: E402,F401  isort: skip
-from . import shapes  # noqa: E402,F401  isort: skip
+if TYPE_CHECKING:
+    import torch
 
-__all__ = ["CombinedReward", "Reward", "available_rewards", "build_reward", "build_rewards", "register"]
+    from .base import Reward
 
-
-def available_rewards() -> list[str]:
-    """The registered reward names, sorted."""
-    return sorted(REGISTRY)
+__all__ = ["CombinedReward", "available_rewards", "build_reward", "build_rewards"]
 
 
 def build_reward(spec: RewardSpec, device: str | torch.device = "cpu") -> Reward:
-    """One reward from its spec; unknown names and options raise :class:`UserError`."""
-    cls = REGISTRY.get(spec.name)
-    if cls is None:
-        raise UserError(f"unknown reward '{spec.name}'; available: {', '.join(available_rewards())}")
-    allowed = cls.option_names()
-    unknown = sorted(set(spec.options) - set(allowed))
-    if unknown:
-        raise UserError(
-            f"unknown option(s) {', '.join(unknown)} for reward '{spec.name}'; "
-            f"allowed: {', '.join(allowed) or 'none'}"
-        )
-    return cls(device=device, **spec.options)
+    """One reward from its spec; unknown names and bad options raise :class:`UserError`."""
+    options = reward_options(spec.name, spec.options)
+    return reward_entry(spec.name).load_class()(device=device, options=options)
 
 
 class CombinedReward:
@@ -59,6 +41,8 @@ class CombinedReward:
         self.names = names
 
     def __call__(self, images: torch.Tensor, prompts: list[str]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        import torch
+
         if images.ndim != 4 or images.shape[0] != len(prompts):
             raise ValueError(f"expected images [N,3,H,W] and N prompts, got {tuple(images.shape)} and {len(prompts)}")
         images = images.detach().float().cpu()

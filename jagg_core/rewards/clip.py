@@ -8,8 +8,8 @@ With unit-normalised embeddings ``e_img`` and ``e_txt``:
 * ``aesthetic``:  ``MLP(e_img)`` with the LAION improved aesthetic predictor (an MLP on CLIP
   ViT-L/14 image embeddings trained on SAC + LOGOS + AVA ratings), about 1-10.
 
-``model_id`` / ``processor_id`` (and the aesthetic ``head``) accept a Hub id or a local folder
-(file), so a model saved with ``save_pretrained`` works too.
+Options (:mod:`.catalog`): ``model_id`` / ``processor_id`` (and the aesthetic ``head``) accept a
+Hub id or a local folder (file), so a model saved with ``save_pretrained`` works too.
 """
 
 from __future__ import annotations
@@ -20,11 +20,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .base import Reward, hub_model, register, to_pil
-
-CLIP_L14 = "openai/clip-vit-large-patch14"
-AESTHETIC_HEAD = "camenduru/improved-aesthetic-predictor/sac+logos+ava1-l14-linearMSE.pth"
-
+from ..errors import UserError
+from ..hubclient import download, hub_model
+from ..images import to_pil
+from .base import Reward
 
 def load_clip(model_id: str, processor_id: str, device: torch.device):
     """``(CLIPModel, CLIPProcessor)`` in eval mode on ``device``, without gradients."""
@@ -40,14 +39,9 @@ def load_clip(model_id: str, processor_id: str, device: torch.device):
 class ClipReward(Reward):
     """Shared CLIP plumbing: the model is loaded on first use; embeddings are unit-normalised."""
 
-    def __init__(self, device="cpu", model_id: str = CLIP_L14, processor_id: str | None = None):
-        super().__init__(device)
-        self.model_id = model_id
-        self.processor_id = processor_id or model_id
-
     @cached_property
     def clip(self):
-        return load_clip(self.model_id, self.processor_id, self.device)
+        return load_clip(self.options.model_id, self.options.processor_id or self.options.model_id, self.device)
 
     @torch.no_grad()
     def image_embeds(self, images: torch.Tensor) -> torch.Tensor:
@@ -70,21 +64,19 @@ class ClipReward(Reward):
         return (self.image_embeds(images) * self.text_embeds(prompts)).sum(-1).cpu()
 
 
-@register("clip_score")
 class ClipScore(ClipReward):
     """``cos(e_img, e_txt)`` with CLIP ViT-L/14."""
+
+    name = "clip_score"
 
     def __call__(self, images, prompts):
         return self.similarity(images, prompts)
 
 
-@register("pickscore")
 class PickScore(ClipReward):
     """``exp(logit_scale) * cos(e_img, e_txt)`` with PickScore_v1 and its CLIP-H processor."""
 
-    def __init__(self, device="cpu", model_id: str = "yuvalkirstain/PickScore_v1",
-                 processor_id: str = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"):
-        super().__init__(device, model_id, processor_id)
+    name = "pickscore"
 
     def __call__(self, images, prompts):
         scale = self.clip[0].logit_scale.exp().float().cpu()
@@ -112,28 +104,23 @@ def load_aesthetic_head(head: str, dim: int, device: torch.device) -> AestheticH
     """The MLP from a local ``.pth`` file or ``OWNER/REPO/FILENAME`` on the Hub."""
     path = Path(head)
     if not path.is_file():
-        from huggingface_hub import hf_hub_download
-
         repo_id, _, filename = head.rpartition("/")
-        with hub_model(repo_id or head):
-            path = Path(hf_hub_download(repo_id, filename))
+        if not repo_id:
+            raise UserError(f"the aesthetic head '{head}' is neither a file nor OWNER/REPO/FILENAME on the Hub")
+        path = download(repo_id, filename, f"download the aesthetic head {head}")
     model = AestheticHead(dim)
     model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
     return model.eval().requires_grad_(False).to(device)
 
 
-@register("aesthetic")
 class Aesthetic(ClipReward):
     """``MLP(e_img)``: the LAION improved aesthetic predictor on CLIP ViT-L/14 image embeddings."""
 
-    def __init__(self, device="cpu", model_id: str = CLIP_L14, processor_id: str | None = None,
-                 head: str = AESTHETIC_HEAD):
-        super().__init__(device, model_id, processor_id)
-        self.head_source = head
+    name = "aesthetic"
 
     @cached_property
     def head(self) -> AestheticHead:
-        return load_aesthetic_head(self.head_source, self.clip[0].config.projection_dim, self.device)
+        return load_aesthetic_head(self.options.head, self.clip[0].config.projection_dim, self.device)
 
     @torch.no_grad()
     def __call__(self, images, prompts):

@@ -12,7 +12,8 @@ import io
 
 import torch
 
-from .base import Reward, register, to_pil
+from ..images import to_pil
+from .base import Reward
 
 QUALITY = 95
 
@@ -27,17 +28,19 @@ def jpeg_size_kb(images: torch.Tensor) -> torch.Tensor:
     return torch.tensor(sizes, dtype=torch.float32)
 
 
-@register("jpeg_compressibility")
 class JpegCompressibility(Reward):
     """Smaller JPEG files score higher: ``-size_kB``."""
+
+    name = "jpeg_compressibility"
 
     def __call__(self, images, prompts):
         return -jpeg_size_kb(images)
 
 
-@register("jpeg_incompressibility")
 class JpegIncompressibility(Reward):
     """Larger JPEG files score higher: ``+size_kB``."""
+
+    name = "jpeg_incompressibility"
 
     def __call__(self, images, prompts):
         return jpeg_size_kb(images)

@@ -18,7 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ..errors import UserError
-from .base import Reward, register, to_pil
+from ..images import to_pil
+from .base import Reward
 
 QUOTED = re.compile(r'"([^"]+)"|\u201c([^\u201d]+)\u201d')
 
@@ -45,25 +46,22 @@ def text_match(target: str, read: str) -> float:
     return 1.0 - min(levenshtein(target, read), len(target)) / len(target)
 
 
-@register("ocr")
 class OcrReward(Reward):
     """Match between the prompt's quoted text and the text Tesseract reads (``lang``: its language)."""
 
-    def __init__(self, device="cpu", lang: str = "eng"):
-        super().__init__(device)
-        self.lang = lang
+    name = "ocr"
 
     def read(self, image) -> str:
         import pytesseract
 
         try:
-            return pytesseract.image_to_string(image, lang=self.lang)
+            return pytesseract.image_to_string(image, lang=self.options.lang)
         except pytesseract.TesseractNotFoundError:
             raise UserError("the ocr reward needs Tesseract: install it with `apt-get install tesseract-ocr`") from None
         except pytesseract.TesseractError as err:
             message = " ".join(str(err.message).split())[:200]
-            raise UserError(f"Tesseract failed with lang '{self.lang}' ({message}); is its language pack installed "
-                            f"(`apt-get install tesseract-ocr-{self.lang}`)?") from None
+            raise UserError(f"Tesseract failed with lang '{self.options.lang}' ({message}); is its language pack installed "
+                            f"(`apt-get install tesseract-ocr-{self.options.lang}`)?") from None
 
     def __call__(self, images, prompts):
         targets = [quoted_text(prompt) for prompt in prompts]

@@ -17,7 +17,9 @@ from functools import cached_property
 import torch
 
 from ..errors import UserError
-from .base import Reward, hub_model, register, to_pil
+from ..hubclient import download, hub_model
+from ..images import to_pil
+from .base import Reward
 
 HPS_CHECKPOINTS = {"v2.0": "HPS_v2_compressed.pt", "v2.1": "HPS_v2.1_compressed.pt"}
 
@@ -31,25 +33,17 @@ def import_extra(module: str, package: str, reward: str):
                         f"run `pip install {package}`") from None
 
 
-@register("hpsv2")
 class HPSv2(Reward):
     """``cos(e_img, e_txt)`` of the HPS v2.x OpenCLIP ViT-H/14 (``version``: v2.0 or v2.1)."""
 
-    def __init__(self, device="cpu", version: str = "v2.1"):
-        super().__init__(device)
-        if version not in HPS_CHECKPOINTS:
-            raise UserError(f"bad hpsv2 version '{version}'; allowed: {', '.join(HPS_CHECKPOINTS)}")
-        self.version = version
+    name = "hpsv2"
 
     @cached_property
     def model(self):
         open_clip = import_extra("hpsv2.src.open_clip", "hpsv2", self.name)
-        from huggingface_hub import hf_hub_download
-
         model, _, preprocess = open_clip.create_model_and_transforms("ViT-H-14", None, device=self.device,
                                                                      output_dict=True)
-        with hub_model("xswu/HPSv2"):
-            path = hf_hub_download("xswu/HPSv2", HPS_CHECKPOINTS[self.version])
+        path = download("xswu/HPSv2", HPS_CHECKPOINTS[self.options.version], "download the HPSv2 checkpoint")
         model.load_state_dict(torch.load(path, map_location="cpu")["state_dict"])
         return model.eval().requires_grad_(False).to(self.device), preprocess, open_clip.get_tokenizer("ViT-H-14")
 
@@ -61,19 +55,16 @@ class HPSv2(Reward):
         return (outputs["image_features"] * outputs["text_features"]).sum(-1).float().cpu()
 
 
-@register("image_reward")
 class ImageReward(Reward):
     """The ImageReward-v1.0 score of each image for its prompt."""
 
-    def __init__(self, device="cpu", model: str = "ImageReward-v1.0"):
-        super().__init__(device)
-        self.model_name = model
+    name = "image_reward"
 
     @cached_property
     def model(self):
         package = import_extra("ImageReward", "image-reward", self.name)
         with hub_model("THUDM/ImageReward"):
-            return package.load(self.model_name, device=self.device).eval().requires_grad_(False)
+            return package.load(self.options.model, device=self.device).eval().requires_grad_(False)
 
     @torch.no_grad()
     def __call__(self, images, prompts):

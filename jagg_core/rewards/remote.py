@@ -17,7 +17,8 @@ import requests
 import torch
 
 from ..errors import UserError
-from .base import Reward, register, to_pil
+from ..images import to_pil
+from .base import Reward
 
 
 def encode_png(image) -> str:
@@ -26,44 +27,38 @@ def encode_png(image) -> str:
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-@register("http")
 class HttpReward(Reward):
-    """Scores from ``url`` (options: ``url``, ``timeout`` seconds, ``retries``, ``retry_delay``)."""
+    """Scores from the server at ``options.url`` (options: :class:`~.catalog.HttpOptions`)."""
 
-    def __init__(self, device="cpu", url: str = "", timeout: float = 60.0, retries: int = 2, retry_delay: float = 1.0):
-        super().__init__(device)
-        if not url.startswith(("http://", "https://")):
-            raise UserError(f"the http reward needs options.url, an http:// or https:// address; got {url!r}")
-        if timeout <= 0 or retries < 0 or retry_delay < 0:
-            raise UserError("http reward options: timeout must be > 0, retries and retry_delay >= 0")
-        self.url, self.timeout, self.retries, self.retry_delay = url, float(timeout), int(retries), float(retry_delay)
+    name = "http"
 
     def post(self, payload: dict) -> requests.Response:
         """POST with retries on connection errors, timeouts and 5xx answers."""
-        for attempt in range(self.retries + 1):
+        url, retries = self.options.url, self.options.retries
+        for attempt in range(retries + 1):
             try:
-                response = requests.post(self.url, json=payload, timeout=self.timeout)
+                response = requests.post(url, json=payload, timeout=self.options.timeout)
                 if response.status_code < 500:
                     return response
                 problem = f"HTTP {response.status_code}"
             except (requests.ConnectionError, requests.Timeout) as err:
                 problem = type(err).__name__
-            if attempt < self.retries:
-                time.sleep(self.retry_delay * 2**attempt)
-        raise UserError(f"reward server {self.url} is not answering ({problem} after {self.retries + 1} attempts); "
+            if attempt < retries:
+                time.sleep(self.options.retry_delay * 2**attempt)
+        raise UserError(f"reward server {url} is not answering ({problem} after {retries + 1} attempts); "
                         f"is it running?")
 
     def __call__(self, images, prompts):
         response = self.post({"images": [encode_png(image) for image in to_pil(images)], "prompts": list(prompts)})
         if response.status_code != 200:
-            raise UserError(f"reward server {self.url} answered HTTP {response.status_code}: {response.text[:200]!r}")
+            raise UserError(f"reward server {self.options.url} answered HTTP {response.status_code}: {response.text[:200]!r}")
         try:
             scores = response.json()["scores"]
             values = [float(score) for score in scores]
         except (ValueError, KeyError, TypeError):
-            raise UserError(f"reward server {self.url} must answer {{\"scores\": [numbers]}}; "
+            raise UserError(f"reward server {self.options.url} must answer {{\"scores\": [numbers]}}; "
                             f"got {response.text[:200]!r}") from None
         if len(values) != len(prompts) or not all(math.isfinite(v) for v in values):
-            raise UserError(f"reward server {self.url} returned {len(values)} scores for {len(prompts)} images "
+            raise UserError(f"reward server {self.options.url} returned {len(values)} scores for {len(prompts)} images "
                             f"(all must be finite numbers)")
         return torch.tensor(values, dtype=torch.float32)

@@ -1,7 +1,7 @@
 """``shapes``: a verifiable, GenEval-like reward for the coloured-shapes world of ``jagg-shapes``.
 
 The prompt must follow ``"a {colour} {shape} on a {colour} background, {position}"`` (see
-:mod:`jagg_core.tiny.shapes`). The image's pixels are analysed, without any model:
+:mod:`jagg_core.shapes_world`). The image's pixels are analysed, without any model:
 
 * background colour: the per-channel median of the 2-pixel border;
 * shape mask: pixels closer to the shape's colour than to the background, where the shape's
@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import UserError
-from ..tiny.shapes import COLOURS, GRAMMAR, POSITIONS, SHAPES, parse_caption
-from .base import Reward, register
+from ..shapes_world import COLOURS, GRAMMAR, POSITIONS, SHAPES, parse_caption
+from .base import Reward
 
 PARTS = ("colour", "shape", "background", "position")
 BORDER = 2
@@ -114,9 +114,10 @@ def shape_scores(images: torch.Tensor, prompts: list[str]) -> dict[str, torch.Te
     return scores
 
 
-@register("shapes")
 class ShapesReward(Reward):
     """Mean of the shape-colour, shape-kind, background-colour and position scores, in [0, 1]."""
+
+    name = "shapes"
 
     def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         scores = shape_scores(images, prompts)

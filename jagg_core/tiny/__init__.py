@@ -1,6 +1,6 @@
 """``jagg-shapes``: the small, real text-to-image pipeline embedded in JAGG Studio.
 
-* :mod:`.shapes`: the coloured-shapes world (palette, caption grammar, drawing);
+* the coloured-shapes world (palette, caption grammar, drawing) is :mod:`jagg_core.shapes_world`;
 * :mod:`.dataset`: training / held-out captions and jittered training images;
 * :mod:`.tokenizer`: a word-level CLIP tokenizer over the caption vocabulary;
 * :mod:`.padded_attention`: exact, cheaper training with the SD3 pipeline's zero T5 padding;

@@ -40,7 +40,7 @@ from . import PIPELINE_DIR
 from .dataset import caption_split, render_dataset
 from .evaluate import EVAL_SEED, EVAL_STEPS, evaluate
 from .padded_attention import CollapsedPaddingAttnProcessor
-from .shapes import draw_array, parse_caption
+from ..shapes_world import draw_array, parse_caption
 from .tokenizer import build_tokenizer
 
 IMAGE_SIZE = 32

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..prompts import split_prompts
-from .shapes import POSITIONS, all_scenes, draw_array, parse_caption
+from ..shapes_world import POSITIONS, all_scenes, draw_array, parse_caption
 
 EVAL_COUNT = 64
 SPLIT_SEED = 0

@@ -3,7 +3,7 @@
 CLIP's tokenizer is a BPE whose words end in ``</w>``. Here every caption word is one token: the
 vocabulary holds the special tokens, every character piece and every prefix of every word, and
 the merges join a word's characters left to right, so each word of
-:data:`~jagg_core.tiny.shapes.WORDS` encodes to exactly one id. ``save_pretrained`` writes
+:data:`~jagg_core.shapes_world.WORDS` encodes to exactly one id. ``save_pretrained`` writes
 files that ``CLIPTokenizer.from_pretrained`` reads back offline.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from transformers import CLIPTokenizer
 
-from .shapes import WORDS
+from ..shapes_world import WORDS
 
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"
 

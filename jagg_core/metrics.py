@@ -1,0 +1,64 @@
+"""The metric keys of ``RUN/metrics.jsonl``, defined once for the trainer, the app, the model card and the bench.
+
+One JSON object per iteration, with namespaced keys (as TensorBoard and TRL group them)::
+
+    iteration              0 = the base model's eval, then 1..N
+    reward/mean, reward/std        rollout reward over all processes (finite values)
+    reward/NAME            mean of each reward term (NAME as in the combined reward; ``mean`` and ``std`` are taken)
+    eval/reward_mean       mean reward of the fixed-seed ODE samples of the held-out prompts (eval iterations)
+    train/loss, train/kl, train/ratio_mean, train/clip_frac, train/grad_norm, train/lr
+    train/skipped          the update was skipped (non-finite reward or gradient)
+    jagg/windows, jagg/routed_frac, jagg/linearity_mean, jagg/backward_passes
+    time/rollout_s, time/train_s, time/eval_s      seconds of the phases of the iteration
+
+Run directories written before these names used flat keys (``reward_mean``, ``time_rollout_s`` ...);
+:func:`normalize` maps a row of either kind to the namespaced keys, so old runs still display.
+"""
+
+from __future__ import annotations
+
+ITERATION = "iteration"
+REWARD_MEAN = "reward/mean"
+REWARD_STD = "reward/std"
+EVAL_REWARD_MEAN = "eval/reward_mean"
+LOSS = "train/loss"
+KL = "train/kl"
+RATIO_MEAN = "train/ratio_mean"
+CLIP_FRAC = "train/clip_frac"
+GRAD_NORM = "train/grad_norm"
+LEARNING_RATE = "train/lr"
+SKIPPED = "train/skipped"
+JAGG_WINDOWS = "jagg/windows"
+JAGG_ROUTED_FRAC = "jagg/routed_frac"
+JAGG_LINEARITY_MEAN = "jagg/linearity_mean"
+BACKWARD_PASSES = "jagg/backward_passes"
+TIME_ROLLOUT = "time/rollout_s"
+TIME_TRAIN = "time/train_s"
+TIME_EVAL = "time/eval_s"
+
+
+def reward_part(name: str) -> str:
+    """The key of one reward term's mean."""
+    return f"reward/{name}"
+
+
+#: flat key of the first run directories -> namespaced key
+LEGACY_KEYS = {
+    "reward_mean": REWARD_MEAN, "reward_std": REWARD_STD, "eval_reward_mean": EVAL_REWARD_MEAN, "loss": LOSS,
+    "kl": KL, "ratio_mean": RATIO_MEAN, "clip_frac": CLIP_FRAC, "grad_norm": GRAD_NORM, "lr": LEARNING_RATE,
+    "skipped": SKIPPED, "jagg_windows": JAGG_WINDOWS, "jagg_routed_frac": JAGG_ROUTED_FRAC,
+    "jagg_linearity_mean": JAGG_LINEARITY_MEAN, "backward_passes": BACKWARD_PASSES, "time_rollout_s": TIME_ROLLOUT,
+    "time_train_s": TIME_TRAIN,
+}
+
+
+def normalize(row: dict) -> dict:
+    """``row`` with flat legacy keys renamed (``reward_NAME`` -> ``reward/NAME``); namespaced keys pass."""
+    renamed = {}
+    for key, value in row.items():
+        if key in LEGACY_KEYS:
+            key = LEGACY_KEYS[key]
+        elif key.startswith("reward_") and "/" not in key:
+            key = reward_part(key.removeprefix("reward_"))
+        renamed[key] = value
+    return renamed

@@ -1,0 +1,18 @@
+"""Checks a run config against the world before anything is launched: rewards and prompts.
+
+Both the CLI (``--dry-run`` and before training) and the app (before Start) call
+:func:`check_references`; it loads no model and, for the built-in prompt sets and rewards, imports
+no deep-learning library, so a mistake is reported in about a second.
+"""
+
+from __future__ import annotations
+
+from .config import RunConfig
+
+
+def check_references(config: RunConfig) -> None:
+    """The rewards (names, options) and the prompts exist; raises :class:`~jagg_core.errors.UserError`."""
+    from .prompts import load_prompts, split_prompts
+    from .rewards.catalog import check_reward_specs
+    check_reward_specs(config.rewards)
+    split_prompts(load_prompts(config.prompts.source), config.prompts.eval_count, config.prompts.split_seed)

@@ -1,0 +1,129 @@
+"""The reward catalog: every reward's name, its options (a typed schema) and where it is implemented.
+
+This module imports no deep-learning library, so a config's rewards are checked (names, option names
+and types) in milliseconds: by ``--dry-run``, by the app before Start and by :func:`build_reward`.
+The implementation module of a reward is imported only when the reward is built.
+
+To add a reward: write a :class:`~jagg_core.rewards.base.Reward` subclass in a module of this
+package, and add one :class:`RewardEntry` (and an options model if it takes options) below.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..errors import UserError
+
+CLIP_L14 = "openai/clip-vit-large-patch14"
+PICKSCORE = "yuvalkirstain/PickScore_v1"
+PICKSCORE_PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
+AESTHETIC_HEAD = "camenduru/improved-aesthetic-predictor/sac+logos+ava1-l14-linearMSE.pth"
+
+
+class RewardOptions(BaseModel):
+    """A reward's ``options``: unknown names and wrong types are refused; numbers must be finite."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
+
+
+class NoOptions(RewardOptions):
+    """The reward takes no options."""
+
+
+class ClipOptions(RewardOptions):
+    model_id: str = Field(CLIP_L14, description="CLIP model: a Hub id or a folder saved with save_pretrained")
+    processor_id: str | None = Field(None, description="its processor; default: model_id's")
+
+
+class PickScoreOptions(ClipOptions):
+    model_id: str = Field(PICKSCORE, description="the PickScore CLIP model: a Hub id or a local folder")
+    processor_id: str | None = Field(PICKSCORE_PROCESSOR, description="its processor (CLIP-H/14's)")
+
+
+class AestheticOptions(ClipOptions):
+    head: str = Field(AESTHETIC_HEAD, description="the aesthetic MLP: a local .pth file or OWNER/REPO/FILENAME")
+
+
+class HpsOptions(RewardOptions):
+    version: Literal["v2.0", "v2.1"] = Field("v2.1", description="HPS checkpoint")
+
+
+class ImageRewardOptions(RewardOptions):
+    model: str = Field("ImageReward-v1.0", description="ImageReward checkpoint name")
+
+
+class OcrOptions(RewardOptions):
+    lang: str = Field("eng", pattern=r"^[A-Za-z_+]+$", description="Tesseract language(s), e.g. eng or eng+deu")
+
+
+class HttpOptions(RewardOptions):
+    url: str = Field(pattern=r"^https?://\S+$", description="the reward server's http:// or https:// address")
+    timeout: float = Field(60.0, gt=0, description="seconds one scoring call may take in all, retries included")
+    retries: int = Field(2, ge=0, le=20, description="retries after a connection error, time-out or HTTP 5xx")
+    retry_delay: float = Field(1.0, ge=0, le=600, description="seconds before the first retry, doubled each time")
+
+
+@dataclass(frozen=True)
+class RewardEntry:
+    """A reward: ``name`` in configs, ``implementation`` as ``module:Class`` in this package, its options."""
+
+    name: str
+    implementation: str
+    options: type[RewardOptions] = NoOptions
+
+    def load_class(self):
+        module, _, cls = self.implementation.partition(":")
+        return getattr(importlib.import_module(f"{__package__}.{module}"), cls)
+
+
+CATALOG: dict[str, RewardEntry] = {entry.name: entry for entry in [
+    RewardEntry("shapes", "shapes:ShapesReward"),
+    RewardEntry("jpeg_compressibility", "jpeg:JpegCompressibility"),
+    RewardEntry("jpeg_incompressibility", "jpeg:JpegIncompressibility"),
+    RewardEntry("clip_score", "clip:ClipScore", ClipOptions),
+    RewardEntry("pickscore", "clip:PickScore", PickScoreOptions),
+    RewardEntry("aesthetic", "clip:Aesthetic", AestheticOptions),
+    RewardEntry("hpsv2", "packaged:HPSv2", HpsOptions),
+    RewardEntry("image_reward", "packaged:ImageReward", ImageRewardOptions),
+    RewardEntry("ocr", "ocr:OcrReward", OcrOptions),
+    RewardEntry("http", "remote:HttpReward", HttpOptions),
+]}
+
+
+def available_rewards() -> list[str]:
+    """The reward names, sorted."""
+    return sorted(CATALOG)
+
+
+def reward_entry(name: str) -> RewardEntry:
+    if name not in CATALOG:
+        raise UserError(f"unknown reward '{name}'; available: {', '.join(available_rewards())}")
+    return CATALOG[name]
+
+
+def reward_options(name: str, options: dict) -> RewardOptions:
+    """The validated options of reward ``name``; any problem is a one-line :class:`UserError`."""
+    schema = reward_entry(name).options
+    unknown = sorted(set(options) - set(schema.model_fields))
+    if unknown:
+        raise UserError(f"unknown option(s) {', '.join(unknown)} for reward '{name}'; "
+                        f"allowed: {', '.join(schema.model_fields) or 'none'}")
+    try:
+        return schema.model_validate(options)
+    except ValidationError as err:
+        first = err.errors()[0]
+        key = ".".join(str(p) for p in first["loc"])
+        if first["type"] == "missing":
+            raise UserError(f"reward '{name}' needs options.{key}: {schema.model_fields[key].description}") from None
+        raise UserError(f"bad value {first.get('input')!r} for options.{key} of reward '{name}': "
+                        f"{first['msg']}") from None
+
+
+def check_reward_specs(specs) -> None:
+    """Every :class:`~jagg_core.config.RewardSpec` names a known reward with valid options."""
+    for spec in specs:
+        reward_options(spec.name, spec.options)

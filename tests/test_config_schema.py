@@ -1,0 +1,127 @@
+"""The config schema documents every key; the README's config reference and the app's help text are derived
+from it; non-finite numbers and seeds beyond 64 bits are refused with one line naming the key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from app.form import KNOBS
+from jagg_core.config import (REFERENCE_BEGIN, REFERENCE_END, RunConfig, _section_type, config_reference,
+                              load_config, schema_field)
+from jagg_core.errors import UserError
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def _sections() -> list[type[BaseModel]]:
+    return [RunConfig] + [_section_type(f.annotation) for f in RunConfig.model_fields.values()
+                          if _section_type(f.annotation) is not None]
+
+
+def _keys() -> list[str]:
+    keys = []
+    for name, field in RunConfig.model_fields.items():
+        section = _section_type(field.annotation)
+        if section is None:
+            keys.append(name)
+        else:
+            keys += [f"{name}.{key}" for key in section.model_fields]
+    return keys
+
+
+def test_every_section_is_in_the_reference_with_a_docstring():
+    sections = _sections()
+    assert len(sections) == 10
+    for section in sections:
+        assert (section.__doc__ or "").strip(), f"{section.__name__} needs a docstring"
+
+
+@pytest.mark.parametrize("key", _keys())
+def test_every_field_has_a_one_line_description(key):
+    description = schema_field(key).description
+    assert description and description.strip(), f"config key '{key}' has no description"
+    assert "\n" not in description
+
+
+def test_all_56_keys_are_covered():
+    assert len(_keys()) == 56
+
+
+def test_readme_reference_is_the_generated_one():
+    text = README.read_text()
+    assert text.count(REFERENCE_BEGIN) == 1 and text.count(REFERENCE_END) == 1
+    between = text.split(REFERENCE_BEGIN + "\n", 1)[1].split(REFERENCE_END, 1)[0]
+    assert between == config_reference(), "regenerate it: python -m jagg_core.config --update README.md"
+
+
+def test_reference_shows_every_key_default_and_choices():
+    reference = config_reference()
+    for key in _keys():
+        table_key = key.replace("rewards.", "rewards[].")
+        assert f"| `{table_key}` |" in reference, key
+    assert "| `backward.mode` | `jagg` |" in reference and "Allowed: `exact`, `jagg`" in reference
+    assert "| `rewards[].name` | required |" in reference
+    assert "Allowed: `'no'`, `fp16`, `bf16`" in reference  # a bare `no` would be YAML false
+    assert "Range: `[0, 2^63)`" in reference
+
+
+def test_reference_command_prints_it_and_the_module_is_light():
+    out = subprocess.run([sys.executable, "-m", "jagg_core.config", "--reference"], capture_output=True, text=True,
+                         cwd=README.parent, check=True)
+    assert out.stdout == config_reference()
+    code = "import sys, jagg_core.config; print(sorted({'torch', 'diffusers'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=README.parent, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("knob", KNOBS, ids=lambda k: k.key)
+def test_knob_help_is_the_schema_description(knob):
+    assert knob.info == schema_field(knob.key).description == RunConfig.describe(knob.key)
+    assert knob.info
+
+
+@pytest.mark.parametrize("override, key", [
+    ("train.learning_rate=inf", "train.learning_rate"),
+    ("train.learning_rate=.inf", "train.learning_rate"),
+    ("train.learning_rate=nan", "train.learning_rate"),
+    ("train.learning_rate=.nan", "train.learning_rate"),
+    ("grpo.kl_beta=-.inf", "grpo.kl_beta"),
+    ("rewards=[{name: jpeg_compressibility, weight: .nan}]", "rewards.0.weight"),
+    ("rewards=[{name: jpeg_compressibility, weight: .inf}]", "rewards.0.weight"),
+    ("train.seed=99999999999999999999999", "train.seed"),
+    ("train.seed=9223372036854775808", "train.seed"),
+    ("train.seed=-1", "train.seed"),
+    ("train.eval_seed=99999999999999999999999", "train.eval_seed"),
+    ("prompts.split_seed=99999999999999999999999", "prompts.split_seed"),
+])
+def test_non_finite_numbers_and_huge_seeds_are_refused(override, key):
+    with pytest.raises(UserError) as err:
+        load_config(preset="tiny-sd3", overrides=[override])
+    message = str(err.value)
+    assert f"for '{key}'" in message and "\n" not in message
+
+
+def test_largest_seed_is_accepted():
+    config = load_config(preset="tiny-sd3", overrides=[f"train.seed={2 ** 63 - 1}", "train.eval_seed=0",
+                                                         f"prompts.split_seed={2 ** 63 - 1}"])
+    assert config.train.seed == 2 ** 63 - 1
+
+
+def test_cli_prints_one_line_and_exits_2():
+    for override, key in (("train.learning_rate=inf", "train.learning_rate"),
+                          ("train.seed=99999999999999999999999", "train.seed")):
+        result = subprocess.run([sys.executable, "-m", "jagg_core.run", "--preset", "tiny-sd3", "--dry-run",
+                                 "--set", override], capture_output=True, text=True, cwd=README.parent)
+        assert result.returncode == 2
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and "bad value" in lines[0] and f"for '{key}'" in lines[0], result.stderr
+
+
+def test_unknown_key_lookup_is_a_user_error():
+    with pytest.raises(UserError, match="unknown config key 'train.nope'"):
+        RunConfig.describe("train.nope")
