@@ -9,6 +9,7 @@ reward/prompt checks of :func:`jagg_core.preflight.check_references`. Any proble
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,8 @@ from jagg_core.prompts import FILE_SUFFIXES, builtin_prompt_sets, load_prompts
 from jagg_core.preflight import check_references
 
 PROMPTS_BUILTIN, PROMPTS_UPLOAD, PROMPTS_TEXT = "Built-in set", "Upload a file", "Write my own"
+#: folders (``os.pathsep``-separated) whose prompt files the page may name as a prompt set; none by default
+PROMPT_DIRS_ENV = "JAGG_PROMPT_DIRS"
 PROMPT_MODES = (PROMPTS_BUILTIN, PROMPTS_UPLOAD, PROMPTS_TEXT)
 
 
@@ -56,7 +59,13 @@ class Knob:
             return self.on if value else self.off
         if value is None or value == "":
             raise UserError(f"'{self.label}' needs a value")
-        return int(value) if self.kind == "int" and float(value).is_integer() else value
+        if self.kind in ("int", "float"):
+            try:
+                number = float(value)
+            except (TypeError, ValueError):
+                raise UserError(f"'{self.label}' must be a number, got {str(value)[:40]!r}") from None
+            return int(number) if self.kind == "int" and number.is_integer() else value
+        return value
 
     def from_config(self, value: Any) -> Any:
         return value == self.on if self.kind == "bool" else value
@@ -158,15 +167,33 @@ def _weight(value: Any, reward: str) -> float:
         raise UserError(f"the weight of reward '{reward}' must be a number, got {value!r}") from None
 
 
+def _inside(path: Path, folder: Path) -> bool:
+    """Whether ``path``, links resolved, lies in ``folder``."""
+    return path.resolve().is_relative_to(folder.resolve())
+
+
+def _in_prompt_dirs(source: str) -> bool:
+    """Whether ``source`` is a file in one of the folders of ``$JAGG_PROMPT_DIRS``."""
+    folders = [Path(f) for f in os.environ.get(PROMPT_DIRS_ENV, "").split(os.pathsep) if f]
+    return Path(source).is_file() and any(_inside(Path(source), folder) for folder in folders)
+
+
 def _prompt_source(form: Form, run_dir: Path) -> str:
     """The ``prompts.source`` of the form; an uploaded file or the typed prompts are saved into ``run_dir``."""
     if form.prompt_mode == PROMPTS_BUILTIN:
-        if not form.prompt_set:
+        source = form.prompt_set.strip()
+        if not source:
             raise UserError(f"choose a prompt set: {', '.join(builtin_prompt_sets())}")
-        return form.prompt_set
+        if source not in builtin_prompt_sets() and not source.startswith("hf://") and not _in_prompt_dirs(source):
+            raise UserError(f"the prompt set must be one of {', '.join(builtin_prompt_sets())}, an hf://DATASET, or a "
+                            f"file in a folder listed in ${PROMPT_DIRS_ENV}; got '{source[:80]}'")
+        return source
     if form.prompt_mode == PROMPTS_UPLOAD:
         if not form.prompt_file:
             raise UserError("upload a prompt file (.txt one per line, .csv or .jsonl with a 'prompt' column)")
+        from gradio.utils import get_upload_folder
+        if not _inside(Path(form.prompt_file), Path(get_upload_folder())):
+            raise UserError("the prompt file must be a file uploaded through the page")
         suffix = Path(form.prompt_file).suffix.lower()
         if suffix not in FILE_SUFFIXES:
             raise UserError(f"the prompt file must be {', '.join(FILE_SUFFIXES)}, got '{Path(form.prompt_file).name}'")

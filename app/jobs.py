@@ -31,7 +31,8 @@ from jagg_core.rundir import RunDirectory
 RUNS_DIR_ENV = "JAGG_RUNS_DIR"
 LOCK_NAME = ".active-job.json"
 RUN_STAMP = re.compile(r"-(\d{8}-\d{6})(-\d+)?$")
-STOP_GRACE_S = 30.0
+STOP_GRACE_S = 120.0  # the trainer finishes its iteration and checkpoints it before it exits
+MAX_NAME = 120  # characters of a run folder's name
 LAUNCHING_GRACE_S = 60.0  # an empty lock younger than this is a launch in progress, older is stale
 
 
@@ -225,9 +226,23 @@ class JobControl:
         found = [p for p in self.root.iterdir() if p.is_dir() and RunDirectory(p).is_run()]
         return sorted(found, key=_created, reverse=True)
 
+    def run_dir(self, name: str) -> Path | None:
+        """The run called ``name``: a folder directly in the root (no path, no link leading out) holding a run."""
+        if not name or len(name) > MAX_NAME or name in (".", "..") or "/" in name or "\\" in name:
+            return None
+        path = self.root / name
+        inside = path.resolve().parent == self.root.resolve()
+        return path if inside and RunDirectory(path).is_run() else None
+
+    def trained_elsewhere(self) -> Path | None:
+        """A run of the root that a live process started outside this app is training (it holds the run's lock)."""
+        job = self.active()
+        return next((p for p in self.runs() if (job is None or p != job.run_dir) and RunDirectory(p).trainer_alive()),
+                    None)
+
     def new_run_dir(self, name: str) -> Path:
         """A fresh, empty run directory ``NAME-YYYYmmdd-HHMMSS`` (``-2``, ``-3``... if taken)."""
-        slug = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "run"
+        slug = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.")[:MAX_NAME - 20].strip("-.") or "run"
         base = f"{slug}-{time.strftime('%Y%m%d-%H%M%S')}"
         for n in itertools.count(1):
             path = self.root / (base if n == 1 else f"{base}-{n}")

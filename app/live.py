@@ -42,8 +42,8 @@ def progress(run_dir: Path, job_started_at: float | None = None) -> Progress:
         current = status.get("updated_at", 0) >= job_started_at
         if not current or (state == "running" and status.get("message") == "loading"):
             state = "starting"
-    elif state == "running":
-        state = "interrupted"
+    elif state == "running" and not run.trainer_alive():
+        state = "interrupted"  # no live process holds the run's lock (a process started elsewhere would)
     elif state is None:
         state = "none"
     total = int(status.get("total_iterations") or run.configured_iterations())

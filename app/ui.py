@@ -101,8 +101,7 @@ class Studio:
     def _run_dir(self, name: str | None) -> Path | None:
         """The run called ``name``; without a name, the active run, else the newest."""
         if name:
-            path = self.jobs.root / Path(name).name
-            return path if RunDirectory(path).is_run() else None
+            return self.jobs.run_dir(name)
         job = self.jobs.active()
         if job is not None:
             return job.run_dir
@@ -136,6 +135,10 @@ class Studio:
         busy = self.jobs.active()
         if busy is not None:
             return self._refuse(f"a run is active ({busy.run_dir.name}); stop it before starting another")
+        elsewhere = self.jobs.trained_elsewhere()
+        if elsewhere is not None:
+            return self._refuse(f"{elsewhere.name} is training in a process started outside this page; "
+                                "stop it before starting another")
         fields = dict(zip(FORM_FIELDS, values))
         form = Form(preset=fields["preset"] or "", name=fields["name"] or "", model=fields["model"] or "",
                     rewards=list(fields["rewards"] or []), weights=fields["weights"] or [],
@@ -167,6 +170,9 @@ class Studio:
         busy = self.jobs.active()
         if busy is not None:
             return self._refuse(f"a run is active ({busy.run_dir.name}); stop it before resuming another")
+        if RunDirectory(run_dir).trainer_alive():
+            return self._refuse(f"{run_dir.name} is training in a process started outside this page; "
+                                "it cannot be resumed twice")
         state = live.progress(run_dir).state
         if state == "finished":
             return self._refuse(f"{run_dir.name} has finished; there is nothing to resume")

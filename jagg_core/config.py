@@ -229,9 +229,13 @@ def list_presets() -> dict[str, str]:
 
 def _read_yaml(path: Path) -> dict:
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not a UTF-8 text file; save the config as UTF-8 YAML") from None
     except yaml.YAMLError as err:
         raise UserError(f"{path} is not valid YAML: {str(err).splitlines()[0]}") from None
+    except OSError as err:
+        raise UserError(f"cannot read {path}: {err.strerror}") from None
     if not isinstance(data, dict):
         raise UserError(f"{path} must hold a mapping of config sections, got {type(data).__name__}")
     return data

@@ -8,6 +8,7 @@ importing torch or diffusers; those load only when a run starts.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -46,7 +47,12 @@ def latest_run_dir(name: str) -> Path:
 def resolve(args: argparse.Namespace) -> tuple[RunConfig, Path]:
     """The config and run directory this invocation means."""
     run_dir = Path(args.output_dir) if args.output_dir else None
-    if args.resume and run_dir is not None and RunDirectory(run_dir).is_run() and not (args.preset or args.config):
+    if run_dir is not None and run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"--output-dir {run_dir} is a file; give a folder for the run")
+    if args.resume and run_dir is not None and not (args.preset or args.config):
+        if not RunDirectory(run_dir).is_run():
+            raise UserError(f"{run_dir} holds no run to resume (no config.yaml); start it with --preset NAME or "
+                            "--config FILE")
         config = load_config(config_file=RunDirectory(run_dir).config_file, overrides=args.overrides)
     else:
         config = load_config(preset=args.preset, config_file=args.config, overrides=args.overrides)
@@ -77,34 +83,48 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train(config: RunConfig, run_dir: Path, resume: bool) -> int:
-    from .quiet import quiet_libraries
-    quiet_libraries()
-    from .trainer import StopRequested, Trainer, install_stop_handlers
+    """Train in ``run_dir``; its lock is taken first (another live trainer there is a one-line error and changes
+    nothing), then SIGTERM/SIGINT at any moment end with status ``stopped`` and exit 128 + signal."""
+    from .stopping import StopRequested, install_stop_handlers
 
     install_stop_handlers()
-    trainer = Trainer(config, run_dir, resume=resume)
     run = RunDirectory(run_dir)
+    is_main = os.environ.get("RANK", "0") == "0"  # accelerate's launcher numbers the processes
+    if is_main:
+        run.acquire_trainer_lock()
     try:
+        from .quiet import quiet_libraries
+        quiet_libraries()
+        from .trainer import Trainer
+        trainer = Trainer(config, run_dir, resume=resume)
         trainer.setup()
         trainer.fit()
-        if config.hub.push and trainer.is_main:
+        if config.hub.push and is_main:
             from .hub import push_if_configured
-            url = push_if_configured(run_dir, config)
-            print(f"pushed to {url}")
-    except StopRequested as stop:
-        if trainer.is_main:
-            run.write_status("stopped", message=f"stopped by {stop}; resume with --resume")
-        print(f"{PROG}: stopped ({stop}); resume with --resume --output-dir {run_dir}", file=sys.stderr)
-        return 130
+            print(f"pushed to {push_if_configured(run_dir, config)}")
+    except StopRequested as stopped:
+        if is_main:
+            _record_end(run, "stopped", f"stopped by {stopped}; resume with --resume")
+        print(f"{PROG}: stopped ({stopped}); resume with --resume --output-dir {run_dir}", file=sys.stderr)
+        return stopped.exit_code
     except UserError as err:
-        if trainer.is_main and run.path.is_dir():
-            run.write_status("failed", message=str(err))
+        if is_main:
+            _record_end(run, "failed", str(err))
         raise
     except BaseException as err:
-        if trainer.is_main and run.path.is_dir():
-            run.write_status("failed", message=f"{type(err).__name__}: {err}")
+        if is_main:
+            _record_end(run, "failed", f"{type(err).__name__}: {err}")
         raise
     return 0
+
+
+def _record_end(run: RunDirectory, state: str, message: str) -> None:
+    """Write the final status and remove this process's half-written files, as far as the disk allows."""
+    try:
+        run.remove_temporaries()
+        run.write_status(state, message=message)
+    except OSError as err:
+        print(f"{PROG}: could not record the run's end in {run.status_file} ({err.strerror})", file=sys.stderr)
 
 
 if __name__ == "__main__":

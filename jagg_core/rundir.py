@@ -10,6 +10,7 @@
     RUN/status.json            {"state": running|finished|failed|stopped, "pid", "iteration", ...}
     RUN/train.log              the trainer's log lines
     RUN/stdout.log             the output of a job the app launched
+    RUN/.trainer.lock          held (flock) by the live trainer; the OS releases it when the process dies
 
 :class:`RunDirectory` is the only code that knows these names: every reader and writer asks it.
 Every file is replaced atomically (written beside, then renamed), so a reader or a killed writer
@@ -19,6 +20,7 @@ no deep-learning library, so the app's job control can use it.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -132,9 +134,50 @@ class RunDirectory:
     def checkpoint_dir(self, iteration: int) -> Path:
         return self.checkpoints_dir / iteration_dirname(iteration)
 
+    @property
+    def lock_file(self) -> Path:
+        return self.path / ".trainer.lock"
+
     def is_run(self) -> bool:
         """Whether this folder holds a run (its config has been written)."""
         return self.config_file.is_file()
+
+    # ----- the trainer's lock ---------------------------------------------------------
+    def acquire_trainer_lock(self) -> None:
+        """Hold this run's lock for the life of this process (one run directory, one trainer); a one-line
+        :class:`UserError` if a live process holds it. The OS releases it when the process ends, however."""
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            handle = self.lock_file.open("a")
+        except OSError as err:
+            raise UserError(f"cannot write the run directory {self.path}: {err.strerror}") from None
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            pid = self.read_status().get("pid")
+            raise UserError(f"{self.path} is being trained by another process{f' (pid {pid})' if pid else ''}; "
+                            "stop that run first, or choose another --output-dir") from None
+        self._lock = handle  # open for as long as this object lives, as the lock
+
+    def trainer_alive(self) -> bool:
+        """Whether a live process, wherever it was started, holds this run's lock."""
+        try:
+            handle = self.lock_file.open("r")
+        except OSError:
+            return False
+        with handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+        return False
+
+    def remove_temporaries(self) -> None:
+        """Delete the half-written files this process left (``.NAME.PID.tmp``, checkpoint ``.tmp-*-PID``)."""
+        pid = os.getpid()
+        for stray in [*self.path.rglob(f".*.{pid}.tmp"), *self.checkpoints_dir.glob(f".tmp-*-{pid}")]:
+            shutil.rmtree(stray, ignore_errors=True) if stray.is_dir() else stray.unlink(missing_ok=True)
 
     # ----- small files -----------------------------------------------------------------
     def create(self) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import os
 import random
-import signal
 import time
 import warnings
 from dataclasses import dataclass
@@ -34,14 +33,17 @@ from .prompts import load_prompts, split_prompts
 from .rewards import build_rewards
 from .rundir import OPTIMIZER_FILE, RunDirectory
 from .sampler import Trajectory, initial_noise, ode_sample, sde_rollout
-
-
-class StopRequested(Exception):
-    """SIGTERM/SIGINT: stop after leaving the run directory consistent."""
+from .stopping import STOP, StopRequested
 
 
 def iteration_seed(seed: int, iteration: int, rank: int, stream: int) -> int:
     return (seed * 1_000_003 + iteration * 9_176 + rank * 131 + stream) % (2 ** 63)
+
+
+def effective_interval(every: int, iterations: int) -> int:
+    """``every`` (``train.sample_every`` / ``checkpoint_every``), unless the run is too short for two such
+    intervals: then a quarter of the run, so a short run still gets intermediate samples and checkpoints."""
+    return every if every <= iterations // 2 else max(1, iterations // 4)
 
 
 def make_optimizer(name: str, params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
@@ -81,6 +83,8 @@ class Trainer:
     # ----- set-up ----------------------------------------------------------------------
     def setup(self) -> None:
         cfg = self.config
+        if self.is_main:
+            self.run.create()
         torch.manual_seed(cfg.train.seed)
         self.model = load_flow_model(cfg.model, self.accelerator.device, seed=cfg.train.seed)
         if cfg.train.gradient_checkpointing:
@@ -100,23 +104,34 @@ class Trainer:
         if self.resume:
             self._load_checkpoint()
         if self.is_main:
-            self.run.create()
             self.run.write_config(cfg.to_yaml())
             self.run.write_run_info(self.model.family, cfg.model.name)
 
     def _load_checkpoint(self) -> None:
-        checkpoint = self.run.latest_checkpoint()
-        if checkpoint is None:
-            self._log(f"no checkpoint in {self.run.path}; starting from iteration 1")
+        """Continue from the newest checkpoint that loads; a damaged one (truncated, garbage) is skipped, saying so.
+        Metrics rows after the checkpoint are dropped: those iterations run again."""
+        initial = [param.detach().clone() for param in self.params]
+        for done in reversed(self.run.checkpoint_iterations()):
+            folder = self.run.checkpoint_dir(done)
+            try:
+                self.model.load_lora(folder)
+                state = torch.load(folder / OPTIMIZER_FILE, map_location=self.accelerator.device, weights_only=True)
+                self.optimizer.load_state_dict(state)
+            except Exception as err:  # a damaged file can fail in safetensors, torch.load or load_state_dict
+                self._log(f"checkpoint {folder.name} is damaged ({type(err).__name__}: {str(err)[:120]}); "
+                          "trying the previous one")
+                continue
+            self.start_iteration = done + 1
+            if self.is_main:
+                self.run.truncate_metrics(done)
+            self._log(f"resumed from {folder.name}")
             return
-        self.model.load_lora(checkpoint)
-        state = torch.load(checkpoint / OPTIMIZER_FILE, map_location=self.accelerator.device, weights_only=True)
-        self.optimizer.load_state_dict(state)
-        done = self.run.checkpoint_iterations()[-1]
-        self.start_iteration = done + 1
+        with torch.no_grad():
+            for param, value in zip(self.params, initial):
+                param.copy_(value)
         if self.is_main:
-            self.run.truncate_metrics(done)
-        self._log(f"resumed from {checkpoint.name}")
+            self.run.truncate_metrics(-1)  # nothing to continue: the base eval and every iteration run again
+        self._log(f"no usable checkpoint in {self.run.path}; starting from iteration 1")
 
     # ----- logging ---------------------------------------------------------------------
     def _log(self, line: str) -> None:
@@ -236,8 +251,12 @@ class Trainer:
 
     # ----- the loop ------------------------------------------------------------------------
     def fit(self) -> None:
+        """Iterations ``start_iteration..N``. Each one's metrics row is appended before its checkpoint is written,
+        and a resume drops the rows after its checkpoint, so every row is in metrics.jsonl exactly once whenever
+        the process is killed. A stop signal during an iteration ends it, checkpoints it, then stops."""
         cfg = self.config
         total = cfg.train.iterations
+        checkpoint_every = effective_interval(cfg.train.checkpoint_every, total)
         if self.is_main:
             self.run.write_status("running", pid=os.getpid(), iteration=self.start_iteration - 1, total_iterations=total,
                                   message="loading", started_at=time.time())
@@ -250,16 +269,29 @@ class Trainer:
         bar = tqdm(range(self.start_iteration, total + 1), initial=self.start_iteration - 1, total=total,
                    desc="GRPO", disable=not self.is_main, dynamic_ncols=True)
         for iteration in bar:
-            row = self.iteration(iteration)
-            if self.is_main:
-                self.run.append_metrics(row)
-                self.run.write_status("running", iteration=iteration, message=f"iteration {iteration}/{total}")
-                bar.set_postfix(reward=f"{row[metrics.REWARD_MEAN]:.3f}")
+            with STOP.deferred():
+                row = self.iteration(iteration)
+                stopping = self._stop_requested_anywhere()
+                if self.is_main:
+                    self.run.append_metrics(row)
+                    if iteration % checkpoint_every == 0 or iteration == total or stopping:
+                        self.save_checkpoint(iteration)
+                    self.run.write_status("running", iteration=iteration, message=f"iteration {iteration}/{total}")
+                    bar.set_postfix(reward=f"{row[metrics.REWARD_MEAN]:.3f}")
+                self.accelerator.wait_for_everyone()
+            if stopping:
+                raise StopRequested(stopping)
         identical = self._adapters_identical_across_processes()
         if self.is_main:
             self.run.write_status("finished", iteration=total, message=f"finished {total} iterations",
                                   processes=self.accelerator.num_processes, adapters_identical=identical)
             self._log(f"finished: adapter at {self.run.lora_file}")
+
+    def _stop_requested_anywhere(self) -> int:
+        """The stop signal any process received during this iteration (0: none); every process takes the same
+        decision, so their collectives stay matched."""
+        local = torch.tensor([STOP.requested or 0], device=self.accelerator.device)
+        return int(self.accelerator.gather(local).max())
 
     def iteration(self, iteration: int) -> dict:
         """One GRPO iteration (rollout, update, and the eval and checkpoint when due); returns its metrics row."""
@@ -285,25 +317,14 @@ class Trainer:
                **{metrics.reward_part(name): float(v.mean()) for name, v in rollout.reward_parts.items()},
                **stats, metrics.LEARNING_RATE: self.optimizer.param_groups[0]["lr"],
                metrics.TIME_ROLLOUT: time_rollout, metrics.TIME_TRAIN: time_train}
-        if iteration % cfg.train.sample_every == 0 or iteration == cfg.train.iterations:
+        if iteration % effective_interval(cfg.train.sample_every, cfg.train.iterations) == 0 \
+                or iteration == cfg.train.iterations:
             if self.is_main:
                 t2 = time.perf_counter()
                 row[metrics.EVAL_REWARD_MEAN] = self.evaluate(iteration)
                 row[metrics.TIME_EVAL] = time.perf_counter() - t2
-        if iteration % cfg.train.checkpoint_every == 0 or iteration == cfg.train.iterations:
-            if self.is_main:
-                self.save_checkpoint(iteration)
-        self.accelerator.wait_for_everyone()
         eval_part = f"  eval {row[metrics.EVAL_REWARD_MEAN]:.4f}" if metrics.EVAL_REWARD_MEAN in row else ""
         self._log(f"iter {iteration}/{cfg.train.iterations}  reward {row[metrics.REWARD_MEAN]:.4f} "
                   f"± {row[metrics.REWARD_STD]:.3f}  loss {row.get(metrics.LOSS, float('nan')):+.5f}{eval_part}"
                   f"  rollout {time_rollout:.1f}s  train {time_train:.1f}s")
         return row
-
-
-def install_stop_handlers() -> None:
-    """SIGTERM/SIGINT raise :class:`StopRequested` in the main thread."""
-    def handler(signum, frame):
-        raise StopRequested(signal.Signals(signum).name)
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)

@@ -7,14 +7,20 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 import yaml
 
+from jagg_core import metrics
 from jagg_core.rundir import RunDirectory
 
 from conftest import ROOT, run_cli
+
+# Training runs are waited on by state (the awaited output or state, or the process gone); this cap only keeps a hung
+# CI job from waiting forever, far beyond what a loaded machine needs.
+SAFETY_CAP_S = 1800
 
 SMALL = ["--set", "train.iterations=2", "--set", "sampling.num_steps=6", "--set", "grpo.num_generations=2",
          "--set", "prompts.eval_count=2", "--set", "train.sample_every=1", "--set", "train.checkpoint_every=1"]
@@ -63,7 +69,7 @@ def test_two_processes_keep_identical_adapters(tmp_path):
         [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
          "-m", "jagg_core.run", "--preset", "tiny-sd3", *SMALL, "--output-dir", str(run_dir)],
-        cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=600)
+        cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=SAFETY_CAP_S)
     assert result.returncode == 0, result.stderr[-3000:]
     status = RunDirectory(run_dir).read_status()
     assert status["state"] == "finished"
@@ -91,19 +97,32 @@ sys.exit(main(sys.argv[1:]))
 def test_a_run_killed_while_writing_a_checkpoint_resumes_from_the_previous_one(tmp_path):
     run_dir = tmp_path / "run"
     args = ["--preset", "tiny-sd3", *SMALL, "--set", "train.iterations=3", "--output-dir", str(run_dir)]
-    process = subprocess.Popen([sys.executable, "-c", SLOW_CHECKPOINT, *args], cwd=ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.DEVNULL, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    deadline = time.time() + 300
-    for line in process.stdout:
-        if "WRITING-CHECKPOINT-2" in line or time.time() > deadline:
-            break
-    os.kill(process.pid, signal.SIGKILL)
-    process.wait()
+    stderr_log = tmp_path / "first-run.stderr"
+    with stderr_log.open("w") as stderr:
+        process = subprocess.Popen([sys.executable, "-c", SLOW_CHECKPOINT, *args], cwd=ROOT, stdout=subprocess.PIPE,
+                                   stderr=stderr, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    watchdog = threading.Timer(SAFETY_CAP_S, process.kill)  # ends the wait on a hung run: its stdout closes
+    watchdog.start()
+    seen, reached = [], False
+    try:
+        for line in process.stdout:  # until the marker, or the end of the output (the process ended)
+            seen.append(line)
+            if "WRITING-CHECKPOINT-2" in line:
+                reached = True
+                break
+    finally:
+        watchdog.cancel()
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+        process.stdout.close()
+    assert reached, ("the run ended (or hit the safety cap) before writing checkpoint 2:\n"
+                     + "".join(seen)[-2000:] + stderr_log.read_text()[-3000:])
     run = RunDirectory(run_dir)
     assert run.checkpoint_iterations() == [1], "the half-written checkpoint must not count"
     assert any(p.name.startswith(".tmp-iter_000002") for p in run.checkpoints_dir.iterdir())
 
-    result = run_cli(*args, "--resume")
+    result = run_cli(*args, "--resume", timeout=SAFETY_CAP_S)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resumed from iter_000001" in result.stdout + result.stderr
     assert run.checkpoint_iterations() == [1, 2, 3]
@@ -114,33 +133,48 @@ def test_a_run_killed_while_writing_a_checkpoint_resumes_from_the_previous_one(t
 
 def test_sigterm_stops_cleanly_and_says_how_to_resume(tmp_path):
     run_dir = tmp_path / "run"
-    process = subprocess.Popen([sys.executable, "-m", "jagg_core.run", "--preset", "tiny-sd3", *SMALL,
-                                "--set", "train.iterations=200", "--output-dir", str(run_dir)],
-                               cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    stderr_log = tmp_path / "stderr.log"
+    with stderr_log.open("w") as stderr_file:
+        process = subprocess.Popen([sys.executable, "-m", "jagg_core.run", "--preset", "tiny-sd3", *SMALL,
+                                    "--set", "train.iterations=200", "--output-dir", str(run_dir)],
+                                   cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr_file, text=True,
+                                   env={**os.environ, "HF_HUB_OFFLINE": "1"})
     run = RunDirectory(run_dir)
-    deadline = time.time() + 300
-    while not run.checkpoint_iterations() and time.time() < deadline:
-        time.sleep(0.5)
-    process.send_signal(signal.SIGTERM)
-    _, stderr = process.communicate(timeout=120)
-    assert process.returncode == 130
+    cap = time.monotonic() + SAFETY_CAP_S
+    try:
+        while not run.checkpoint_iterations():  # until the first checkpoint, or the process has ended
+            if process.poll() is not None or time.monotonic() > cap:
+                why = "the run ended" if process.poll() is not None else f"the {SAFETY_CAP_S} s safety cap"
+                pytest.fail(f"no checkpoint before {why}:\n{stderr_log.read_text()[-3000:]}")
+            time.sleep(0.5)
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=SAFETY_CAP_S)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    stderr = stderr_log.read_text()
+    assert process.returncode == 143  # 128 + SIGTERM
     assert "resume with --resume" in stderr and "Traceback" not in stderr
     status = json.loads((run_dir / "status.json").read_text())
     assert status["state"] == "stopped"
-    assert run.checkpoint_iterations()
+    # the iteration running at the signal was finished and checkpointed: a resume continues right after it
+    done = run.checkpoint_iterations()[-1]
+    assert done == status["iteration"] >= 1
+    assert [r[metrics.ITERATION] for r in run.read_metrics()] == list(range(done + 1))
 
 
 def test_the_default_preset_runs_with_no_arguments_but_a_short_length(tmp_path):
     """``python -m jagg_core.run`` trains the embedded shapes model on the shapes reward."""
     run_dir = tmp_path / "default"
-    result = run_cli("--set", "train.iterations=2", "--set", "train.sample_every=2", "--output-dir", str(run_dir))
+    result = run_cli("--set", "train.iterations=2", "--set", "train.sample_every=2", "--output-dir", str(run_dir),
+                     timeout=SAFETY_CAP_S)
     assert result.returncode == 0, result.stderr[-3000:]
     run = RunDirectory(run_dir)
     config = yaml.safe_load(run.config_file.read_text())
     assert config["model"]["name"] == "jagg-shapes" and config["rewards"][0]["name"] == "shapes"
     rows = run.read_metrics()
     assert [r["iteration"] for r in rows] == [0, 1, 2]
-    assert 0.4 <= rows[0]["eval_reward_mean"] <= 0.85, "the base model's held-out reward leaves room for RL"
+    assert 0.4 <= rows[0][metrics.EVAL_REWARD_MEAN] <= 0.85, "the base model's held-out reward leaves room for RL"
     assert len(list(run.samples_dir(2).glob("*.png"))) == config["prompts"]["eval_count"]
     assert run.read_status()["state"] == "finished"

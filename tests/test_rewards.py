@@ -7,6 +7,7 @@ import io
 import json
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import huggingface_hub.constants
@@ -235,7 +236,8 @@ def test_ocr_needs_quoted_text():
 # --- HTTP reward server -------------------------------------------------------------------
 
 class Server:
-    """A local reward server; ``answer(body) -> (status, text)`` decides what it sends back."""
+    """A local reward server; ``answer(body) -> (status, text)`` decides what it sends back (text: a string, or an
+    iterable of byte chunks sent one by one, e.g. slowly)."""
 
     def __init__(self, answer):
         self.requests = []
@@ -249,7 +251,12 @@ class Server:
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.end_headers()
-                self.wfile.write(text.encode())
+                try:
+                    for chunk in [text.encode()] if isinstance(text, str) else text:
+                        self.wfile.write(chunk)
+                        self.wfile.flush()
+                except OSError:  # the client gave up
+                    pass
 
             def log_message(self, *args):
                 pass
@@ -291,7 +298,7 @@ def test_http_reward_posts_pngs_and_prompts(server):
 @pytest.mark.parametrize("answer,match", [
     ((200, "not json"), "must answer"),
     ((200, '{"score": [1, 2]}'), "must answer"),
-    ((200, '{"scores": [1]}'), "returned 1 scores for 2 images"),
+    ((200, '{"scores": "77"}'), "must answer"),
     ((404, "no such route"), "HTTP 404"),
 ])
 def test_http_bad_answers_are_user_errors(server, answer, match):
@@ -302,7 +309,7 @@ def test_http_bad_answers_are_user_errors(server, answer, match):
 
 def test_http_retries_server_errors_then_gives_up(server):
     srv = server(lambda body: (503, "busy"))
-    with pytest.raises(UserError, match=r"not answering \(HTTP 503 after 3 attempts\)"):
+    with pytest.raises(UserError, match=r"not answering \(HTTP 503 after 3 attempts within 60 s\)"):
         build_reward(spec("http", url=srv.url, retries=2, retry_delay=0))(flat_and_noise(16), ["a", "b"])
     assert len(srv.requests) == 3
 
@@ -318,10 +325,43 @@ def test_http_server_down_is_a_user_error(server):
     srv = server(lambda body: (200, "{}"))
     url = srv.url
     srv.close()
-    with pytest.raises(UserError, match=r"is not answering \(ConnectionError after 2 attempts\); is it running\?"):
+    with pytest.raises(UserError, match=r"is not answering \(ConnectionError after 2 attempts within 2 s\); is it running\?"):
         build_reward(spec("http", url=url, retries=1, retry_delay=0, timeout=2))(flat_and_noise(16), ["a", "b"])
 
 
 def test_http_needs_a_url():
     with pytest.raises(UserError, match="options.url"):
         build_reward(spec("http"))
+
+
+@pytest.mark.parametrize("answer", ['{"scores": [1]}', '{"scores": [1, NaN]}', '{"scores": [1, null]}'])
+def test_http_missing_or_non_finite_scores_are_nan_so_the_update_is_skipped(server, answer):
+    srv = server(lambda body: (200, answer))
+    reward = build_reward(spec("http", url=srv.url, retries=0))
+    if answer == '{"scores": [1]}':
+        with pytest.warns(UserWarning, match="returned 1 scores for 2 images; this update is skipped"):
+            scores = reward(flat_and_noise(16), ["a", "b"])
+        assert torch.isnan(scores).all()
+    else:
+        scores = reward(flat_and_noise(16), ["a", "b"])
+        assert scores[0] == 1.0 and torch.isnan(scores[1])
+
+
+def test_http_timeout_is_a_total_deadline_not_per_read(server):
+    def trickle(body):
+        def chunks():
+            yield b'{"scores": [1, 2]'
+            for _ in range(200):  # a byte every 0.1 s: 20 s in all, each read well within a per-read time-out
+                time.sleep(0.1)
+                yield b" "
+            yield b"}"
+        return 200, chunks()
+    srv = server(trickle)
+    with pytest.raises(UserError, match=r"not answering \(Timeout after 1 attempts within 1 s\)"):
+        build_reward(spec("http", url=srv.url, retries=0, timeout=1))(flat_and_noise(16), ["a", "b"])
+
+
+def test_http_reply_size_is_capped(server):
+    srv = server(lambda body: (200, (b" " * (1 << 20) for _ in range(20))))
+    with pytest.raises(UserError, match="sent more than 16 MB"):
+        build_reward(spec("http", url=srv.url, retries=0))(flat_and_noise(16), ["a", "b"])

@@ -1,4 +1,5 @@
-"""SDE sampler: log-probabilities against the closed-form Gaussian, on-policy ratio, ODE limit."""
+"""SDE sampler: rollouts against an independent oracle of Flow-GRPO's SDE step, log-probabilities against the
+closed-form Gaussian, on-policy ratio, ODE limit."""
 
 from __future__ import annotations
 
@@ -7,8 +8,7 @@ import math
 import torch
 
 from jagg_core.grpo import LossSettings, group_advantages, step_loss
-from jagg_core.sampler import (gaussian_log_prob, ode_sample, sde_rollout, sde_step_mean, step_noise_std,
-                               step_std)
+from jagg_core.sampler import gaussian_log_prob, ode_sample, sde_rollout, step_noise_std
 
 
 class LinearVelocity:
@@ -16,6 +16,32 @@ class LinearVelocity:
 
     def velocity(self, z, sigma, cond):
         return 0.5 * z - 0.2
+
+
+class NonlinearVelocity:
+    """A velocity that depends on the latent non-linearly and on sigma, so a wrong sigma or a dropped drift term
+    shows."""
+
+    device = torch.device("cpu")
+
+    @staticmethod
+    def field(z, sigma):
+        return torch.tanh(1.5 * z) * (0.3 + sigma) - 0.4 * z + 0.25
+
+    def velocity(self, z, sigma, cond):
+        return self.field(z, sigma)
+
+
+def flow_grpo_sde_step(z, v, sigma, sigma_next, sigma_max, noise_level):
+    """One SDE step written out from Flow-GRPO's ``sde_step_with_logprob`` (sde_type='sde'), in float64:
+    ``std_dev_t = a sqrt(sigma / (1 - sigma))`` (sigma = 1 uses ``sigma_max`` = sigmas[1] in the denominator),
+    ``mean = z (1 + std_dev_t^2 / (2 sigma) dt) + v (1 + std_dev_t^2 (1 - sigma) / (2 sigma)) dt`` and the
+    transition's standard deviation ``std_dev_t sqrt(-dt)``. Returns (mean, std)."""
+    dt = sigma_next - sigma
+    std_dev_t = noise_level * math.sqrt(sigma / (1 - (sigma_max if sigma == 1 else sigma)))
+    z, v = z.double(), v.double()
+    mean = z * (1 + std_dev_t ** 2 / (2 * sigma) * dt) + v * (1 + std_dev_t ** 2 * (1 - sigma) / (2 * sigma)) * dt
+    return mean, std_dev_t * math.sqrt(-dt)
 
 
 def test_log_prob_equals_closed_form_gaussian_density():
@@ -26,18 +52,33 @@ def test_log_prob_equals_closed_form_gaussian_density():
     torch.testing.assert_close(gaussian_log_prob(x, mean, std).double(), expected, rtol=1e-6, atol=1e-6)
 
 
-def test_rollout_log_probs_are_the_density_of_each_recorded_step():
+def test_rollout_reproduces_flow_grpo_sde_steps_and_their_log_densities():
+    """Each recorded z_{i+1} is the Flow-GRPO mean plus std * eps, eps re-drawn from the same generator state, and
+    each log-prob is that Gaussian's density of z_{i+1}, averaged over elements."""
     gen = torch.Generator().manual_seed(1)
     sigmas = torch.linspace(1, 0, 6)
-    model = LinearVelocity()
-    traj = sde_rollout(model, {}, sigmas, 0.7, torch.randn(4, 8, generator=gen), gen)
-    std_t = step_noise_std(sigmas, 0.7)
+    noise_level = 0.7
+    model = NonlinearVelocity()
+    z0 = torch.randn(4, 2, 8, generator=gen)
+    state = gen.get_state()
+    traj = sde_rollout(model, {}, sigmas, noise_level, z0, gen)
+    replay = torch.Generator().set_state(state)
+    assert traj.latents.shape == (6, 4, 2, 8) and traj.log_probs.shape == (5, 4)
+    torch.testing.assert_close(traj.latents[0], z0)
+    sigma_max = float(sigmas[1])
     for i in range(5):
         s, s_next = float(sigmas[i]), float(sigmas[i + 1])
-        mean = sde_step_mean(traj.latents[i], traj.velocities[i], s, s_next, float(std_t[i]))
-        std = step_std(s, s_next, float(std_t[i]))
-        density = torch.distributions.Normal(mean.double(), std).log_prob(traj.latents[i + 1].double())
-        torch.testing.assert_close(traj.log_probs[i].double(), density.mean(1), rtol=1e-5, atol=1e-5)
+        z = traj.latents[i].double()
+        v = NonlinearVelocity.field(z, s)
+        torch.testing.assert_close(traj.velocities[i].double(), v, rtol=1e-5, atol=1e-6)
+        mean, std = flow_grpo_sde_step(z, v, s, s_next, sigma_max, noise_level)
+        eps = torch.randn(z.shape, generator=replay, dtype=torch.float32).double()
+        torch.testing.assert_close(traj.latents[i + 1].double(), mean + std * eps, rtol=1e-5, atol=1e-5)
+        # the test has teeth: the SDE drift correction is far larger than the tolerance at every step
+        assert (mean - (z + v * (s_next - s))).abs().max() > 1e-2
+        density = torch.distributions.Normal(mean, std).log_prob(traj.latents[i + 1].double()).flatten(1).mean(1)
+        torch.testing.assert_close(traj.log_probs[i].double(), density, rtol=1e-5, atol=1e-4)
+        assert traj.log_probs[i].dtype == torch.float32
 
 
 def test_noise_std_follows_the_formula_and_avoids_division_by_zero_at_sigma_one():
@@ -67,8 +108,6 @@ def test_sde_with_zero_noise_is_the_euler_ode():
     for i in range(4):
         expected = expected + (0.5 * expected - 0.2) * float(sigmas[i + 1] - sigmas[i])
     torch.testing.assert_close(z, expected)
-    mean = sde_step_mean(z0, 0.5 * z0 - 0.2, 1.0, 0.75, 0.0)
-    torch.testing.assert_close(mean, z0 + (0.5 * z0 - 0.2) * -0.25)
 
 
 def test_group_advantages_normalise_per_prompt_and_clip():

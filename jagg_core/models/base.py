@@ -96,7 +96,11 @@ class FlowModel(ABC):
 
     def load_lora(self, path: str | Path) -> None:
         """Load a diffusers-format LoRA file or folder into the (already added) adapter."""
-        state = type(self.pipe).lora_state_dict(str(path))
+        try:
+            state = type(self.pipe).lora_state_dict(str(path))
+        except Exception as err:  # safetensors, torch.load and diffusers raise many kinds for a bad file
+            raise UserError(f"{path} is not a readable diffusers LoRA ({type(err).__name__}: "
+                            f"{str(err).splitlines()[0][:160] if str(err) else 'unreadable'})") from None
         state = state[0] if isinstance(state, tuple) else state
         transformer_state = {k.removeprefix("transformer."): v for k, v in state.items() if k.startswith("transformer.")}
         if not transformer_state:

@@ -1,0 +1,219 @@
+"""Nothing lost, nothing escapes: kills at the weak moments, one trainer per run, one-line errors, a page that keeps
+callers inside the runs root. Kills are injected deterministically (hooks in the process), never timed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from app import live
+from app.form import PROMPTS_BUILTIN, PROMPTS_UPLOAD, Form, build_config, preset_form
+from app.jobs import JobControl
+from jagg_core import metrics
+from jagg_core.errors import UserError
+from jagg_core.rundir import RunDirectory
+
+from conftest import ROOT
+
+ARGS = ["--preset", "tiny-sd3", "--set", "train.iterations=3", "--set", "sampling.num_steps=4",
+        "--set", "grpo.num_generations=2", "--set", "grpo.prompts_per_iteration=1", "--set", "prompts.eval_count=2",
+        "--set", "sampling.resolution=16", "--set", "train.sample_every=1", "--set", "train.checkpoint_every=1",
+        "--set", "backward.window=2"]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+#: Runs ``jagg_core.run`` with one fault: ``HOOK:N`` kills the process (SIGKILL) right after the metrics row of
+#: iteration N is appended, or inside the checkpoint of iteration N before it is renamed into place; ``startup-kill``
+#: and ``startup-term`` send SIGKILL / SIGTERM while the model loads, before the run has a status.
+INJECT = """
+import os, signal, sys
+from jagg_core import rundir
+hook, _, at = sys.argv[1].partition(":")
+at = int(at or 0)
+def die(signum=signal.SIGKILL):
+    os.kill(os.getpid(), signum)
+if hook == "after-metrics":
+    append = rundir.RunDirectory.append_metrics
+    def patched(self, row):
+        append(self, row)
+        if row["iteration"] == at:
+            die()
+    rundir.RunDirectory.append_metrics = patched
+elif hook == "in-checkpoint":
+    write = rundir.RunDirectory.write_checkpoint
+    def patched(self, iteration, contents, keep):
+        def half(folder):
+            contents(folder)
+            if iteration == at:
+                die()
+        return write(self, iteration, half, keep)
+    rundir.RunDirectory.write_checkpoint = patched
+else:
+    import jagg_core.trainer as trainer
+    load = trainer.load_flow_model
+    def patched(*args, **kwargs):
+        die(signal.SIGTERM if hook == "startup-term" else signal.SIGKILL)
+        return load(*args, **kwargs)
+    trainer.load_flow_model = patched
+from jagg_core.run import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def run(run_dir: Path, *extra: str, hook: str | None = None) -> subprocess.CompletedProcess:
+    args = [*ARGS, "--output-dir", str(run_dir), *extra]
+    command = [sys.executable, "-c", INJECT, hook, *args] if hook else [sys.executable, "-m", "jagg_core.run", *args]
+    return subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True)
+
+
+def adapter(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(RunDirectory(run_dir).lora_file)
+
+
+@pytest.fixture(scope="module")
+def unkilled(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    result = run(run_dir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
+@pytest.mark.parametrize("hook, damage", [
+    ("after-metrics:0", None),       # the base eval row is written, no checkpoint yet
+    ("after-metrics:2", None),       # iteration 2's row is written, its checkpoint not
+    ("in-checkpoint:2", None),       # killed inside the checkpoint of iteration 2
+    ("startup-kill", None),          # killed while loading, before any status
+    ("after-metrics:3", "optimizer"),  # and then the latest checkpoint (2) is damaged: resume falls back to 1
+])
+def test_every_kill_then_resume_gives_each_row_once_and_the_unkilled_adapter(unkilled, tmp_path, hook, damage):
+    run_dir = tmp_path / "run"
+    killed = run(run_dir, hook=hook)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    if damage:
+        latest = RunDirectory(run_dir).latest_checkpoint()
+        (latest / "optimizer.pt").write_bytes(b"not a torch file")
+    resumed = run(run_dir, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rundir = RunDirectory(run_dir)
+    assert [row[metrics.ITERATION] for row in rundir.read_metrics()] == [0, 1, 2, 3]
+    assert rundir.read_status()["state"] == "finished"
+    if damage:
+        assert "checkpoint iter_000002 is damaged" in resumed.stdout + resumed.stderr
+        assert "resumed from iter_000001" in resumed.stdout + resumed.stderr
+    expected, got = adapter(unkilled), adapter(run_dir)
+    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+    assert not [p for p in run_dir.rglob("*") if ".tmp" in p.name]
+
+
+def test_sigterm_during_start_up_ends_stopped_with_exit_143(tmp_path):
+    result = run(tmp_path / "run", hook="startup-term")
+    assert result.returncode == 143 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert RunDirectory(tmp_path / "run").read_status()["state"] == "stopped"
+
+
+def test_a_run_held_by_a_live_trainer_is_refused_and_shown_running(tmp_path):
+    run_dir = tmp_path / "runs" / "busy"
+    held = RunDirectory(run_dir)
+    held.acquire_trainer_lock()  # this test process plays the trainer started elsewhere
+    held.write_config("name: busy\ntrain: {iterations: 3}\n")
+    held.write_status("running", pid=os.getpid(), iteration=1, total_iterations=3)
+    before = held.status_file.read_text()
+    try:
+        result = run(run_dir, "--resume")
+        assert result.returncode == 2 and "is being trained by another process" in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and held.status_file.read_text() == before
+        assert live.progress(run_dir).state == "running"
+        assert JobControl(run_dir.parent).trained_elsewhere() == run_dir
+    finally:
+        held._lock.close()
+    assert live.progress(run_dir).state == "interrupted"  # the lock went with its holder
+
+
+@pytest.mark.parametrize("setup, args, message", [
+    (lambda d: (d / "c.yaml").write_bytes(b"\xff\xfe\x00\x01garbage"), ["--config", "{d}/c.yaml"],
+     "is not a UTF-8 text file"),
+    (lambda d: (d / "c.yaml").write_bytes("name: x".encode("utf-16")), ["--config", "{d}/c.yaml"],
+     "is not a UTF-8 text file"),
+    (None, ["--set", "train.seed=1180591620717411303424"], "for 'train.seed'"),
+    (None, ["--set", "train.learning_rate=inf"], "for 'train.learning_rate': Input should be a finite number"),
+    (None, ["--set", "rewards=[{name: shapes, weight: .nan}]"], "for 'rewards.0.weight'"),
+    (None, ["--set", "rewards=[{name: http, options: {url: 5}}]"], "bad value 5 for options.url of reward 'http'"),
+    (None, ["--set", "rewards=[{name: http, options: {url: 'http://x', timeout: abc}}]"], "options.timeout"),
+    (lambda d: (d / "file").write_text("x"), ["--output-dir", "{d}/file"], "is a file"),
+    (lambda d: (d / "empty").mkdir(), ["--resume", "--output-dir", "{d}/empty"], "holds no run to resume"),
+    (lambda d: (d / "model").mkdir() or (d / "model" / "model_index.json").write_text("{oops"),
+     ["--set", "model.name={d}/model", "--output-dir", "{d}/run"], "is not valid JSON"),
+    (lambda d: (d / "model").mkdir() or (d / "model" / "model_index.json").write_text("[1, 2]"),
+     ["--set", "model.name={d}/model", "--output-dir", "{d}/run"], "is not a diffusers model_index.json"),
+    (lambda d: (d / "bad.safetensors").write_bytes(b"garbage"),
+     ["--set", "lora.init_lora={d}/bad.safetensors", "--output-dir", "{d}/run"], "is not a readable diffusers LoRA"),
+])
+def test_bad_input_is_one_line_exit_2(tmp_path, setup, args, message):
+    if setup:
+        setup(tmp_path)
+    args = [a.replace("{d}", str(tmp_path)) for a in args]
+    if "--config" not in args and "--resume" not in args:
+        args = ["--preset", "tiny-sd3", *args]
+    result = subprocess.run([sys.executable, "-m", "jagg_core.run", *args, "--set", "train.iterations=1"],
+                            cwd=ROOT, env=ENV, capture_output=True, text=True)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and message in lines[-1] and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert lines[-1].startswith("jagg_core.run: error: ")
+
+
+# --- the page: callers stay inside the runs root ------------------------------------------------------------------
+
+@pytest.fixture
+def root(tmp_path):
+    root = tmp_path / "runs"
+    RunDirectory(root / "mine").write_config("name: mine\n")
+    RunDirectory(tmp_path / "outside").write_config("name: outside\n")
+    (root / "link").symlink_to(tmp_path / "outside")
+    return root
+
+
+@pytest.mark.parametrize("name", ["..", ".", "../outside", "link", "/etc", "x" * 10_000, "mine/../..", ""])
+def test_run_names_resolve_inside_the_runs_root_only(root, name):
+    assert JobControl(root).run_dir(name) is None
+    assert JobControl(root).run_dir("mine") == root / "mine"
+
+
+def test_long_names_make_a_short_run_folder(root):
+    folder = JobControl(root).new_run_dir("x" * 10_000)
+    assert folder.parent == root and len(folder.name) <= 120
+
+
+def form(**changes) -> Form:
+    base = preset_form("tiny-sd3")
+    return Form(**{**base.__dict__, **changes})
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"prompt_mode": PROMPTS_BUILTIN, "prompt_set": "/etc/hostname"}, "the prompt set must be one of"),
+    ({"prompt_mode": PROMPTS_BUILTIN, "prompt_set": str(ROOT / "README.md")}, "the prompt set must be one of"),
+    ({"prompt_mode": PROMPTS_UPLOAD, "prompt_file": str(ROOT / "presets" / "prompts" / "general.txt")},
+     "must be a file uploaded through the page"),
+])
+def test_server_files_cannot_be_named_as_prompts(tmp_path, changes, message):
+    with pytest.raises(UserError, match=message):
+        build_config(form(**changes), tmp_path)
+    assert not list(tmp_path.iterdir())
+
+
+def test_prompt_files_in_an_allowed_folder_are_accepted(tmp_path, monkeypatch):
+    prompts = tmp_path / "allowed" / "mine.txt"
+    prompts.parent.mkdir()
+    prompts.write_text("\n".join(f"prompt {i}" for i in range(20)))
+    monkeypatch.setenv("JAGG_PROMPT_DIRS", str(prompts.parent))
+    assert build_config(form(prompt_set=str(prompts)), tmp_path).prompts.source == str(prompts)
+
+
+def test_malformed_numbers_are_clean_messages(tmp_path):
+    with pytest.raises(UserError, match="'Iterations' must be a number, got 'abc'"):
+        build_config(form(knobs={**preset_form("tiny-sd3").knobs, "train.iterations": "abc"}), tmp_path)

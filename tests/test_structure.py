@@ -1,0 +1,114 @@
+"""The code's shape: imports follow the data flow, the run directory owns its files, the CLI answers light."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jagg_core import metrics
+from jagg_core.rundir import RunDirectory, parse_iteration
+
+from conftest import ROOT
+
+#: (importer prefix, imported prefix): imports that would run back up the flow
+FORBIDDEN = [
+    ("app", "jagg_core.run"), ("app", "jagg_core.trainer"),
+    ("jagg_core.rundir", "jagg_core.rewards"), ("jagg_core.rundir", "jagg_core.images"),
+    ("jagg_core.models", "jagg_core.hub"), ("jagg_core.models", "jagg_core.model_card"),
+    ("jagg_core.rewards", "jagg_core.tiny"), ("jagg_core.rewards", "jagg_core.models"),
+    ("jagg_core.hubclient", "jagg_core.hub"), ("jagg_core.metrics", "jagg_core"),
+]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module ``path`` imports, absolute names (relative imports resolved)."""
+    package = module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *(node.module.split(".") if node.module else [])])
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_no_import_runs_back_up_the_flow():
+    sources = [p for folder in ("app", "jagg_core") for p in (ROOT / folder).rglob("*.py")]
+    wrong = [(module_name(p), imported) for p in sources for imported in imports_of(p)
+             for importer, target in FORBIDDEN
+             if module_name(p).startswith(importer) and (imported == target or imported.startswith(target + "."))]
+    assert not wrong
+
+
+PROBE = """
+import sys
+from jagg_core.run import main
+try:
+    main(sys.argv[1:])
+except SystemExit as exit:
+    code = exit.code
+else:
+    code = 0
+heavy = sorted(m for m in ("torch", "diffusers", "transformers", "accelerate") if m in sys.modules)
+print("HEAVY=" + ",".join(heavy), "CODE=" + str(code), file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--list-presets"], ["--dry-run"], ["--preset", "nope"],
+                                  ["--set", "rewards=[{name: http, options: {url: 5}}]"],
+                                  ["--preset", "tiny-sd3", "--set", "train.learning_rate=inf"]])
+def test_the_cli_answers_without_loading_torch_or_diffusers(args):
+    result = subprocess.run([sys.executable, "-c", PROBE, *args], cwd=ROOT, capture_output=True, text=True)
+    assert "HEAVY= " in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+
+
+def test_the_app_job_control_and_the_run_directory_load_no_deep_learning_library():
+    probe = ("import sys, app.jobs, app.live, jagg_core.rundir, jagg_core.preflight;"
+             "print(sorted(m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules))")
+    assert subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True).stdout == "[]\n"
+
+
+def test_old_run_directories_read_with_the_namespaced_keys(tmp_path):
+    from app import live
+
+    run = RunDirectory(tmp_path)
+    rows = [{"iteration": 0, "eval_reward_mean": 0.5},
+            {"iteration": 1, "reward_mean": 0.4, "reward_std": 0.1, "reward_shapes": 0.4, "loss": 0.02, "kl": 0.0,
+             "time_rollout_s": 1.5, "time_train_s": 0.5, "jagg_routed_frac": 1.0}]
+    run.metrics_file.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"iteration": 2, "rew')
+    read = run.read_metrics()
+    assert read == [{metrics.ITERATION: 0, metrics.EVAL_REWARD_MEAN: 0.5},
+                    {metrics.ITERATION: 1, metrics.REWARD_MEAN: 0.4, metrics.REWARD_STD: 0.1,
+                     metrics.reward_part("shapes"): 0.4, metrics.LOSS: 0.02, metrics.KL: 0.0,
+                     metrics.TIME_ROLLOUT: 1.5, metrics.TIME_TRAIN: 0.5, metrics.JAGG_ROUTED_FRAC: 1.0}]
+    rewards, losses = live.curves(tmp_path)
+    assert set(rewards["series"]) == {"rollout reward", "eval reward (fixed seeds)"}
+    assert rewards.dropna()["value"].tolist() == [0.5, 0.4] and losses.dropna()["value"].tolist() == [0.02, 0.0]
+
+
+def test_iteration_names_and_incomplete_image_folders(tmp_path):
+    assert parse_iteration("iter_000010") == 10 == parse_iteration("iter_10")
+    assert parse_iteration("iter_x") is None and parse_iteration(".tmp-iter_000002-99") is None
+    run = RunDirectory(tmp_path)
+    folder = run.samples_dir(3)
+    folder.mkdir(parents=True)
+    (folder / "000.png").write_bytes(b"")
+    assert run.samples(3) is None and run.sample_iterations() == []  # prompts.json is written last
+    (folder / "prompts.json").write_text(json.dumps(["a", "b"]))
+    assert run.sample_iterations() == [3] and run.samples(3).prompts == ["a"]
