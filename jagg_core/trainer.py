@@ -40,6 +40,10 @@ def iteration_seed(seed: int, iteration: int, rank: int, stream: int) -> int:
     return (seed * 1_000_003 + iteration * 9_176 + rank * 131 + stream) % (2 ** 63)
 
 
+#: a run fails, instead of skipping updates for ever, after this many iterations in a row with a non-finite reward
+MAX_NON_FINITE_STREAK = 5
+
+
 def effective_interval(every: int, iterations: int) -> int:
     """``every`` (``train.sample_every`` / ``checkpoint_every``), unless the run is too short for two such
     intervals: then a quarter of the run, so a short run still gets intermediate samples and checkpoints."""
@@ -79,6 +83,7 @@ class Trainer:
         self.rank = self.accelerator.process_index
         self.start_iteration = 1
         self.resume = resume
+        self.non_finite_streak = 0  # iterations in a row whose reward had a NaN/inf (updates skipped)
 
     # ----- set-up ----------------------------------------------------------------------
     def setup(self) -> None:
@@ -306,7 +311,12 @@ class Trainer:
         t1 = time.perf_counter()
         if torch.isfinite(all_rewards).all():
             stats = self.train_on(rollout)
+            self.non_finite_streak = 0
         else:
+            self.non_finite_streak += 1
+            if self.non_finite_streak >= MAX_NON_FINITE_STREAK:
+                raise UserError(f"the reward was missing or non-finite in {self.non_finite_streak} iterations in a row "
+                                f"(last at iteration {iteration}); check the reward (server) and resume")
             warnings.warn(f"iteration {iteration}: non-finite reward; this update is skipped", stacklevel=2)
             stats = {metrics.SKIPPED: True}
         time_train = time.perf_counter() - t1

@@ -11,7 +11,8 @@ from safetensors.torch import load_file
 from jagg_core import metrics
 from jagg_core.models.tiny import build_tiny_pipeline
 from jagg_core.rundir import RunDirectory
-from jagg_core.trainer import Trainer
+from jagg_core.errors import UserError
+from jagg_core.trainer import MAX_NON_FINITE_STREAK, Trainer
 
 from conftest import tiny_config
 
@@ -90,10 +91,15 @@ def test_non_finite_reward_skips_the_update(tmp_path, offline):
     before = lora_snapshot(trainer)
     with pytest.warns(UserWarning, match="non-finite reward"):
         row = trainer.iteration(1)
-    trainer.reward = real_reward
     assert row[metrics.SKIPPED] is True
     for old, new in zip(before, trainer.params):
         assert torch.equal(old, new)
+    with pytest.warns(UserWarning, match="non-finite reward"):
+        for iteration in range(2, MAX_NON_FINITE_STREAK):
+            trainer.iteration(iteration)
+    with pytest.raises(UserError, match=f"non-finite in {MAX_NON_FINITE_STREAK} iterations in a row"):
+        trainer.iteration(MAX_NON_FINITE_STREAK)
+    trainer.reward = real_reward
 
 
 def test_non_finite_gradient_skips_the_update_and_never_reaches_the_adapter(tmp_path, offline):
