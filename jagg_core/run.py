@@ -50,10 +50,11 @@ def resolve(args: argparse.Namespace) -> tuple[RunConfig, Path]:
     if run_dir is not None and run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"--output-dir {run_dir} is a file; give a folder for the run")
     if args.resume and run_dir is not None and not (args.preset or args.config):
-        if not RunDirectory(run_dir).is_run():
+        previous = RunDirectory(run_dir)
+        if not previous.is_run():
             raise UserError(f"{run_dir} holds no run to resume (no config.yaml); start it with --preset NAME or "
                             "--config FILE")
-        config = load_config(config_file=RunDirectory(run_dir).config_file, overrides=args.overrides)
+        config = load_config(config_file=previous.config_file, overrides=args.overrides)
     else:
         config = load_config(preset=args.preset, config_file=args.config, overrides=args.overrides)
     if run_dir is None and config.output_dir:

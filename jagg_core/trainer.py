@@ -230,8 +230,10 @@ class Trainer:
         return identical
 
     @torch.no_grad()
-    def evaluate(self, iteration: int) -> float:
-        """Fixed-seed ODE samples of the held-out prompts; writes them and returns their mean reward."""
+    def evaluate(self, iteration: int) -> dict:
+        """Fixed-seed ODE samples of the held-out prompts; writes them and returns their metrics: the mean reward
+        and the seconds the eval took."""
+        start = time.perf_counter()
         cfg = self.config
         generator = torch.Generator().manual_seed(cfg.train.eval_seed)
         z0 = initial_noise(self.model, len(self.eval_prompts), cfg.sampling.resolution, generator)
@@ -245,7 +247,7 @@ class Trainer:
         rewards, _ = self.reward(images, self.eval_prompts)
         self.run.write_images(self.run.samples_dir(iteration), to_pil(images), self.eval_prompts,
                               rewards=rewards.tolist(), iteration=iteration)
-        return float(rewards.mean())
+        return {metrics.EVAL_REWARD_MEAN: float(rewards.mean()), metrics.TIME_EVAL: time.perf_counter() - start}
 
     def save_checkpoint(self, iteration: int) -> None:
         def contents(folder: Path) -> None:
@@ -266,11 +268,9 @@ class Trainer:
             self.run.write_status("running", pid=os.getpid(), iteration=self.start_iteration - 1, total_iterations=total,
                                   message="loading", started_at=time.time())
         if self.start_iteration == 1 and self.is_main:
-            start = time.perf_counter()
-            base_reward = self.evaluate(0)
-            self.run.append_metrics({metrics.ITERATION: 0, metrics.EVAL_REWARD_MEAN: base_reward,
-                                     metrics.TIME_EVAL: time.perf_counter() - start})
-            self._log(f"iter 0/{total}  base eval reward {base_reward:.4f}")
+            base = self.evaluate(0)
+            self.run.append_metrics({metrics.ITERATION: 0, **base})
+            self._log(f"iter 0/{total}  base eval reward {base[metrics.EVAL_REWARD_MEAN]:.4f}")
         bar = tqdm(range(self.start_iteration, total + 1), initial=self.start_iteration - 1, total=total,
                    desc="GRPO", disable=not self.is_main, dynamic_ncols=True)
         for iteration in bar:
@@ -299,7 +299,8 @@ class Trainer:
         return int(self.accelerator.gather(local).max())
 
     def iteration(self, iteration: int) -> dict:
-        """One GRPO iteration (rollout, update, and the eval and checkpoint when due); returns its metrics row."""
+        """One GRPO iteration (rollout, update, and the eval when due); returns its metrics row. :meth:`fit`
+        appends the row and writes the checkpoints."""
         cfg = self.config
         t0 = time.perf_counter()
         rollout = self.rollout(iteration)
@@ -330,9 +331,7 @@ class Trainer:
         if iteration % effective_interval(cfg.train.sample_every, cfg.train.iterations) == 0 \
                 or iteration == cfg.train.iterations:
             if self.is_main:
-                t2 = time.perf_counter()
-                row[metrics.EVAL_REWARD_MEAN] = self.evaluate(iteration)
-                row[metrics.TIME_EVAL] = time.perf_counter() - t2
+                row.update(self.evaluate(iteration))
         eval_part = f"  eval {row[metrics.EVAL_REWARD_MEAN]:.4f}" if metrics.EVAL_REWARD_MEAN in row else ""
         self._log(f"iter {iteration}/{cfg.train.iterations}  reward {row[metrics.REWARD_MEAN]:.4f} "
                   f"± {row[metrics.REWARD_STD]:.3f}  loss {row.get(metrics.LOSS, float('nan')):+.5f}{eval_part}"
