@@ -9,8 +9,9 @@ Stable API endpoints (``gradio_client``):
     /push     run, checkpoint, repo id, visibility, token -> message with the repo link
     /load_preset  preset -> the form's fields
 
-The handlers only launch and signal processes (:mod:`app.jobs`) and read run directories (:mod:`app.live`);
-the form is turned into a run config by :mod:`app.form`.
+On a Hugging Face Space only the owner and the users in ``JAGG_ALLOWED_USERS`` may start, stop, resume or push
+(:mod:`app.access`); everyone can watch. The handlers only launch and signal processes (:mod:`app.jobs`) and read
+run directories (:mod:`app.live`); the form is turned into a run config by :mod:`app.form`.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from jagg_core.prompts import builtin_prompt_sets
 from jagg_core.rewards import available_rewards
 from jagg_core.rundir import RunDirectory
 
-from . import live
+from . import access, live
 from .form import (ADVANCED_KNOBS, KNOBS, MAIN_KNOBS, PROMPT_MODES, PROMPTS_BUILTIN, PROMPTS_TEXT, PROMPTS_UPLOAD,
                    Form, Knob, build_config, model_choices, preset_form, prompt_preview, weight_rows)
 from .jobs import JobControl, runs_root
@@ -76,14 +77,24 @@ def _colors(series: dict[str, str]) -> dict[str, str]:
 
 
 def _named(fn, names: tuple[str, ...]):
-    """``fn(*values)`` with a signature naming its parameters, which Gradio shows as the API's parameter names."""
+    """``fn(*values, profile=...)`` with a signature naming its parameters, which Gradio shows as the API's parameter
+    names, and a last ``profile`` parameter into which Gradio injects the signed-in user (not an API parameter)."""
     def named(*values):
-        return fn(*values)
+        *fields, profile = values
+        return fn(*fields, profile=profile)
 
+    positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
     named.__signature__ = inspect.Signature(
-        [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in names])
+        [inspect.Parameter(name, positional) for name in names]
+        + [inspect.Parameter("profile", positional, default=None, annotation=gr.OAuthProfile | None)])
+    named.__annotations__ = {"profile": gr.OAuthProfile | None}
     named.__doc__ = fn.__doc__
     return named
+
+
+def _refusal(profile: gr.OAuthProfile | None) -> str | None:
+    """Why the signed-in user (``profile``) may not control jobs here (:mod:`app.access`), or None."""
+    return access.refusal(profile.username if profile is not None else None)
 
 
 def _oauth_available() -> bool:
@@ -129,9 +140,11 @@ class Studio:
                 gr.update(visible=mode == PROMPTS_TEXT, value=text))
 
     # ----- job control -----------------------------------------------------------------------
-    def start(self, *values) -> tuple[str, Any]:
+    def start(self, *values, profile: gr.OAuthProfile | None = None) -> tuple[str, Any]:
         """Validate the form (``values`` in the order of ``START_PARAMS``), write RUN/config.yaml and launch the
         job; refuse with the reason otherwise."""
+        if refused := _refusal(profile):
+            return self._refuse(refused)
         busy = self.jobs.active()
         if busy is not None:
             return self._refuse(f"a run is active ({busy.run_dir.name}); stop it before starting another")
@@ -155,15 +168,19 @@ class Studio:
             return self._refuse(str(err))
         return f"Started `{run_dir.name}`.", gr.update(choices=self._run_names(), value=run_dir.name)
 
-    def stop(self) -> str:
+    def stop(self, profile: gr.OAuthProfile | None = None) -> str:
         """Stop the active job (SIGTERM to its process group, SIGKILL after a grace period)."""
+        if refused := _refusal(profile):
+            return f"**Not stopped:** {refused}"
         job = self.jobs.stop()
         if job is None:
             return "No run is active."
         return f"Stopped `{job.run_dir.name}`; its last checkpoint is kept. Press **Resume** to continue."
 
-    def resume(self, name: str) -> tuple[str, Any]:
+    def resume(self, name: str, profile: gr.OAuthProfile | None = None) -> tuple[str, Any]:
         """Relaunch a stopped, failed or interrupted run with ``--resume``."""
+        if refused := _refusal(profile):
+            return self._refuse(refused)
         run_dir = self._run_dir(name)
         if run_dir is None:
             return self._refuse("choose a run to resume")
@@ -264,9 +281,11 @@ class Studio:
 
     # ----- push ------------------------------------------------------------------------------
     def push(self, run: str, checkpoint: str, repo_id: str, visibility: str, token: str,
-             oauth_token: gr.OAuthToken | None = None) -> str:
+             oauth_token: gr.OAuthToken | None = None, profile: gr.OAuthProfile | None = None) -> str:
         """Push the run's adapter (or a checkpoint) to the Hub; the token is the field's, else the signed-in
         user's, else HF_TOKEN / ``hf auth login``."""
+        if refused := _refusal(profile):
+            return f"**Not pushed:** {refused}"
         run_dir = self._run_dir(run)
         if run_dir is None:
             return "**Not pushed:** choose a run first."

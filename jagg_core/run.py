@@ -8,6 +8,7 @@ importing torch or diffusers; those load only when a run starts.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 import time
@@ -111,6 +112,13 @@ def train(config: RunConfig, run_dir: Path, resume: bool) -> int:
     except UserError as err:
         if is_main:
             _record_end(run, "failed", str(err))
+        raise
+    except OSError as err:
+        if is_main:
+            _record_end(run, "failed", f"{type(err).__name__}: {err}")
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise UserError(f"the disk holding {run_dir} is full ({err.strerror}); free some space, then resume "
+                            f"with --resume --output-dir {run_dir}") from None
         raise
     except BaseException as err:
         if is_main:

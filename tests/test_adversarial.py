@@ -29,8 +29,9 @@ ARGS = ["--preset", "tiny-sd3", "--set", "train.iterations=3", "--set", "samplin
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
 #: Runs ``jagg_core.run`` with one fault: ``HOOK:N`` kills the process (SIGKILL) right after the metrics row of
-#: iteration N is appended, or inside the checkpoint of iteration N before it is renamed into place; ``startup-kill``
-#: and ``startup-term`` send SIGKILL / SIGTERM while the model loads, before the run has a status.
+#: iteration N is appended, or inside the checkpoint of iteration N before it is renamed into place; ``disk-full:N``
+#: makes that checkpoint's write fail with ENOSPC; ``startup-kill`` and ``startup-term`` send SIGKILL / SIGTERM while
+#: the model loads, before the run has a status.
 INJECT = """
 import os, signal, sys
 from jagg_core import rundir
@@ -45,6 +46,17 @@ if hook == "after-metrics":
         if row["iteration"] == at:
             die()
     rundir.RunDirectory.append_metrics = patched
+elif hook == "disk-full":
+    import errno
+    write = rundir.RunDirectory.write_checkpoint
+    def patched(self, iteration, contents, keep):
+        def full(folder):
+            (folder / "partial.bin").write_bytes(b"half")
+            if iteration == at:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            contents(folder)
+        return write(self, iteration, full, keep)
+    rundir.RunDirectory.write_checkpoint = patched
 elif hook == "in-checkpoint":
     write = rundir.RunDirectory.write_checkpoint
     def patched(self, iteration, contents, keep):
@@ -109,6 +121,22 @@ def test_every_kill_then_resume_gives_each_row_once_and_the_unkilled_adapter(unk
     expected, got = adapter(unkilled), adapter(run_dir)
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
     assert not [p for p in run_dir.rglob("*") if ".tmp" in p.name]
+
+
+def test_a_full_disk_fails_in_one_line_cleans_up_and_resumes_to_the_unkilled_adapter(unkilled, tmp_path):
+    run_dir = tmp_path / "run"
+    full = run(run_dir, hook="disk-full:2")
+    lines = full.stderr.strip().splitlines()
+    assert full.returncode == 2 and "Traceback" not in full.stderr, full.stderr[-3000:]
+    assert lines[-1].startswith("jagg_core.run: error: the disk holding") and "--resume" in lines[-1]
+    status = RunDirectory(run_dir).read_status()
+    assert status["state"] == "failed" and "No space left on device" in status["message"]
+    assert not [p for p in run_dir.rglob("*") if ".tmp" in p.name]
+    resumed = run(run_dir, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [row[metrics.ITERATION] for row in RunDirectory(run_dir).read_metrics()] == [0, 1, 2, 3]
+    expected, got = adapter(unkilled), adapter(run_dir)
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
 
 
 def test_sigterm_during_start_up_ends_stopped_with_exit_143(tmp_path):
@@ -217,3 +245,52 @@ def test_prompt_files_in_an_allowed_folder_are_accepted(tmp_path, monkeypatch):
 def test_malformed_numbers_are_clean_messages(tmp_path):
     with pytest.raises(UserError, match="'Iterations' must be a number, got 'abc'"):
         build_config(form(knobs={**preset_form("tiny-sd3").knobs, "train.iterations": "abc"}), tmp_path)
+
+
+# --- the page on a Space: only its owner (and listed users) control jobs ------------------------------------------
+
+def test_access_is_open_locally_and_owner_only_on_a_space(monkeypatch):
+    from app.access import refusal
+
+    monkeypatch.delenv("SPACE_ID", raising=False)
+    assert refusal(None) is None and refusal("anyone") is None
+    monkeypatch.setenv("SPACE_ID", "alice/studio")
+    monkeypatch.delenv("SPACE_AUTHOR_NAME", raising=False)
+    assert refusal("alice") is None
+    assert "you are not signed in" in refusal(None) and "signed in as bob" in refusal("bob")
+    monkeypatch.setenv("JAGG_ALLOWED_USERS", "bob, carol")
+    assert refusal("bob") is None and refusal("carol") is None and refusal("mallory")
+
+
+def test_strangers_on_a_space_can_watch_but_not_control(tmp_path):
+    from gradio_client import Client
+    from test_app import serve_app
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    space = {"SYSTEM": "spaces", "SPACE_ID": "alice/studio", "SPACE_AUTHOR_NAME": "alice",  # what a Space sets,
+             "OAUTH_CLIENT_ID": "id", "OAUTH_CLIENT_SECRET": "secret", "OAUTH_SCOPES": "openid profile",
+             "OPENID_PROVIDER_URL": "http://127.0.0.1:9"}  # never reached: nobody signs in here
+    with serve_app(runs, **space) as url:
+        client = Client(url, verbose=False)
+        started, _ = client.predict(prompt_file=None, api_name="/start")
+        assert "only the Space's owner" in started and "you are not signed in" in started
+        assert not [p for p in runs.iterdir() if p.is_dir()]
+        assert "**Not stopped:**" in client.predict(api_name="/stop")
+        resumed, _ = client.predict("any", api_name="/resume")
+        assert "only the Space's owner" in resumed
+        pushed = client.predict("any", "latest adapter", "a/b", "private", "", api_name="/push")
+        assert pushed.startswith("**Not pushed:** only the Space's owner")
+        assert client.predict("", api_name="/status")["state"] == "none"  # watching works
+
+
+@pytest.mark.parametrize("run_info", [b"\x00garbage", b"[1, 2]", b'{"family": "sd3"'])
+def test_a_garbage_run_info_does_not_stop_the_model_card(tmp_path, run_info):
+    run_dir = RunDirectory(tmp_path / "run")
+    run_dir.write_config("name: x\nmodel: {name: some/model}\nrewards: [{name: shapes}]\n")
+    run_dir.run_info_file.write_bytes(run_info)
+    run_dir.lora_dir.mkdir()
+    run_dir.lora_file.write_bytes(b"adapter")
+    result = subprocess.run([sys.executable, "-m", "jagg_core.hub", "card", str(run_dir.path), "--repo-id", "a/b"],
+                            cwd=ROOT, env=ENV, capture_output=True, text=True)
+    assert result.returncode == 0 and "base_model: some/model" in result.stdout, result.stderr[-2000:]
