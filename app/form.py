@@ -32,7 +32,7 @@ PROMPT_MODES = (PROMPTS_BUILTIN, PROMPTS_UPLOAD, PROMPTS_TEXT)
 class Knob:
     """One form field that edits one config key.
 
-    ``kind`` picks the widget: an integer or float box, a checkbox, or a choice. A checkbox may stand for two
+    ``kind`` picks the widget: an integer or float box, a checkbox, a choice, or several choices (``multi``). A checkbox may stand for two
     config values (``on``/``off``), e.g. "8-bit AdamW" is ``train.optimizer`` = ``adamw8bit`` or ``adamw``. The
     help text under the widget (``info``) is the config schema's description of the key, as in the README's
     config reference, so the two never say different things.
@@ -40,7 +40,7 @@ class Knob:
 
     key: str
     label: str
-    kind: Literal["int", "float", "bool", "choice"]
+    kind: Literal["int", "float", "bool", "choice", "multi"]
     choices: tuple[tuple[str, str], ...] = ()  # (shown label, config value)
     on: Any = True
     off: Any = False
@@ -57,6 +57,8 @@ class Knob:
     def to_config(self, value: Any) -> Any:
         if self.kind == "bool":
             return self.on if value else self.off
+        if self.kind == "multi":
+            return list(value or [])
         if value is None or value == "":
             raise UserError(f"'{self.label}' needs a value")
         if self.kind in ("int", "float"):
@@ -101,6 +103,13 @@ ADVANCED_KNOBS = (
          choices=(("float32", "float32"), ("bfloat16", "bfloat16"), ("float16", "float16"))),
     Knob("train.optimizer", "8-bit AdamW", "bool", on="adamw8bit", off="adamw"),
     Knob("model.quantize_4bit", "4-bit base model", "bool"),
+    Knob("train.lr_scheduler", "LR schedule", "choice",
+         choices=tuple((name, name) for name in ("constant", "constant_with_warmup", "linear", "cosine",
+                                                  "cosine_with_restarts"))),
+    Knob("train.lr_warmup_steps", "Warm-up steps", "int"),
+    Knob("train.ema_decay", "EMA decay", "float"),
+    Knob("train.report_to", "Trackers", "multi",
+         choices=(("TensorBoard", "tensorboard"), ("trackio", "trackio"), ("Weights & Biases", "wandb"))),
     Knob("train.seed", "Seed", "int"),
     Knob("prompts.eval_count", "Eval prompts", "int"),
     Knob("train.sample_every", "Sample every", "int"),

@@ -13,7 +13,9 @@ from pathlib import Path
 import pandas as pd
 
 from jagg_core import metrics
+from jagg_core.errors import UserError
 from jagg_core.rundir import ImageSet, RunDirectory, iteration_dirname
+from jagg_core.tracking import dashboard_hints
 
 LOG_TAIL_BYTES = 64 * 1024
 ETA_WINDOW = 5  # iterations averaged for the ETA
@@ -94,7 +96,12 @@ def status_words(run_dir: Path | None, prog: Progress | None) -> str:
     words = f"{STATE_WORDS.get(prog.state, prog.state)}  \nRun `{run_dir.name}`"
     if prog.state == "failed" and prog.message:
         words += f"  \n**Reason:** {prog.message}"
-    return words
+    run = RunDirectory(run_dir)
+    try:
+        hints = dashboard_hints(run.read_config(), run)
+    except UserError:
+        hints = []
+    return words + "".join(f"  \n{hint}" for hint in hints)
 
 
 def timing_words(prog: Progress | None) -> str:

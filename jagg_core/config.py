@@ -171,6 +171,18 @@ class TrainConfig(_Section):
     keep_checkpoints: int = Field(3, ge=1, description="newest checkpoints kept on disk; older ones are deleted")
     eval_seed: int = Field(1234, ge=0, lt=SEED_BOUND, description="seed of the eval samples' initial noise, the same "
                            "at every eval so the samples compare across iterations")
+    lr_scheduler: Literal["constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts"] = Field(
+        "constant", description="learning-rate schedule over the run's optimizer steps (iterations x "
+        "grpo.inner_epochs), diffusers' get_scheduler; checkpointed with the optimizer")
+    lr_warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warm-up from 0 to learning_rate at "
+                                 "the start of the schedule (ignored by constant)")
+    lr_num_cycles: int = Field(1, ge=1, description="hard restarts of cosine_with_restarts")
+    ema_decay: float = Field(0.0, ge=0.0, lt=1.0, description="exponential moving average of the LoRA weights "
+                             "(diffusers EMAModel, its decay ramping up as (1+n)/(10+n) to this value); the eval "
+                             "samples and the saved adapter use the average; 0 = off")
+    report_to: list[Literal["tensorboard", "trackio", "wandb"]] = Field(
+        default_factory=list, description="experiment trackers (accelerate) that get every metric and the eval "
+        "sample grids; their files go under RUN/tracking (tensorboard --logdir RUN/tracking)")
 
 
 class HubConfig(_Section):

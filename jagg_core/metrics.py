@@ -6,6 +6,7 @@ One JSON object per iteration, with namespaced keys (as TensorBoard and TRL grou
     reward/mean, reward/std        rollout reward over all processes (finite values)
     reward/NAME            mean of each reward term (NAME as in the combined reward; ``mean`` and ``std`` are taken)
     eval/reward_mean       mean reward of the fixed-seed ODE samples of the held-out prompts (eval iterations)
+    eval/reward/NAME       the same for each reward term
     train/loss, train/kl, train/ratio_mean, train/clip_frac, train/grad_norm, train/lr
     train/skipped          the update was skipped (non-finite reward or gradient)
     jagg/windows, jagg/routed_frac, jagg/linearity_mean, jagg/backward_passes
@@ -40,6 +41,11 @@ TIME_EVAL = "time/eval_s"
 def reward_part(name: str) -> str:
     """The key of one reward term's mean."""
     return f"reward/{name}"
+
+
+def eval_reward_part(name: str) -> str:
+    """The key of one reward term's mean on the eval samples."""
+    return f"eval/reward/{name}"
 
 
 #: flat key of the first run directories -> namespaced key

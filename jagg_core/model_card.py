@@ -156,6 +156,15 @@ def _recipe(config: dict, snap: RunSnapshot) -> str:
     else:
         backward_text = "exact per-step backward"
     init = f", started from `{lora['init_lora']}`" if lora.get("init_lora") else ""
+    schedule = f"`{train.get('lr_scheduler', 'constant')}` learning-rate schedule"
+    if train.get("lr_warmup_steps"):
+        schedule += f" with {train['lr_warmup_steps']} warm-up steps"
+    if train.get("ema_decay"):
+        schedule += f"; the adapter is the EMA of the weights (decay {train['ema_decay']})"
+    seconds = _training_time(snap.metrics)
+    spent = f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+    hardware = snap.run_info.get("hardware")
+    compute = f"{spent} of rollouts, updates and evals" + (f" on {hardware}" if hardware else "")
     return f"""## Training recipe
 
 | reward | weight | options |
@@ -163,7 +172,8 @@ def _recipe(config: dict, snap: RunSnapshot) -> str:
 {rewards}
 
 - **Prompts:** `{prompts.get('source')}` ({prompts.get('eval_count')} held out for evaluation)
-- **Iterations:** {done}, learning rate {train.get('learning_rate')}
+- **Iterations:** {done}, learning rate {train.get('learning_rate')}, {schedule}
+- **Compute:** {compute}
 - **GRPO:** {grpo.get('num_generations')} images per prompt, {grpo.get('prompts_per_iteration')} prompts per \
 iteration, clip range {grpo.get('clip_range')}, KL beta {grpo.get('kl_beta')}
 - **Backward:** {backward_text}
@@ -173,6 +183,23 @@ iteration, clip range {grpo.get('clip_range')}, KL beta {grpo.get('kl_beta')}
 
 The full resolved configuration is in [config.yaml](config.yaml).
 """
+
+
+def _results_table(first: dict, last: dict) -> str:
+    """Held-out reward, and each reward term's, of the base model (first eval) and the adapter (last eval)."""
+    prefix = metrics.eval_reward_part("")
+    terms = [key for key in last if key.startswith(prefix) and key in first]
+    header = "| | iteration | held-out reward |" + "".join(f" {key.removeprefix(prefix)} |" for key in terms)
+    lines = [header, "|---" * (3 + len(terms)) + "|"]
+    for label, row in (("before", first), ("after", last)):
+        lines.append(f"| {label} | {row[metrics.ITERATION]} | {row[metrics.EVAL_REWARD_MEAN]:.4f} |"
+                     + "".join(f" {row[key]:.4f} |" for key in terms))
+    return "Mean reward of fixed-seed samples of held-out prompts:\n\n" + "\n".join(lines) + "\n"
+
+
+def _training_time(rows: list[dict]) -> float:
+    """Seconds of rollouts, updates and evals over the run's iterations (loading excluded)."""
+    return sum(row.get(key, 0.0) for row in rows for key in (metrics.TIME_ROLLOUT, metrics.TIME_TRAIN, metrics.TIME_EVAL))
 
 
 def build_model_card(snap: RunSnapshot, repo_id: str) -> ModelCard:
@@ -218,10 +245,7 @@ image = pipe({json.dumps(prompt)}).images[0]
     first, last = _eval_reward(snap.metrics)
     results = ["## Results\n"]
     if first and last:
-        results.append("Mean reward of fixed-seed samples of held-out prompts:\n\n"
-                       "| | iteration | held-out reward |\n|---|---|---|\n"
-                       f"| before | {first[metrics.ITERATION]} | {first[metrics.EVAL_REWARD_MEAN]:.4f} |\n"
-                       f"| after | {last[metrics.ITERATION]} | {last[metrics.EVAL_REWARD_MEAN]:.4f} |\n")
+        results.append(_results_table(first, last))
     if snap.metrics:
         results.append(f"![Reward per iteration]({CURVE_FILE})\n")
     if len(results) > 1:

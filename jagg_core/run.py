@@ -94,6 +94,7 @@ def train(config: RunConfig, run_dir: Path, resume: bool) -> int:
     is_main = os.environ.get("RANK", "0") == "0"  # accelerate's launcher numbers the processes
     if is_main:
         run.acquire_trainer_lock()
+    trainer = None
     try:
         from .quiet import quiet_libraries
         quiet_libraries()
@@ -124,6 +125,9 @@ def train(config: RunConfig, run_dir: Path, resume: bool) -> int:
         if is_main:
             _record_end(run, "failed", f"{type(err).__name__}: {err}")
         raise
+    finally:
+        if trainer is not None:
+            trainer.close()
     return 0
 
 

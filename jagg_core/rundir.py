@@ -1,11 +1,13 @@
 """The run directory: the contract between the trainer, the app, the Hub module and tests.
 
     RUN/config.yaml            resolved config (no secrets)
-    RUN/run_info.json          {"family", "base_model"}
+    RUN/run_info.json          {"family", "base_model", "hardware"}
     RUN/metrics.jsonl          one JSON object per iteration (keys: :mod:`jagg_core.metrics`)
     RUN/samples/iter_NNNNNN/   fixed-seed eval samples: 000.png ... + prompts.json + info.json
     RUN/rollouts/latest/       the latest rollout images + prompts.json + info.json
-    RUN/checkpoints/iter_NNNNNN/  LoRA + optimizer.pt + trainer_state.json (written atomically)
+    RUN/checkpoints/iter_NNNNNN/  LoRA (the EMA weights when on) + optimizer.pt + training_state.pt (schedule,
+                               EMA, raw LoRA) + trainer_state.json (written atomically)
+    RUN/tracking/              experiment trackers' files (TensorBoard events, W&B)
     RUN/lora/pytorch_lora_weights.safetensors   latest adapter, diffusers format
     RUN/status.json            {"state": running|finished|failed|stopped, "pid", "iteration", ...}
     RUN/train.log              the trainer's log lines
@@ -37,6 +39,7 @@ from .errors import UserError
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
+TRAINING_STATE_FILE = "training_state.pt"
 STATE_FILE = "trainer_state.json"
 ITERATION_NAME = re.compile(r"iter_(\d+)")
 
@@ -119,6 +122,10 @@ class RunDirectory:
     @property
     def lora_file(self) -> Path:
         return self.lora_dir / LORA_FILE
+
+    @property
+    def tracking_dir(self) -> Path:
+        return self.path / "tracking"
 
     @property
     def samples_root(self) -> Path:
@@ -210,8 +217,8 @@ class RunDirectory:
         except (UserError, KeyError, TypeError, ValueError):
             return 0
 
-    def write_run_info(self, family: str, base_model: str) -> None:
-        self.write_json(self.run_info_file, {"family": family, "base_model": base_model})
+    def write_run_info(self, family: str, base_model: str, hardware: str) -> None:
+        self.write_json(self.run_info_file, {"family": family, "base_model": base_model, "hardware": hardware})
 
     def read_run_info(self) -> dict:
         return _read_json(self.run_info_file, dict)

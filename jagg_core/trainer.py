@@ -16,8 +16,12 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from contextlib import contextmanager, nullcontext
+
 import torch
 from accelerate import Accelerator
+from diffusers.optimization import get_scheduler
+from diffusers.training_utils import EMAModel
 from tqdm.auto import tqdm
 
 from . import metrics
@@ -25,15 +29,16 @@ from .config import BackwardConfig, RunConfig
 from .errors import UserError
 from .grpo import LossSettings, group_advantages
 from .hubclient import resolve_lora
-from .images import to_pil
+from .images import grid, to_pil
 from .jagg import BackwardPlan, BackwardResult, make_plan, run_backward
 from .models import load_flow_model
 from .models.base import Conditioning
 from .prompts import load_prompts, split_prompts
 from .rewards import build_rewards
-from .rundir import OPTIMIZER_FILE, RunDirectory
+from .rundir import OPTIMIZER_FILE, TRAINING_STATE_FILE, RunDirectory
 from .sampler import Trajectory, initial_noise, ode_sample, sde_rollout
 from .stopping import STOP, StopRequested
+from .tracking import log_eval_grid, log_row, start_trackers
 
 
 def iteration_seed(seed: int, iteration: int, rank: int, stream: int) -> int:
@@ -78,7 +83,8 @@ class Trainer:
     def __init__(self, config: RunConfig, run_dir: str | Path, *, resume: bool = False):
         self.config = config
         self.run = RunDirectory(run_dir)
-        self.accelerator = Accelerator(mixed_precision=config.train.mixed_precision, cpu=not torch.cuda.is_available())
+        self.accelerator = Accelerator(mixed_precision=config.train.mixed_precision, cpu=not torch.cuda.is_available(),
+                                       log_with=config.train.report_to or None, project_dir=self.run.tracking_dir)
         self.is_main = self.accelerator.is_main_process
         self.rank = self.accelerator.process_index
         self.start_iteration = 1
@@ -99,6 +105,11 @@ class Trainer:
             self.model.load_lora(resolve_lora(cfg.lora.init_lora))  # token: HF_TOKEN or `hf auth login`
         optimizer = make_optimizer(cfg.train.optimizer, self.params, cfg.train.learning_rate, cfg.train.weight_decay)
         self.optimizer = self.accelerator.prepare(optimizer)
+        self.lr_scheduler = get_scheduler(cfg.train.lr_scheduler, self.optimizer,
+                                          num_warmup_steps=cfg.train.lr_warmup_steps,
+                                          num_training_steps=cfg.train.iterations * cfg.grpo.inner_epochs,
+                                          num_cycles=cfg.train.lr_num_cycles)
+        self.ema = EMAModel(self.params, decay=cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
         prompts = load_prompts(cfg.prompts.source)
         self.train_prompts, self.eval_prompts = split_prompts(prompts, cfg.prompts.eval_count, cfg.prompts.split_seed)
         self.reward = build_rewards(cfg.rewards, self.accelerator.device)
@@ -110,7 +121,15 @@ class Trainer:
             self._load_checkpoint()
         if self.is_main:
             self.run.write_config(cfg.to_yaml())
-            self.run.write_run_info(self.model.family, cfg.model.name)
+            self.run.write_run_info(self.model.family, cfg.model.name, hardware=self._hardware())
+        start_trackers(self.accelerator, cfg, self.run)
+
+    def _hardware(self) -> str:
+        """What the run trains on, for the model card: the GPU's name, or the CPU's thread count."""
+        device = self.accelerator.device
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+        processes = self.accelerator.num_processes
+        return f"{processes} x {name}" if processes > 1 else name
 
     def _load_checkpoint(self) -> None:
         """Continue from the newest checkpoint that loads; a damaged one (truncated, garbage) is skipped, saying so.
@@ -122,6 +141,7 @@ class Trainer:
                 self.model.load_lora(folder)
                 state = torch.load(folder / OPTIMIZER_FILE, map_location=self.accelerator.device, weights_only=True)
                 self.optimizer.load_state_dict(state)
+                self._load_training_state(folder)
             except Exception as err:  # a damaged file can fail in safetensors, torch.load or load_state_dict
                 self._log(f"checkpoint {folder.name} is damaged ({type(err).__name__}: {str(err)[:120]}); "
                           "trying the previous one")
@@ -137,6 +157,40 @@ class Trainer:
         if self.is_main:
             self.run.truncate_metrics(-1)  # nothing to continue: the base eval and every iteration run again
         self._log(f"no usable checkpoint in {self.run.path}; starting from iteration 1")
+
+    def _training_state(self) -> dict:
+        """What a checkpoint needs beyond the adapter file and the optimizer: the schedule, the EMA and the LoRA
+        weights being trained (the adapter file holds the average when EMA is on)."""
+        return {"lr_scheduler": self.lr_scheduler.state_dict(),
+                "ema": self.ema.state_dict() if self.ema is not None else None,
+                "lora": [param.detach().cpu() for param in self.params]}
+
+    def _load_training_state(self, folder: Path) -> None:
+        """Restore :meth:`_training_state` (checkpoints written before it existed hold the weights alone)."""
+        path = folder / TRAINING_STATE_FILE
+        if not path.is_file():
+            return
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if self.ema is not None and state["ema"] is not None:
+            self.ema.load_state_dict(state["ema"])
+        with torch.no_grad():
+            for param, value in zip(self.params, state["lora"]):
+                param.copy_(value)
+
+    @contextmanager
+    def averaged_weights(self):
+        """Inside, the LoRA holds its EMA (when ``train.ema_decay`` is on); the trained weights come back after."""
+        if self.ema is None:
+            with nullcontext():
+                yield
+            return
+        self.ema.store(self.params)
+        self.ema.copy_to(self.params)
+        try:
+            yield
+        finally:
+            self.ema.restore(self.params)
 
     # ----- logging ---------------------------------------------------------------------
     def _log(self, line: str) -> None:
@@ -211,13 +265,16 @@ class Trainer:
             if self.accelerator.num_processes > 1:
                 param.grad = self.accelerator.reduce(param.grad, reduction="mean")
         grad_norm = float(self.accelerator.clip_grad_norm_(self.params, self.config.train.max_grad_norm))
-        if not math.isfinite(grad_norm):
+        skipped = not math.isfinite(grad_norm)
+        if skipped:
             warnings.warn("non-finite gradient: this update is skipped and the adapter is unchanged", stacklevel=2)
-            self.optimizer.zero_grad(set_to_none=True)
-            return grad_norm, True
-        self.optimizer.step()
+        else:
+            self.optimizer.step()
+            if self.ema is not None:
+                self.ema.step(self.params)
         self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm, False
+        self.lr_scheduler.step()  # the schedule follows the steps taken or skipped, so it ends with the run
+        return grad_norm, skipped
 
     def _adapters_identical_across_processes(self) -> bool:
         """Data-parallel sanity check: every process holds bit-identical LoRA weights."""
@@ -231,28 +288,35 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, iteration: int) -> dict:
-        """Fixed-seed ODE samples of the held-out prompts; writes them and returns their metrics: the mean reward
-        and the seconds the eval took."""
-        start = time.perf_counter()
+        """Fixed-seed ODE samples of the held-out prompts, with the EMA weights when on; writes them (and their grid
+        to the trackers) and returns their metrics: the mean reward, each reward term's, and the eval's seconds."""
+        began = time.perf_counter()
         cfg = self.config
         generator = torch.Generator().manual_seed(cfg.train.eval_seed)
         z0 = initial_noise(self.model, len(self.eval_prompts), cfg.sampling.resolution, generator)
         images = []
-        with self.accelerator.autocast():
-            for start in range(0, len(self.eval_prompts), 16):
-                part = slice(start, start + 16)
+        with self.accelerator.autocast(), self.averaged_weights():
+            for first in range(0, len(self.eval_prompts), 16):
+                part = slice(first, first + 16)
                 z = ode_sample(self.model, self.model.conditioning(self.eval_prompts[part]), self.eval_sigmas, z0[part])
                 images.append(self.model.decode(z))
         images = torch.cat(images)
-        rewards, _ = self.reward(images, self.eval_prompts)
-        self.run.write_images(self.run.samples_dir(iteration), to_pil(images), self.eval_prompts,
+        rewards, parts = self.reward(images, self.eval_prompts)
+        pictures = to_pil(images)
+        self.run.write_images(self.run.samples_dir(iteration), pictures, self.eval_prompts,
                               rewards=rewards.tolist(), iteration=iteration)
-        return {metrics.EVAL_REWARD_MEAN: float(rewards.mean()), metrics.TIME_EVAL: time.perf_counter() - start}
+        log_eval_grid(self.accelerator, grid(pictures), iteration)
+        return {metrics.EVAL_REWARD_MEAN: float(rewards.mean()),
+                **{metrics.eval_reward_part(name): float(v.mean()) for name, v in parts.items()},
+                metrics.TIME_EVAL: time.perf_counter() - began}
 
     def save_checkpoint(self, iteration: int) -> None:
+        """The adapter (the EMA weights when on: the one to publish), the optimizer and the training state."""
         def contents(folder: Path) -> None:
-            self.model.save_lora(folder)
+            with self.averaged_weights():
+                self.model.save_lora(folder)
             torch.save(self.optimizer.state_dict(), folder / OPTIMIZER_FILE)
+            torch.save(self._training_state(), folder / TRAINING_STATE_FILE)
         checkpoint = self.run.write_checkpoint(iteration, contents, keep=self.config.train.keep_checkpoints)
         self.run.publish_lora(checkpoint)
 
@@ -268,8 +332,9 @@ class Trainer:
             self.run.write_status("running", pid=os.getpid(), iteration=self.start_iteration - 1, total_iterations=total,
                                   message="loading", started_at=time.time())
         if self.start_iteration == 1 and self.is_main:
-            base = self.evaluate(0)
-            self.run.append_metrics({metrics.ITERATION: 0, **base})
+            base = {metrics.ITERATION: 0, **self.evaluate(0)}
+            self.run.append_metrics(base)
+            log_row(self.accelerator, base)
             self._log(f"iter 0/{total}  base eval reward {base[metrics.EVAL_REWARD_MEAN]:.4f}")
         bar = tqdm(range(self.start_iteration, total + 1), initial=self.start_iteration - 1, total=total,
                    desc="GRPO", disable=not self.is_main, dynamic_ncols=True)
@@ -279,6 +344,7 @@ class Trainer:
                 stopping = self._stop_requested_anywhere()
                 if self.is_main:
                     self.run.append_metrics(row)
+                    log_row(self.accelerator, row)
                     if iteration % checkpoint_every == 0 or iteration == total or stopping:
                         self.save_checkpoint(iteration)
                     self.run.write_status("running", iteration=iteration, message=f"iteration {iteration}/{total}")
@@ -291,6 +357,10 @@ class Trainer:
             self.run.write_status("finished", iteration=total, message=f"finished {total} iterations",
                                   processes=self.accelerator.num_processes, adapters_identical=identical)
             self._log(f"finished: adapter at {self.run.lora_file}")
+
+    def close(self) -> None:
+        """Finish the experiment trackers (flushes their files)."""
+        self.accelerator.end_training()
 
     def _stop_requested_anywhere(self) -> int:
         """The stop signal any process received during this iteration (0: none); every process takes the same
@@ -309,6 +379,7 @@ class Trainer:
             self.run.write_images(self.run.rollouts_dir, to_pil(rollout.images), rollout.prompts,
                                   rewards=rollout.rewards.tolist(), iteration=iteration)
         all_rewards = self.accelerator.gather(rollout.rewards.to(self.accelerator.device)).cpu()
+        learning_rate = self.lr_scheduler.get_last_lr()[0]  # the rate of this iteration's (first) update
         t1 = time.perf_counter()
         if torch.isfinite(all_rewards).all():
             stats = self.train_on(rollout)
@@ -326,7 +397,7 @@ class Trainer:
                metrics.REWARD_MEAN: float(finite.mean()) if finite.numel() else float("nan"),
                metrics.REWARD_STD: float(finite.std()) if finite.numel() > 1 else 0.0,
                **{metrics.reward_part(name): float(v.mean()) for name, v in rollout.reward_parts.items()},
-               **stats, metrics.LEARNING_RATE: self.optimizer.param_groups[0]["lr"],
+               **stats, metrics.LEARNING_RATE: learning_rate,
                metrics.TIME_ROLLOUT: time_rollout, metrics.TIME_TRAIN: time_train}
         if iteration % effective_interval(cfg.train.sample_every, cfg.train.iterations) == 0 \
                 or iteration == cfg.train.iterations:

@@ -25,7 +25,8 @@ from conftest import ROOT
 ARGS = ["--preset", "tiny-sd3", "--set", "train.iterations=3", "--set", "sampling.num_steps=4",
         "--set", "grpo.num_generations=2", "--set", "grpo.prompts_per_iteration=1", "--set", "prompts.eval_count=2",
         "--set", "sampling.resolution=16", "--set", "train.sample_every=1", "--set", "train.checkpoint_every=1",
-        "--set", "backward.window=2"]
+        "--set", "backward.window=2", "--set", "train.lr_scheduler=cosine", "--set", "train.lr_warmup_steps=1",
+        "--set", "train.ema_decay=0.5"]  # the schedule and the EMA must resume exactly too
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
 #: Runs ``jagg_core.run`` with one fault: ``HOOK:N`` kills the process (SIGKILL) right after the metrics row of
