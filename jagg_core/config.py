@@ -148,8 +148,8 @@ class TrainConfig(_Section):
 
     iterations: int = Field(10, ge=1, description="GRPO iterations, each a rollout batch, its rewards and "
                             "grpo.inner_epochs optimizer steps")
-    learning_rate: float = Field(1e-4, gt=0, description="AdamW learning rate of the LoRA parameters "
-                                 "(constant, no schedule)")
+    learning_rate: float = Field(1e-4, gt=0, description="AdamW learning rate of the LoRA parameters: "
+                                 "the peak of train.lr_scheduler's schedule")
     weight_decay: float = Field(1e-4, ge=0, description="AdamW decoupled weight decay")
     optimizer: Literal["adamw", "adamw8bit"] = Field("adamw", description="adamw = torch AdamW; adamw8bit = "
                                                      "bitsandbytes 8-bit AdamW (CUDA GPU only)")
@@ -165,9 +165,10 @@ class TrainConfig(_Section):
     seed: int = Field(0, ge=0, lt=SEED_BOUND, description="seed of the LoRA initialization and of each iteration's "
                       "prompts and noise, drawn from (seed, iteration, process) so a resume repeats them")
     sample_every: int = Field(5, ge=1, description="iterations between fixed-seed eval samples (also at the last "
-                              "iteration)")
+                              "iteration; a run shorter than twice this samples every quarter of its length)")
     checkpoint_every: int = Field(5, ge=1, description="iterations between checkpoints of the LoRA and optimizer "
-                                  "state (also at the last iteration)")
+                                  "state (also at the last iteration and on a stop; a run shorter than twice this "
+                                  "checkpoints every quarter of its length)")
     keep_checkpoints: int = Field(3, ge=1, description="newest checkpoints kept on disk; older ones are deleted")
     eval_seed: int = Field(1234, ge=0, lt=SEED_BOUND, description="seed of the eval samples' initial noise, the same "
                            "at every eval so the samples compare across iterations")
