@@ -273,7 +273,9 @@ class Trainer:
             if self.ema is not None:
                 self.ema.step(self.params)
         self.optimizer.zero_grad(set_to_none=True)
-        self.lr_scheduler.step()  # the schedule follows the steps taken or skipped, so it ends with the run
+        with warnings.catch_warnings():  # torch warns when the very first update was skipped; the order is meant
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()` before")
+            self.lr_scheduler.step()  # the schedule follows the steps taken or skipped, so it ends with the run
         return grad_norm, skipped
 
     def _adapters_identical_across_processes(self) -> bool:
