@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import re
 import time
 import warnings
 from dataclasses import dataclass
@@ -274,7 +275,7 @@ class Trainer:
                 self.ema.step(self.params)
         self.optimizer.zero_grad(set_to_none=True)
         with warnings.catch_warnings():  # torch warns when the very first update was skipped; the order is meant
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()` before")
+            warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()` before"))
             self.lr_scheduler.step()  # the schedule follows the steps taken or skipped, so it ends with the run
         return grad_norm, skipped
 
