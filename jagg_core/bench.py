@@ -1,6 +1,7 @@
 """Benchmark: the exact backward against JAGG, side by side, in one run.
 
     python -m jagg_core.bench [--quick] [--json OUT.json] [--table OUT.md] [--plot OUT.png] [--models A,B]
+    python -m jagg_core.bench --arch NAME --random-weights [--layers N] [--resolution R] [--quantize nf4|int8]
 
 Every comparison runs in one process on the same model, the same rollout batch and the same seeds,
 through the project's own code: :class:`~jagg_core.trainer.Trainer` (set-up, rollout, iterations),
@@ -21,6 +22,16 @@ through the project's own code: :class:`~jagg_core.trainer.Trainer` (set-up, rol
    alternating iteration by iteration, for each seed; reward against wall-clock goes to ``--plot``.
 4. **Routing**: the linearity score of every window (``linearity`` in each row) and rows with
    ``frac < 1`` (section ``routing``).
+
+Every train-phase row also has the seconds of one rollout of the same batch (``rollout_s``, timed once per
+repeat among the variants), so ``iteration_s = rollout_s + train_s`` and ``iteration_speedup`` compare whole
+iterations, and the rollout's peak memory (``rollout_peak_mem_mb``).
+
+**Real architectures** (``--arch``): one model, a real architecture of :mod:`jagg_core.archs` with random
+weights (``--random-weights``: ``model.name = random:ARCH[@LAYERS]``, built from the shipped configs, no
+download) or the Hub model's own weights, on the bench's rollout batch at ``--resolution``, in bf16 with
+bf16 autocast on a GPU (float32 on a CPU), through the same machinery: exact and JAGG at W = 2, 4, 5
+(forward and cached velocities, joint and sequential endpoints), see :func:`arch_options`.
 
 The JSON is a list of rows; every row has :data:`ROW_KEYS` (``None`` where a figure does not apply).
 """
@@ -43,7 +54,9 @@ from pathlib import Path
 import torch
 
 from . import metrics
+from .archs import RANDOM_PREFIX, arch_names, hub_id, parse_random_model
 from .config import BackwardConfig, RunConfig, list_presets, load_config
+from .errors import UserError, exit_on_user_error
 from .grpo import group_advantages
 from .jagg import BackwardPlan
 from .models import embedded_models
@@ -117,6 +130,8 @@ class BenchOptions:
     memory: bool = True
     iterations: int = 20
     seeds: tuple[int, ...] = (0, 1)
+    #: config overrides (``key=value``) of every run the bench makes, after the model's own
+    overrides: tuple[str, ...] = ()
 
     @classmethod
     def quick(cls, **changes) -> "BenchOptions":
@@ -144,13 +159,59 @@ def bench_config(model: str, overrides: list[str] = ()) -> RunConfig:
                        overrides=[f"model.name={model}", *MODEL_OVERRIDES.get(model, []), *overrides])
 
 
+# ----- real architectures (--arch) ------------------------------------------------------------
+#: the variants of the real-architecture bench: exact, and JAGG at these windows with these velocities
+ARCH_WINDOWS = (2, 4, 5)
+ARCH_MODES = ("forward", "cached")
+#: default image side of the real-architecture bench, by device type
+ARCH_RESOLUTION = {"cuda": 512, "cpu": 64}
+#: its repeats and short trainings (``--quick``: fewer repeats, no training)
+ARCH_RUNS = {"repeats": 3, "iterations": 3, "seeds": (0,)}
+ARCH_RUNS_QUICK = {"repeats": 2, "iterations": 0, "seeds": (0,)}
+
+
+def arch_model(arch: str | None, random_weights: bool, layers: int | None = None) -> str:
+    """``model.name`` of the ``--arch`` bench: ``random:ARCH[@LAYERS]`` with random weights, else the arch's
+    Hub id (its real weights, downloaded); a missing or unknown arch is a :class:`UserError`."""
+    if arch is None:
+        raise UserError(f"--random-weights needs --arch NAME; archs: {', '.join(arch_names())}")
+    if not random_weights:
+        if layers is not None:
+            raise UserError("--layers needs --random-weights (the Hub model has its real depth)")
+        return hub_id(arch)
+    name = RANDOM_PREFIX + arch + (f"@{layers}" if layers is not None else "")
+    parse_random_model(name)  # an unknown arch or a layer count out of range
+    return name
+
+
+def arch_overrides(device_type: str, resolution: int | None = None, quantize: str | None = None) -> list[str]:
+    """Config overrides of the real-architecture bench: the resolution (default :data:`ARCH_RESOLUTION`),
+    bf16 weights and bf16 autocast on a GPU (float32 on a CPU), and ``model.quantize``."""
+    overrides = [f"sampling.resolution={resolution or ARCH_RESOLUTION.get(device_type, ARCH_RESOLUTION['cpu'])}"]
+    if device_type == "cuda":
+        overrides += ["model.dtype=bfloat16", "train.mixed_precision=bf16"]
+    if quantize:
+        overrides.append(f"model.quantize={quantize}")
+    return overrides
+
+
+def arch_options(model: str, overrides: list[str], quick: bool = False, **changes) -> BenchOptions:
+    """The real-architecture bench of ``model``: exact and JAGG (:data:`ARCH_WINDOWS` x :data:`ARCH_MODES`, joint
+    and sequential endpoints), then a short training unless ``--quick``; the config is checked here."""
+    bench_config(model, overrides)
+    runs = ARCH_RUNS_QUICK if quick else ARCH_RUNS
+    return BenchOptions(models=[model], windows=ARCH_WINDOWS, other_windows=ARCH_WINDOWS, modes=ARCH_MODES,
+                        fracs=(), overrides=tuple(overrides), **{**runs, **changes})
+
+
 # ----- one rollout batch and its backward ----------------------------------------------------
 class Workload:
-    """A model with its LoRA (through :meth:`Trainer.setup`) and one rollout batch (:meth:`Trainer.rollout`)."""
+    """A model with its LoRA (through :meth:`Trainer.setup`) and one rollout batch (:meth:`Trainer.rollout`),
+    under the config of :func:`bench_config` with ``overrides``."""
 
-    def __init__(self, model: str, run_dir: str | Path):
-        self.model_name = model
-        self.trainer = Trainer(bench_config(model), run_dir)
+    def __init__(self, model: str, run_dir: str | Path, overrides: tuple[str, ...] = ()):
+        self.model_name, self.overrides = model, tuple(overrides)
+        self.trainer = Trainer(bench_config(model, self.overrides), run_dir)
         self.trainer.setup()
         cfg = self.trainer.config
         self.device = self.trainer.accelerator.device
@@ -158,6 +219,14 @@ class Workload:
         self.traj, self.cond = rollout.trajectory, rollout.cond
         self.advantages = group_advantages(rollout.rewards, cfg.grpo.num_generations, cfg.grpo.adv_clip).to(self.device)
         self.params_m = base_params_m(self.trainer)
+
+    def rollout(self) -> float:
+        """Seconds of one more rollout of the batch (iteration 1's prompts and noise again: sampling, decoding
+        and rewards, as the trainer's ``time/rollout_s``); the workload keeps its first rollout."""
+        start = time.perf_counter()
+        self.trainer.rollout(1)
+        synchronize(self.device)
+        return time.perf_counter() - start
 
     def backward(self, variant: Variant) -> BackwardPlan:
         """The train phase under ``variant``: the LoRA gradient of the whole batch into ``.grad``
@@ -187,20 +256,21 @@ def synchronize(device: torch.device) -> None:
 
 
 def time_variants(work: Workload, variants: list[Variant], repeats: int, warmup: int):
-    """Seconds of every repeat, the gradient and the plan of each variant. Warm-up: ``warmup`` exact
-    backwards; then each repeat runs every variant once, in order."""
+    """Seconds of every repeat, the gradient and the plan of each variant, and the seconds of a rollout in every
+    repeat. Warm-up: ``warmup`` exact backwards; then each repeat runs a rollout and every variant once, in order."""
     for _ in range(warmup):
         work.backward(EXACT)
     seconds = {v: [] for v in variants}
-    gradients, plans = {}, {}
+    gradients, plans, rollouts = {}, {}, []
     for repeat in range(repeats):
+        rollouts.append(work.rollout())
         for variant in variants:
             start = time.perf_counter()
             plan = work.backward(variant)
             seconds[variant].append(time.perf_counter() - start)
             if repeat == 0:
                 gradients[variant], plans[variant] = work.gradient(), plan
-    return seconds, gradients, plans
+    return seconds, gradients, plans, rollouts
 
 
 # ----- peak memory ------------------------------------------------------------------------------
@@ -237,10 +307,17 @@ def memory_basis(device: torch.device) -> str:
     return "cuda max_memory_allocated increment" if device.type == "cuda" else "cpu peak RSS increment"
 
 
+#: the key of the rollout's figures in :func:`peak_memory`'s result
+ROLLOUT = "rollout"
+
+
 def peak_memory(work: Workload, variants: list[Variant]) -> dict[str, dict[str, float]]:
-    """Base and peak memory of each variant's backward, after one exact backward as warm-up."""
+    """Base and peak memory of a rollout (key :data:`ROLLOUT`) and of each variant's backward, after one exact
+    backward as warm-up."""
     work.backward(EXACT)
     figures = {}
+    with memory_probe(work.device) as figures[ROLLOUT]:
+        work.rollout()
     for variant in variants:
         with memory_probe(work.device) as figures[variant.label]:
             work.backward(variant)
@@ -254,7 +331,8 @@ def measure_memory(work: Workload, variants: list[Variant], threads: int) -> dic
         return peak_memory(work, variants)
     with tempfile.TemporaryDirectory() as tmp:
         spec = Path(tmp) / "spec.json"
-        spec.write_text(json.dumps({"model": work.model_name, "variants": [asdict(v) for v in variants],
+        spec.write_text(json.dumps({"model": work.model_name, "overrides": work.overrides,
+                                    "variants": [asdict(v) for v in variants],
                                     "threads": threads, "out": str(Path(tmp) / "memory.json")}))
         subprocess.run([sys.executable, "-m", "jagg_core.bench", "--memory-worker", str(spec)],
                        env={**os.environ, **MALLOC_ENV}, check=True, stdout=subprocess.DEVNULL)
@@ -266,16 +344,19 @@ def memory_worker(spec_file: str) -> None:
     spec = json.loads(Path(spec_file).read_text())
     torch.set_num_threads(spec["threads"])
     with tempfile.TemporaryDirectory() as run_dir:
-        work = Workload(spec["model"], run_dir)
+        work = Workload(spec["model"], run_dir, spec["overrides"])
         figures = peak_memory(work, [Variant(**v) for v in spec["variants"]])
     Path(spec["out"]).write_text(json.dumps(figures))
 
 
 # ----- rows ------------------------------------------------------------------------------------
-def train_phase_rows(work: Workload, variants: list[Variant], seconds, gradients, plans, memory) -> list[dict]:
-    """One row per variant, compared with ``exact`` (which must be among them)."""
+def train_phase_rows(work: Workload, variants: list[Variant], seconds, gradients, plans, rollouts,
+                     memory) -> list[dict]:
+    """One row per variant, compared with ``exact`` (which must be among them); ``rollouts`` are the rollout's
+    seconds (the same batch for every variant), so ``iteration_s`` is the rollout's plus the train phase's."""
     exact_seconds, exact_grad = min(seconds[EXACT]), gradients[EXACT]
-    exact_mem = memory.get(EXACT.label)
+    exact_mem, rollout_mem = memory.get(EXACT.label), memory.get(ROLLOUT)
+    rollout_s = min(rollouts)
     rows = []
     for variant in variants:
         grad, plan, mem = gradients[variant], plans[variant], memory.get(variant.label)
@@ -285,12 +366,16 @@ def train_phase_rows(work: Workload, variants: list[Variant], seconds, gradients
                "linearity": [round(s, 5) for s in plan.scores] if variant.mode != "exact" else None,
                "seconds": min(seconds[variant]), "seconds_median": statistics.median(seconds[variant]),
                "repeats": len(seconds[variant]), "speedup": exact_seconds / min(seconds[variant]),
+               "train_s": min(seconds[variant]), "rollout_s": rollout_s,
+               "iteration_s": rollout_s + min(seconds[variant]),
+               "iteration_speedup": (rollout_s + exact_seconds) / (rollout_s + min(seconds[variant])),
                "grad_cosine": float(torch.nn.functional.cosine_similarity(grad, exact_grad, dim=0)),
                "grad_rel_err": float((grad - exact_grad).norm() / exact_grad.norm()),
                "peak_mem_basis": memory_basis(work.device) if mem else None,
                "base_mem_mb": mem["base_mb"] if mem else None, "peak_mem_mb": mem["peak_mb"] if mem else None,
                "peak_mem_ratio": ((mem["peak_mb"] - mem["base_mb"]) / (exact_mem["peak_mb"] - exact_mem["base_mb"])
                                   if mem else None),
+               "rollout_peak_mem_mb": rollout_mem["peak_mb"] if rollout_mem else None,
                "device": str(work.device)}
         rows.append(row)
     return rows
@@ -299,10 +384,10 @@ def train_phase_rows(work: Workload, variants: list[Variant], seconds, gradients
 def bench_train_phase(model: str, variants: list[Variant], options: BenchOptions, threads: int) -> list[dict]:
     """Train-phase rows of ``model``: timings and gradients here, peak memory per :func:`measure_memory`."""
     with tempfile.TemporaryDirectory() as run_dir:
-        work = Workload(model, run_dir)
-        seconds, gradients, plans = time_variants(work, variants, options.repeats, options.warmup)
+        work = Workload(model, run_dir, options.overrides)
+        seconds, gradients, plans, rollouts = time_variants(work, variants, options.repeats, options.warmup)
         memory = measure_memory(work, variants, threads) if options.memory else {}
-        return train_phase_rows(work, variants, seconds, gradients, plans, memory)
+        return train_phase_rows(work, variants, seconds, gradients, plans, rollouts, memory)
 
 
 def bench_iterations(model: str, options: BenchOptions) -> list[dict]:
@@ -324,8 +409,9 @@ def bench_iterations(model: str, options: BenchOptions) -> list[dict]:
             for variant in variants:
                 # the measured iterations neither sample nor checkpoint: both happen at iteration N + 1
                 beyond = options.iterations + 1
-                config = bench_config(model, [f"train.seed={seed}", f"train.iterations={beyond}",
-                                              f"train.sample_every={beyond}", f"train.checkpoint_every={beyond}"])
+                config = bench_config(model, [*options.overrides, f"train.seed={seed}",
+                                              f"train.iterations={beyond}", f"train.sample_every={beyond}",
+                                              f"train.checkpoint_every={beyond}"])
                 config.backward = variant.backward_config()
                 trainers[variant] = Trainer(config, Path(root) / f"{variant.mode}-{seed}")
                 trainers[variant].setup()
@@ -375,7 +461,8 @@ def _markdown(header: list[str], lines: list[list[str]]) -> str:
 
 
 def format_tables(rows: list[dict]) -> str:
-    """Markdown tables: train phase and routing, linearity per window, whole iterations."""
+    """Markdown tables: train phase and routing, linearity per window, the train phase's rows as whole iterations
+    (with the rollout), short trainings."""
     parts = []
     phase = [r for r in rows if r["section"] in ("train_phase", "routing")]
     if phase:
@@ -395,6 +482,16 @@ def format_tables(rows: list[dict]) -> str:
             ["model", "windows", "W", "scores"],
             [[m, "shared knots" if mode == "cached_shared" else "disjoint", str(w), " ".join(f"{s:.3f}" for s in sc)]
              for (m, mode, w), sc in linearity.items()]))
+    timed = [r for r in phase if r.get("rollout_s") is not None]
+    if timed:
+        parts.append("Whole iterations on the same rollout batch (rollout + train phase; peak memory absolute):\n\n"
+                     + _markdown(
+                         ["model", "mode", "W", "endpoints", "rollout s", "train s", "iteration s", "speed-up",
+                          "rollout peak MB", "train peak MB"],
+                         [[r["model"], r["mode"], str(r["window"]), "joint" if r["joint"] else "seq",
+                           f"{r['rollout_s']:.3f}", f"{r['train_s']:.3f}", f"{r['iteration_s']:.3f}",
+                           f"{r['iteration_speedup']:.2f}x", _fmt(r.get("rollout_peak_mem_mb"), ".0f"),
+                           _fmt(r["peak_mem_mb"], ".0f")] for r in timed]))
     iteration = [r for r in rows if r["section"] == "iteration"]
     if iteration:
         parts.append(_markdown(
@@ -459,6 +556,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--iterations", type=int, help="iterations of each short training (0: skip)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurements")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override of every run of the bench (repeatable), "
+                        "e.g. train.gradient_checkpointing=true")
+    real = parser.add_argument_group("real architectures", "one real model: " + ", ".join(arch_names()))
+    real.add_argument("--arch", help="bench this architecture (its Hub model, or random weights with --random-weights)")
+    real.add_argument("--random-weights", action="store_true",
+                      help="the arch built from its shipped configs with random weights (model random:ARCH[@LAYERS])")
+    real.add_argument("--layers", type=int,
+                      help="transformer blocks of the random-weight model (default: the real depth)")
+    real.add_argument("--resolution", type=int,
+                      help=f"image side in pixels (default {ARCH_RESOLUTION['cuda']} on a GPU, "
+                      f"{ARCH_RESOLUTION['cpu']} on a CPU)")
+    real.add_argument("--quantize", choices=("none", "nf4", "int8"), help="model.quantize of the transformer")
     parser.add_argument("--memory-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     quiet_libraries()
@@ -467,13 +577,35 @@ def main(argv: list[str] | None = None) -> None:
     if args.memory_worker:
         memory_worker(args.memory_worker)
         return
+    with exit_on_user_error(parser.prog):
+        options = bench_options(args)
+        run_and_report(options, args)
+
+
+def bench_options(args: argparse.Namespace) -> BenchOptions:
+    """The :class:`BenchOptions` of the command line."""
     changes = {key: value for key, value in (("repeats", args.repeats), ("iterations", args.iterations))
                if value is not None}
-    if args.models:
-        changes["models"] = args.models.split(",")
     if args.no_memory:
         changes["memory"] = False
-    options = BenchOptions.quick(**changes) if args.quick else BenchOptions(**changes)
+    if args.arch or args.random_weights:
+        if args.models:
+            raise UserError("--models and --arch exclude each other")
+        model = arch_model(args.arch, args.random_weights, args.layers)
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        overrides = arch_overrides(device_type, args.resolution, args.quantize) + args.overrides
+        return arch_options(model, overrides, quick=args.quick, **changes)
+    given = [flag for flag, value in (("--layers", args.layers), ("--resolution", args.resolution),
+                                      ("--quantize", args.quantize)) if value is not None]
+    if given:
+        raise UserError(f"{', '.join(given)}: only with --arch NAME")
+    if args.models:
+        changes["models"] = args.models.split(",")
+    changes["overrides"] = tuple(args.overrides)
+    return BenchOptions.quick(**changes) if args.quick else BenchOptions(**changes)
+
+
+def run_and_report(options: BenchOptions, args: argparse.Namespace) -> None:
     load_before = os.getloadavg()[0]
     start = time.perf_counter()
     rows = run_bench(options, threads=args.threads, log=lambda line: print(line, file=sys.stderr, flush=True))

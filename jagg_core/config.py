@@ -47,8 +47,25 @@ class ModelConfig(_Section):
                                  "models such as FLUX.1-dev); ignored by models without one")
     max_sequence_length: int = Field(77, ge=8, le=1024, description="prompt tokens given to the T5 / Qwen text "
                                      "encoder (longer prompts are truncated; FLUX allows at most 512)")
-    quantize_4bit: bool = Field(False, description="load the transformer in 4-bit NF4 (bitsandbytes, bf16 compute, "
-                                "CUDA GPU only); the LoRA trains on top of it (QLoRA)")
+    quantize: Literal["none", "nf4", "int8"] = Field(
+        "none", description="the frozen base transformer's weights: none = model.dtype; nf4 = 4-bit NormalFloat "
+        "(bitsandbytes, bf16 compute, CUDA GPU only, QLoRA); int8 = 8-bit weight-only (torchao, per-channel scales, "
+        "CPU or GPU); the LoRA and its optimizer stay float32")
+    cache_text_embeddings: bool = Field(True, description="encode every training and eval prompt once at set-up "
+                                        "(batched), keep the embeddings in host memory and in "
+                                        "RUN/text_embeddings.safetensors (a resume reuses them without loading the "
+                                        "encoders) and free the text encoders before training")
+    vae_slicing: bool = Field(True, description="the VAE decodes one image at a time (diffusers enable_slicing): "
+                              "the decode's peak memory no longer grows with the batch")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_quantize_4bit(cls, data):
+        """Configs written before ``model.quantize`` said ``quantize_4bit: true|false``."""
+        if isinstance(data, dict) and "quantize_4bit" in data and "quantize" not in data:
+            data = dict(data)
+            data["quantize"] = "nf4" if data.pop("quantize_4bit") else "none"
+        return data
 
 
 class LoraConfig(_Section):
@@ -73,6 +90,9 @@ class SamplingConfig(_Section):
                            "schedule from noise (sigma 1) to image (sigma 0)")
     eval_num_steps: int | None = Field(None, ge=2, le=200, description="Euler ODE steps of the fixed-seed eval "
                                        "samples; null = sampling.num_steps")
+    rollout_batch_size: int | None = Field(None, ge=1, description="samples denoised together in a rollout or eval "
+                                           "(chunks of the batch, the same samples and noise as one batch); null = "
+                                           "the whole rollout batch at once, eval 16 at a time")
     noise_level: float = Field(0.7, gt=0.0, le=2.0, description="SDE noise level a: step i from sigma s to s' adds "
                                "Gaussian noise of std a sqrt(s / (1 - s)) sqrt(s - s')")
 

@@ -26,6 +26,18 @@ exact on-policy (then ``v_a = v_a_old``) at no extra forward.
 Routing (``frac``): a window's linearity score is the mean cosine similarity between the rollout
 velocities ``v_j`` and their interpolation ``(1 - alpha_j) v_a + alpha_j v_b``; the top ``frac`` of
 windows by score use JAGG, the others the exact backward.
+
+Routing across processes: each process scores the windows on its own rollout batch, so with
+``frac < 1`` processes can route differently, and windows of different lengths (the last one,
+shared knots) then cost different numbers of passes. Plain data parallelism does not mind (the
+gradients are averaged after the backward), but when the transformer is sharded every forward and
+backward is a collective that all processes must make together. ``make_plan(agree=...)`` then
+replaces the scores by a cross-process agreement before routing: :mod:`jagg_core.sharding` passes
+the mean of each window's score over all processes (one gather of K floats), so every process routes
+the same windows and gets the same passes, stacked the same way, from the rollout of the whole
+global batch. Reducing the decision was chosen over padding with no-op passes: padding would spend
+real transformer forwards and backwards (with their all-gathers) on nothing, while agreement costs
+one tiny gather and routes on more samples.
 """
 
 from __future__ import annotations
@@ -132,9 +144,14 @@ class BackwardPlan:
         return sum(self.scores) / max(len(self.scores), 1)
 
 
-def make_plan(config: BackwardConfig, batch: Trajectory, trained_steps: int, loss: LossSettings) -> BackwardPlan:
+def make_plan(config: BackwardConfig, batch: Trajectory, trained_steps: int, loss: LossSettings,
+              agree: Callable[[list[float]], list[float]] | None = None) -> BackwardPlan:
     """Plan the backward of steps ``0..trained_steps-1`` of the rollout batch ``batch`` under ``config``,
-    with the step loss ``loss`` (its ``scale`` is set per micro-batch by :func:`run_backward`)."""
+    with the step loss ``loss`` (its ``scale`` is set per micro-batch by :func:`run_backward`).
+
+    ``agree`` maps this process's window scores to scores every process shares (e.g. their mean over
+    the processes) before routing, so that all processes plan the same passes (see the module's
+    "Routing across processes"); None routes on the local scores."""
     common = {"loss": loss, "batch_size": batch.batch_size, "trained_steps": trained_steps}
     if config.mode == "exact":
         windows = plan_windows(trained_steps, 1, False)
@@ -142,6 +159,8 @@ def make_plan(config: BackwardConfig, batch: Trajectory, trained_steps: int, los
     else:
         windows = plan_windows(trained_steps, config.window, config.shared_knots)
         scores = [linearity_score(batch.velocities, batch.sigmas, w) for w in windows]
+        if agree is not None:
+            scores = [float(score) for score in agree(scores)]
         plan = BackwardPlan(windows, route_windows(scores, config.frac), scores, joint=config.joint,
                             velocities=config.velocities, **common)
     passes: set[int] = set()

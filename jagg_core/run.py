@@ -35,6 +35,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="continue the run in --output-dir (default: the latest run of this name)")
     parser.add_argument("--dry-run", action="store_true", help="validate and print the resolved config, then exit")
     parser.add_argument("--list-presets", action="store_true", help="list the presets and exit")
+    parser.add_argument("--plan", action="store_true",
+                        help="print the expected peak GPU memory by part (from the model's configs), then exit")
+    parser.add_argument("--gpu-memory", type=float, metavar="GB",
+                        help="with --plan: the GPU memory to fit (default: the free memory of this machine's GPU)")
     return parser.parse_args(argv)
 
 
@@ -77,11 +81,24 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         config, run_dir = resolve(args)
         check_references(config)
+        if args.plan:
+            return print_plan(config, args.gpu_memory)
         if args.dry_run:
             print(config.to_yaml(), end="")
             print(f"# run directory: {run_dir}", file=sys.stderr)
             return 0
         return train(config, run_dir, resume=args.resume)
+
+
+def print_plan(config: RunConfig, gpu_memory: float | None) -> int:
+    """``--plan``: the memory plan's table, then whether it fits the GPU and, if not, the cheapest change that does."""
+    from .quiet import quiet_libraries
+    quiet_libraries()
+    from .memory_plan import check_fits, gpu_free_gb, plan_memory
+    plan = plan_memory(config)
+    print(plan.table())
+    print(check_fits(plan, config, gpu_memory if gpu_memory is not None else gpu_free_gb()))
+    return 0
 
 
 def train(config: RunConfig, run_dir: Path, resume: bool) -> int:

@@ -8,6 +8,7 @@
     RUN/checkpoints/iter_NNNNNN/  LoRA (the EMA weights when on) + optimizer.pt + training_state.pt (schedule,
                                EMA, raw LoRA) + trainer_state.json (written atomically)
     RUN/tracking/              experiment trackers' files (TensorBoard events, W&B)
+    RUN/text_embeddings.safetensors  every prompt's text-encoder output (model.cache_text_embeddings)
     RUN/lora/pytorch_lora_weights.safetensors   latest adapter, diffusers format
     RUN/status.json            {"state": running|finished|failed|stopped, "pid", "iteration", ...}
     RUN/train.log              the trainer's log lines
@@ -126,6 +127,11 @@ class RunDirectory:
     @property
     def tracking_dir(self) -> Path:
         return self.path / "tracking"
+
+    @property
+    def text_embeddings_file(self) -> Path:
+        """Every prompt's text-encoder output, written at set-up (``model.cache_text_embeddings``)."""
+        return self.path / "text_embeddings.safetensors"
 
     @property
     def samples_root(self) -> Path:

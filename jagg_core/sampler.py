@@ -85,19 +85,46 @@ def initial_noise(model: FlowModel, batch: int, resolution: int, generator: torc
     return torch.randn(shape, generator=generator, dtype=torch.float32).to(model.device)
 
 
+def select_conditioning(cond: Conditioning, index: torch.Tensor | slice) -> Conditioning:
+    """The conditioning of the samples ``index``."""
+    return {key: value[index] for key, value in cond.items()}
+
+
 @torch.no_grad()
 def sde_rollout(model: FlowModel, cond: Conditioning, sigmas: torch.Tensor, noise_level: float,
                 z0: torch.Tensor, generator: torch.Generator, with_reference: bool = False,
-                sde_steps: int | None = None) -> Trajectory:
+                sde_steps: int | None = None, chunk_size: int | None = None) -> Trajectory:
     """Sample ``z_0 -> z_T`` recording latents, velocities and log-probs: the SDE step for the first
-    ``sde_steps`` steps (default: all), the Euler ODE step after them."""
+    ``sde_steps`` steps (default: all), the Euler ODE step after them.
+
+    The noise of every SDE step is drawn first, step by step for the whole batch (the order of drawing
+    one batch step by step), then the batch is denoised ``chunk_size`` samples at a time (default: all
+    at once): a rollout in chunks holds the activations of one chunk and samples exactly what one batch
+    would."""
     num_steps = len(sigmas) - 1
     sde_steps = num_steps if sde_steps is None else sde_steps
     std_t = step_noise_std(sigmas, noise_level)
     std_t[sde_steps:] = 0.0
+    noise = torch.empty((sde_steps, *z0.shape))
+    for i in range(sde_steps):
+        noise[i] = torch.randn(z0.shape, generator=generator, dtype=torch.float32)
+    chunks = torch.arange(z0.shape[0]).split(chunk_size or z0.shape[0])
+    parts = [_rollout_chunk(model, select_conditioning(cond, index), sigmas, std_t, z0[index], noise[:, index],
+                            with_reference) for index in chunks]
+    refs = [part.ref_velocities for part in parts]
+    return Trajectory(torch.cat([part.latents for part in parts], dim=1),
+                      torch.cat([part.velocities for part in parts], dim=1),
+                      torch.cat([part.log_probs for part in parts], dim=1), sigmas, std_t,
+                      torch.cat(refs, dim=1) if with_reference else None)
+
+
+def _rollout_chunk(model: FlowModel, cond: Conditioning, sigmas: torch.Tensor, std_t: torch.Tensor, z0: torch.Tensor,
+                   noise: torch.Tensor, with_reference: bool) -> Trajectory:
+    """The rollout of one chunk of samples, given the noise ``noise[i]`` of each SDE step ``i``."""
+    sde_steps = noise.shape[0]
     latents, velocities, log_probs, refs = [z0.float()], [], [], []
     z = z0.float()
-    for i in range(num_steps):
+    for i in range(len(sigmas) - 1):
         s, s_next, sd = float(sigmas[i]), float(sigmas[i + 1]), float(std_t[i])
         v = model.velocity(z, sigmas[i].to(z.device), cond).float()
         velocities.append(v)
@@ -111,8 +138,7 @@ def sde_rollout(model: FlowModel, cond: Conditioning, sigmas: torch.Tensor, nois
                 refs.append(model.velocity(z, sigmas[i].to(z.device), cond).float())
         mean = sde_step_mean(z, v, s, s_next, sd)
         std = step_std(s, s_next, sd)
-        noise = torch.randn(z.shape, generator=generator, dtype=torch.float32).to(z.device)
-        z = mean + std * noise
+        z = mean + std * noise[i].to(z.device)
         latents.append(z)
         log_probs.append(gaussian_log_prob(z, mean, std))
     return Trajectory(torch.stack(latents), torch.stack(velocities), torch.stack(log_probs), sigmas, std_t,

@@ -33,11 +33,13 @@ from .hubclient import resolve_lora
 from .images import grid, to_pil
 from .jagg import BackwardPlan, BackwardResult, make_plan, run_backward
 from .models import load_flow_model
-from .models.base import Conditioning
+from .models.base import Conditioning, FlowModel
+from .models.text_embeddings import load_embeddings, save_embeddings
 from .prompts import load_prompts, split_prompts
 from .rewards import build_rewards
 from .rundir import OPTIMIZER_FILE, TRAINING_STATE_FILE, RunDirectory
 from .sampler import Trajectory, initial_noise, ode_sample, sde_rollout
+from .sharding import Sharding
 from .stopping import STOP, StopRequested
 from .tracking import log_eval_grid, log_row, start_trackers
 
@@ -46,6 +48,8 @@ def iteration_seed(seed: int, iteration: int, rank: int, stream: int) -> int:
     return (seed * 1_000_003 + iteration * 9_176 + rank * 131 + stream) % (2 ** 63)
 
 
+#: eval samples denoised together when ``sampling.rollout_batch_size`` is not set
+EVAL_BATCH = 16
 #: a run fails, instead of skipping updates for ever, after this many iterations in a row with a non-finite reward
 MAX_NON_FINITE_STREAK = 5
 
@@ -98,21 +102,22 @@ class Trainer:
         if self.is_main:
             self.run.create()
         torch.manual_seed(cfg.train.seed)
-        self.model = load_flow_model(cfg.model, self.accelerator.device, seed=cfg.train.seed)
+        prompts = load_prompts(cfg.prompts.source)
+        self.train_prompts, self.eval_prompts = split_prompts(prompts, cfg.prompts.eval_count, cfg.prompts.split_seed)
+        self.model = self._load_model()
         if cfg.train.gradient_checkpointing:
             self.model.transformer.enable_gradient_checkpointing()
         self.params = self.model.add_lora(cfg.lora)
         if cfg.lora.init_lora:
             self.model.load_lora(resolve_lora(cfg.lora.init_lora))  # token: HF_TOKEN or `hf auth login`
         optimizer = make_optimizer(cfg.train.optimizer, self.params, cfg.train.learning_rate, cfg.train.weight_decay)
-        self.optimizer = self.accelerator.prepare(optimizer)
+        self.sharding = Sharding(self.accelerator)  # FSDP2 of the frozen transformer under an FSDP accelerate config
+        self.optimizer = self.sharding.prepare(self.model, optimizer)
         self.lr_scheduler = get_scheduler(cfg.train.lr_scheduler, self.optimizer,
                                           num_warmup_steps=cfg.train.lr_warmup_steps,
                                           num_training_steps=cfg.train.iterations * cfg.grpo.inner_epochs,
                                           num_cycles=cfg.train.lr_num_cycles)
         self.ema = EMAModel(self.params, decay=cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
-        prompts = load_prompts(cfg.prompts.source)
-        self.train_prompts, self.eval_prompts = split_prompts(prompts, cfg.prompts.eval_count, cfg.prompts.split_seed)
         self.reward = build_rewards(cfg.rewards, self.accelerator.device)
         self.sigmas = self.model.sigmas(cfg.sampling.num_steps, cfg.sampling.resolution)
         self.eval_sigmas = self.model.sigmas(cfg.sampling.eval_num_steps or cfg.sampling.num_steps,
@@ -124,6 +129,27 @@ class Trainer:
             self.run.write_config(cfg.to_yaml())
             self.run.write_run_info(self.model.family, cfg.model.name, hardware=self._hardware())
         start_trackers(self.accelerator, cfg, self.run)
+
+    def _load_model(self) -> FlowModel:
+        """The base model. With ``model.cache_text_embeddings`` every training and eval prompt is encoded now (a
+        resume reads them back from the run directory instead, without loading the encoders) and the text
+        encoders are released before the transformer and VAE take the device."""
+        cfg = self.config
+        device = self.accelerator.device
+        if not cfg.model.cache_text_embeddings:
+            return load_flow_model(cfg.model, device, seed=cfg.train.seed)
+        prompts = self.train_prompts + self.eval_prompts
+        saved = load_embeddings(self.run.text_embeddings_file, prompts, cfg.model) if self.resume else None
+        model = load_flow_model(cfg.model, device, seed=cfg.train.seed, text_encoders=saved is None)
+        if saved is not None:
+            model.load_embeddings(saved)
+            self._log(f"text embeddings of {len(saved)} prompts read from {self.run.text_embeddings_file.name}")
+            return model
+        model.encode_and_cache(prompts)
+        if self.is_main:
+            save_embeddings(self.run.text_embeddings_file, model.cached_embeddings, cfg.model)
+        model.release_text_encoders()
+        return model
 
     def _hardware(self) -> str:
         """What the run trains on, for the model card: the GPU's name, or the CPU's thread count."""
@@ -212,7 +238,8 @@ class Trainer:
         with self.accelerator.autocast():
             traj = sde_rollout(self.model, cond, self.sigmas, cfg.sampling.noise_level, z0, generator,
                                with_reference=cfg.grpo.kl_beta > 0,
-                               sde_steps=self.trained_steps if cfg.grpo.ode_after_trained else None)
+                               sde_steps=self.trained_steps if cfg.grpo.ode_after_trained else None,
+                               chunk_size=cfg.sampling.rollout_batch_size)
             with torch.no_grad():
                 images = self.model.decode(traj.latents[-1])
         rewards, parts = self.reward(images, sample_prompts)
@@ -221,7 +248,11 @@ class Trainer:
     def plan_backward(self, traj: Trajectory, backward: BackwardConfig) -> BackwardPlan:
         """The backward plan of one rollout batch under ``backward``, with this run's loss settings."""
         loss = LossSettings(self.config.grpo.clip_range, self.config.grpo.kl_beta)
-        return make_plan(backward, traj, self.trained_steps, loss)
+        if not self.sharding.enabled:
+            return make_plan(backward, traj, self.trained_steps, loss)
+        plan = make_plan(backward, traj, self.trained_steps, loss, agree=self.sharding.agree)  # same routing everywhere
+        self.sharding.check_same_plan(plan)
+        return plan
 
     def accumulate_gradients(self, traj: Trajectory, cond: Conditioning, advantages: torch.Tensor,
                              plan: BackwardPlan, on_policy: bool) -> list[BackwardResult]:
@@ -297,13 +328,15 @@ class Trainer:
         cfg = self.config
         generator = torch.Generator().manual_seed(cfg.train.eval_seed)
         z0 = initial_noise(self.model, len(self.eval_prompts), cfg.sampling.resolution, generator)
-        images = []
+        images, chunk = [], cfg.sampling.rollout_batch_size or EVAL_BATCH
         with self.accelerator.autocast(), self.averaged_weights():
-            for first in range(0, len(self.eval_prompts), 16):
-                part = slice(first, first + 16)
+            for first in range(0, len(self.eval_prompts), chunk):
+                part = slice(first, first + chunk)
                 z = ode_sample(self.model, self.model.conditioning(self.eval_prompts[part]), self.eval_sigmas, z0[part])
                 images.append(self.model.decode(z))
         images = torch.cat(images)
+        if not self.is_main:  # a sharded transformer samples on every process; rank 0 scores and writes
+            return {}
         rewards, parts = self.reward(images, self.eval_prompts)
         pictures = to_pil(images)
         self.run.write_images(self.run.samples_dir(iteration), pictures, self.eval_prompts,
@@ -334,6 +367,10 @@ class Trainer:
         if self.is_main:
             self.run.write_status("running", pid=os.getpid(), iteration=self.start_iteration - 1, total_iterations=total,
                                   message="loading", started_at=time.time())
+        if self.sharding.enabled:
+            self._log(self.sharding.describe_line())
+            if self.start_iteration == 1 and not self.is_main:
+                self.evaluate(0)  # every process takes part in a sharded transformer's forwards
         if self.start_iteration == 1 and self.is_main:
             base = {metrics.ITERATION: 0, **self.evaluate(0)}
             self.run.append_metrics(base)
@@ -358,7 +395,8 @@ class Trainer:
         identical = self._adapters_identical_across_processes()
         if self.is_main:
             self.run.write_status("finished", iteration=total, message=f"finished {total} iterations",
-                                  processes=self.accelerator.num_processes, adapters_identical=identical)
+                                  processes=self.accelerator.num_processes, adapters_identical=identical,
+                                  **({"sharding": self.sharding.record} if self.sharding.enabled else {}))
             self._log(f"finished: adapter at {self.run.lora_file}")
 
     def close(self) -> None:
@@ -406,6 +444,8 @@ class Trainer:
                 or iteration == cfg.train.iterations:
             if self.is_main:
                 row.update(self.evaluate(iteration))
+            elif self.sharding.enabled:
+                self.evaluate(iteration)  # every process takes part in a sharded transformer's forwards
         eval_part = f"  eval {row[metrics.EVAL_REWARD_MEAN]:.4f}" if metrics.EVAL_REWARD_MEAN in row else ""
         self._log(f"iter {iteration}/{cfg.train.iterations}  reward {row[metrics.REWARD_MEAN]:.4f} "
                   f"± {row[metrics.REWARD_STD]:.3f}  loss {row.get(metrics.LOSS, float('nan')):+.5f}{eval_part}"

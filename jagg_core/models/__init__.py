@@ -1,4 +1,5 @@
-"""Load a base flow model by name: a tiny in-memory one, an embedded one, a local folder or a Hub id.
+"""Load a base flow model by name: a tiny in-memory one, a real architecture with random weights
+(``random:<arch>[@<layers>]``, :mod:`.random_weights`), an embedded one, a local folder or a Hub id.
 
 The family is read from the pipeline's ``model_index.json`` (``_class_name``).
 """
@@ -6,16 +7,22 @@ The family is read from the pipeline's ``model_index.json`` (``_class_name``).
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import torch
 
+from ..archs import RANDOM_PREFIX, arch_names, is_random_model
 from ..config import ModelConfig
 from ..errors import UserError
 from ..hubclient import download, hub_offline
-from .base import FlowModel
+from .base import TEXT_ENCODERS, FlowModel, drop_text_encoders
 from .flux import FluxModel
+from .quantize import (check_quantization, pipeline_quantization, quantize_in_memory, transformer_dtype,
+                       transformer_quantization)
 from .qwen_image import QwenImageModel
+from .random_weights import build_random_model_pipeline
 from .sd3 import SD3Model
 from .tiny import TINY_BUILDERS, build_tiny_pipeline
 
@@ -46,7 +53,8 @@ def _read_model_index(name: str, revision: str | None) -> dict:
         return _parse_model_index(index)
     if local.suffix or name.startswith((".", "/", "~")) or name.count("/") != 1:
         raise UserError(f"model '{name}' is neither a local pipeline folder nor a Hub id (owner/name); "
-                        f"tiny models: {', '.join(TINY_BUILDERS)}; embedded: {', '.join(embedded_models()) or 'none'}")
+                        f"tiny models: {', '.join(TINY_BUILDERS)}; embedded: {', '.join(embedded_models()) or 'none'}"
+                        f"; random weights: {RANDOM_PREFIX}<arch>[@<layers>], arch one of {', '.join(arch_names())}")
     return _parse_model_index(download(name, "model_index.json", f"load model '{name}'", revision=revision))
 
 
@@ -61,37 +69,69 @@ def _parse_model_index(path: Path) -> dict:
     return index
 
 
-def _quantization(config: ModelConfig, device: torch.device):
-    if not config.quantize_4bit:
-        return None
-    if device.type != "cuda":
-        raise UserError("model.quantize_4bit needs a CUDA GPU (bitsandbytes NF4); set model.quantize_4bit=false on CPU")
-    from diffusers import PipelineQuantizationConfig
-    return PipelineQuantizationConfig(
-        quant_backend="bitsandbytes_4bit", components_to_quantize=["transformer"],
-        quant_kwargs={"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_compute_dtype": torch.bfloat16})
-
-
-def load_flow_model(config: ModelConfig, device: torch.device | str = "cpu", seed: int = 0) -> FlowModel:
-    """Build the :class:`FlowModel` for ``config.name`` on ``device``."""
+def load_flow_model(config: ModelConfig, device: torch.device | str = "cpu", seed: int = 0, *,
+                    text_encoders: bool = True) -> FlowModel:
+    """Build the :class:`FlowModel` for ``config.name`` on ``device``; without ``text_encoders`` the pipeline has
+    none (the prompts' embeddings come from a cache). With ``model.cache_text_embeddings`` and the encoders, the
+    transformer (quantized then, if asked) and the VAE come to the device only at
+    :meth:`FlowModel.release_text_encoders`, so the encoders and the transformer never share it."""
     device = torch.device(device)
     dtype = DTYPES[config.dtype]
-    if config.name in TINY_BUILDERS:
-        pipe = build_tiny_pipeline(config.name, seed=seed)
-        if dtype != torch.float32:
-            pipe = pipe.to(dtype=dtype)
-        return _family_for(type(pipe).__name__, config.name)(pipe, config, device)
-    source = str(ASSETS_DIR / config.name) if config.name in embedded_models() else config.name
+    defer = text_encoders and config.cache_text_embeddings
+    if config.name in TINY_BUILDERS or is_random_model(config.name):
+        if is_random_model(config.name):  # weights made in their dtype: a 20B model never exists in float32
+            pipe = build_random_model_pipeline(config.name, seed=seed, dtype=dtype)
+        else:
+            pipe = build_tiny_pipeline(config.name, seed=seed)
+            pipe = pipe.to(dtype=dtype) if dtype != torch.float32 else pipe
+        if not text_encoders:
+            drop_text_encoders(pipe)
+        prepare = partial(quantize_in_memory, pipe, config.quantize, device, dtype)
+    else:
+        source = str(ASSETS_DIR / config.name) if config.name in embedded_models() else config.name
+        later = defer and config.quantize != "none"  # a quantizer places the weights while loading them
+        pipe = _load_pipeline(config, source, device, dtype, text_encoders, transformer=not later)
+        prepare = partial(_load_quantized_transformer, pipe, config, source, device) if later else None
+    family = _family_for(type(pipe).__name__, config.name)
+    return family(pipe, config, device, defer_denoiser=defer, prepare_transformer=prepare)
+
+
+def _load_pipeline(config: ModelConfig, source: str, device: torch.device, dtype: torch.dtype, text_encoders: bool,
+                   transformer: bool):
+    """A pipeline from an embedded folder, a local folder or the Hub (only the components asked for)."""
     index = _read_model_index(source, config.revision)
-    family = _family_for(index.get("_class_name", "unknown"), config.name)
+    _family_for(index.get("_class_name", "unknown"), config.name)
     import diffusers
     pipeline_class = getattr(diffusers, index["_class_name"])
     # components saved as [null, null] (e.g. an SD3 without T5) must be passed as None explicitly
-    absent = {key: None for key, value in index.items() if value == [None, None]}
-    try:
-        pipe = pipeline_class.from_pretrained(source, revision=config.revision, torch_dtype=dtype,
+    absent = {key: None for key, value in index.items()
+              if value == [None, None] or (not text_encoders and key in TEXT_ENCODERS)
+              or (not transformer and key == "transformer")}
+    dtypes = {"transformer": transformer_dtype(config.quantize, dtype), "default": dtype}
+    quantization = pipeline_quantization(config.quantize, device) if transformer else None
+    with _loading_errors(config.name):
+        return pipeline_class.from_pretrained(source, revision=config.revision, torch_dtype=dtypes,
                                               local_files_only=Path(source).is_dir() or hub_offline(),
-                                              quantization_config=_quantization(config, device), **absent)
+                                              quantization_config=quantization, **absent)
+
+
+def _load_quantized_transformer(pipe, config: ModelConfig, source: str, device: torch.device) -> None:
+    """Load the pipeline's transformer quantized (after the text encoders are gone)."""
+    index = _read_model_index(source, config.revision)
+    import importlib
+    library, class_name = index["transformer"]
+    cls = getattr(importlib.import_module(library), class_name)
+    check_quantization(config.quantize, device)
+    with _loading_errors(config.name):
+        pipe.transformer = cls.from_pretrained(source, subfolder="transformer", revision=config.revision,
+                                               torch_dtype=transformer_dtype(config.quantize, DTYPES[config.dtype]),
+                                               local_files_only=Path(source).is_dir() or hub_offline(),
+                                               quantization_config=transformer_quantization(config.quantize))
+
+
+@contextmanager
+def _loading_errors(name: str):
+    try:
+        yield
     except (OSError, ValueError) as err:
-        raise UserError(f"could not load model '{config.name}': {str(err).splitlines()[0]}") from None
-    return family(pipe, config, device)
+        raise UserError(f"could not load model '{name}': {str(err).splitlines()[0]}") from None

@@ -8,10 +8,12 @@ from 1 (noise) to 0 (data), ``z_sigma = (1 - sigma) x0 + sigma * noise`` and ``v
 
 from __future__ import annotations
 
+import gc
 import math
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -22,9 +24,13 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 
 from ..config import LoraConfig, ModelConfig
 from ..errors import UserError
+from .quantize import is_quantized
 
 Conditioning = dict[str, torch.Tensor]
 NEGATIVE = "negative/"
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+#: prompts encoded together at set-up
+ENCODE_BATCH = 16
 
 
 def calculate_shift(image_seq_len: int, scheduler_config) -> float:
@@ -38,23 +44,59 @@ def calculate_shift(image_seq_len: int, scheduler_config) -> float:
     return image_seq_len * slope + base_shift - slope * base_len
 
 
+def drop_text_encoders(pipe) -> None:
+    """Set the pipeline's text encoders to None (its tokenizers stay)."""
+    for name in TEXT_ENCODERS:
+        if getattr(pipe, name, None) is not None:
+            setattr(pipe, name, None)
+
+
 class FlowModel(ABC):
     """A flow-matching text-to-image pipeline seen as ``v_theta(z, sigma, c)`` plus I/O."""
 
     family: str = ""
     default_lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
 
-    def __init__(self, pipe, config: ModelConfig, device: torch.device | str = "cpu"):
+    def __init__(self, pipe, config: ModelConfig, device: torch.device | str = "cpu", *, defer_denoiser: bool = False,
+                 prepare_transformer: Callable[[], None] | None = None):
+        """Frozen components go to ``device``. ``prepare_transformer`` (quantization) sets ``pipe.transformer``
+        before it is placed. With ``defer_denoiser`` the transformer and VAE wait until
+        :meth:`release_text_encoders`, so the text encoders never share the accelerator with them."""
         self.pipe = pipe
         self.config = config
         self.device = torch.device(device)
-        self._prompt_cache: dict[str, Conditioning] = {}
+        self._prompt_cache: dict[str, Conditioning] = {}  # host memory
+        self._prepare_transformer = prepare_transformer
         pipe.set_progress_bar_config(disable=True)
-        for name in ("vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
-            module = getattr(pipe, name, None)
-            if module is not None:
-                module.requires_grad_(False).eval().to(self.device)
-        self.transformer.requires_grad_(False).to(self.device)
+        for module in self.text_encoders:
+            module.requires_grad_(False).eval().to(self.device)
+        pipe.vae.requires_grad_(False).eval()
+        if config.vae_slicing:
+            pipe.vae.enable_slicing()
+        if not defer_denoiser:
+            self._place_denoiser()
+
+    def _place_denoiser(self) -> None:
+        if self._prepare_transformer is not None:
+            self._prepare_transformer()
+            self._prepare_transformer = None
+        self.pipe.vae.to(self.device)
+        self.transformer.requires_grad_(False)
+        if not is_quantized(self.transformer):  # diffusers places quantized weights when loading them
+            self.transformer.to(self.device)
+
+    @property
+    def text_encoders(self) -> list[torch.nn.Module]:
+        return [module for name in TEXT_ENCODERS if (module := getattr(self.pipe, name, None)) is not None]
+
+    def release_text_encoders(self) -> None:
+        """Drop the text encoders (device and host memory) once every prompt is encoded, then place the
+        transformer and VAE. A prompt not encoded before raises an error from then on."""
+        drop_text_encoders(self.pipe)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self._place_denoiser()
 
     # ----- the transformer and its LoRA -------------------------------------------------
     @property
@@ -125,16 +167,32 @@ class FlowModel(ABC):
             self.transformer.enable_adapters()
 
     # ----- prompts --------------------------------------------------------------------
-    def conditioning(self, prompts: list[str]) -> Conditioning:
-        """Batched conditioning tensors for ``prompts``; each prompt is encoded once and cached."""
+    def encode_and_cache(self, prompts: list[str], batch_size: int = ENCODE_BATCH) -> None:
+        """Encode the prompts not cached yet, ``batch_size`` at a time, into the host-memory cache."""
         missing = [p for p in dict.fromkeys(prompts) if p not in self._prompt_cache]
-        if missing:
+        if missing and not self.text_encoders:
+            raise UserError(f"prompt {missing[0]!r} was not encoded at set-up and the text encoders are released; "
+                            "set model.cache_text_embeddings=false to encode prompts as they come")
+        for first in range(0, len(missing), batch_size):
+            part = missing[first:first + batch_size]
             with torch.no_grad():
-                encoded = self.encode_prompts(missing)
-            for i, prompt in enumerate(missing):
-                self._prompt_cache[prompt] = {k: v[i:i + 1] for k, v in encoded.items()}
-        return {key: torch.cat([self._prompt_cache[p][key] for p in prompts])
+                encoded = self.encode_prompts(part)
+            for i, prompt in enumerate(part):
+                self._prompt_cache[prompt] = {k: v[i:i + 1].cpu() for k, v in encoded.items()}
+
+    def conditioning(self, prompts: list[str]) -> Conditioning:
+        """Batched conditioning tensors for ``prompts`` on the device; each prompt is encoded once and cached."""
+        self.encode_and_cache(prompts)
+        return {key: torch.cat([self._prompt_cache[p][key] for p in prompts]).to(self.device)
                 for key in self._prompt_cache[prompts[0]]}
+
+    @property
+    def cached_embeddings(self) -> dict[str, Conditioning]:
+        """Prompt -> its conditioning tensors (host memory), as :meth:`load_embeddings` takes them back."""
+        return dict(self._prompt_cache)
+
+    def load_embeddings(self, embeddings: dict[str, Conditioning]) -> None:
+        self._prompt_cache.update(embeddings)
 
     @staticmethod
     def tile_conditioning(cond: Conditioning, times: int) -> Conditioning:
@@ -160,6 +218,10 @@ class FlowModel(ABC):
     def encode_prompts(self, prompts: list[str]) -> Conditioning:
         """Encode prompts into batched tensors; with CFG also the negative prompt, under the same
         keys prefixed by ``NEGATIVE``."""
+
+    @abstractmethod
+    def conditioning_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shape of one prompt's conditioning tensors without CFG, from the configs alone (memory plan)."""
 
     @abstractmethod
     def latent_shape(self, resolution: int) -> tuple[int, ...]:

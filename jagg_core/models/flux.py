@@ -27,11 +27,11 @@ class FluxModel(PackedFlowModel):
                             "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
                             "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2")
 
-    def __init__(self, pipe, config: ModelConfig, device: torch.device | str = "cpu"):
+    def __init__(self, pipe, config: ModelConfig, device: torch.device | str = "cpu", **placement):
         if config.max_sequence_length > MAX_T5_TOKENS:
             raise UserError(f"model.max_sequence_length is {config.max_sequence_length}; "
                             f"FLUX allows at most {MAX_T5_TOKENS}")
-        super().__init__(pipe, config, device)
+        super().__init__(pipe, config, device, **placement)
 
     def encode_without_cfg(self, prompts: list[str]) -> Conditioning:
         embeds, pooled, _text_ids = self.pipe.encode_prompt(prompt=prompts, prompt_2=None, device=self.device,
@@ -51,6 +51,11 @@ class FluxModel(PackedFlowModel):
                                 pooled_projections=cond["pooled_projections"].to(dtype),
                                 encoder_hidden_states=embeds.to(dtype), txt_ids=text_ids, img_ids=image_ids,
                                 return_dict=False)[0].float()
+
+    def conditioning_shapes(self) -> dict[str, tuple[int, ...]]:
+        config = self.transformer.config
+        return {"prompt_embeds": (self.config.max_sequence_length, config.joint_attention_dim),
+                "pooled_projections": (config.pooled_projection_dim,)}
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
         """``x = vae.decode(unpack(z) / scaling_factor + shift_factor)``, mapped from [-1, 1] to [0, 1]."""

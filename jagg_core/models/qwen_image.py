@@ -32,15 +32,21 @@ class QwenImageModel(PackedFlowModel):
         return {"prompt_embeds": F.pad(embeds, (0, 0, 0, pad)), "prompt_embeds_mask": F.pad(mask, (0, pad))}
 
     def transformer_velocity(self, z: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        """Without ``prompt_embeds_mask`` every text token is attended (the memory plan's upper bound)."""
         dtype = self.transformer.dtype
-        mask = cond["prompt_embeds_mask"].bool()
-        used = int(mask.any(dim=0).nonzero().max()) + 1
-        mask = mask[:, :used]
+        embeds, mask = cond["prompt_embeds"], cond.get("prompt_embeds_mask")
+        if mask is not None:
+            mask = mask.bool()
+            used = int(mask.any(dim=0).nonzero().max()) + 1
+            embeds, mask = embeds[:, :used], mask[:, :used]
+            mask = None if bool(mask.all()) else mask
         side = self.token_grid(z)
         return self.transformer(hidden_states=z.to(dtype), timestep=sigma.to(dtype),
-                                encoder_hidden_states=cond["prompt_embeds"][:, :used].to(dtype),
-                                encoder_hidden_states_mask=None if bool(mask.all()) else mask,
+                                encoder_hidden_states=embeds.to(dtype), encoder_hidden_states_mask=mask,
                                 img_shapes=[[(1, side, side)]] * z.shape[0], return_dict=False)[0].float()
+
+    def conditioning_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {"prompt_embeds": (self.config.max_sequence_length, self.transformer.config.joint_attention_dim)}
 
     def guide(self, v_neg: torch.Tensor, v_pos: torch.Tensor) -> torch.Tensor:
         """QwenImagePipeline's true CFG: ``c = v_neg + g (v_pos - v_neg)``, rescaled per token to the

@@ -23,6 +23,14 @@ class SD3Model(FlowModel):
             cond.update({NEGATIVE + "prompt_embeds": neg_embeds, NEGATIVE + "pooled_projections": neg_pooled})
         return cond
 
+    def conditioning_shapes(self) -> dict[str, tuple[int, ...]]:
+        """CLIP states padded to the joint width (the CLIP context, 77 without a tokenizer) followed by the
+        ``max_sequence_length`` T5 states (zeros without T5), and the pooled CLIP-L + CLIP-G projections."""
+        config = self.transformer.config
+        clip_tokens = self.pipe.tokenizer.model_max_length if self.pipe.tokenizer is not None else 77
+        return {"prompt_embeds": (clip_tokens + self.config.max_sequence_length, config.joint_attention_dim),
+                "pooled_projections": (config.pooled_projection_dim,)}
+
     def latent_shape(self, resolution: int) -> tuple[int, ...]:
         size = resolution // self.pipe.vae_scale_factor
         return (self.transformer.config.in_channels, size, size)

@@ -74,6 +74,8 @@ class RewardEntry:
     name: str
     implementation: str
     options: type[RewardOptions] = NoOptions
+    #: millions of parameters of the default scoring model, held in float32 on the training device (memory plan)
+    device_params_m: float = 0.0
 
     def load_class(self):
         module, _, cls = self.implementation.partition(":")
@@ -84,11 +86,11 @@ CATALOG: dict[str, RewardEntry] = {entry.name: entry for entry in [
     RewardEntry("shapes", "shapes:ShapesReward"),
     RewardEntry("jpeg_compressibility", "jpeg:JpegCompressibility"),
     RewardEntry("jpeg_incompressibility", "jpeg:JpegIncompressibility"),
-    RewardEntry("clip_score", "clip:ClipScore", ClipOptions),
-    RewardEntry("pickscore", "clip:PickScore", PickScoreOptions),
-    RewardEntry("aesthetic", "clip:Aesthetic", AestheticOptions),
-    RewardEntry("hpsv2", "packaged:HPSv2", HpsOptions),
-    RewardEntry("image_reward", "packaged:ImageReward", ImageRewardOptions),
+    RewardEntry("clip_score", "clip:ClipScore", ClipOptions, 428),
+    RewardEntry("pickscore", "clip:PickScore", PickScoreOptions, 986),
+    RewardEntry("aesthetic", "clip:Aesthetic", AestheticOptions, 429),
+    RewardEntry("hpsv2", "packaged:HPSv2", HpsOptions, 986),
+    RewardEntry("image_reward", "packaged:ImageReward", ImageRewardOptions, 447),
     RewardEntry("ocr", "ocr:OcrReward", OcrOptions),
     RewardEntry("http", "remote:HttpReward", HttpOptions),
 ]}

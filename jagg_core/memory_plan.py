@@ -1,0 +1,471 @@
+"""The expected peak accelerator memory of a run, by part, from the model's configs alone (no weights).
+
+    python -m jagg_core.run --preset P --plan [--gpu-memory GB]
+
+How it is computed:
+
+- **Weights**: every component is instantiated on the ``meta`` device from its config (the shipped configs of
+  :mod:`jagg_core.archs` for the known models, a local folder's, or the Hub's ``config.json`` files), so
+  parameter counts are exact. Bytes per parameter follow ``model.dtype``; with ``model.quantize`` the linear
+  layers of the transformer take 0.516 (NF4 with double quantization: 4 bits, one 8-bit scale per 64
+  weights, one float32 per 256 scales) or 1 byte (int8, plus a 2-byte scale per output channel).
+- **LoRA**: the adapter is added to the meta transformer (peft), so its size is exact: float32 weights,
+  gradients, AdamW's two moments (float32, or 1 byte each with ``adamw8bit``) and the EMA copy.
+- **Activations** are measured, not guessed: the family's own velocity call (CFG included) and VAE decode
+  run on meta tensors at the run's batch sizes and resolution, and :class:`LiveBytes` follows every tensor
+  they create and free; its high-water mark is the phase's transient. The backward runs the forward with
+  grad and the backward itself (with gradient checkpointing when on), ``2 x`` the micro-batch when JAGG's
+  endpoints are joint. Mixed precision runs these in the compute dtype.
+- **Fixed parts**: the rollout batch's trajectory (latents, velocities, reference velocities, float32),
+  its conditioning and decoded images; the reward model (its catalog size, float32).
+- **Phases**: set-up (the text encoders alone: the transformer and VAE come to the device after them),
+  rollout forward, VAE decode, backward. The peak is the largest phase's resident parts plus its transient.
+
+GB are 10^9 bytes (a "16 GB" card has 16 GiB = 17.2 GB, so a plan at 16 GB leaves it ~1 GB of margin).
+Not counted: the CUDA context (~0.3-0.5 GB outside ``max_memory_allocated``), allocator fragmentation, and
+reward models other than the catalog's defaults. Text-encoder activations at set-up are estimated from
+their widths (one layer's largest tensors); their weights dominate that phase.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import weakref
+from unittest import mock
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from .archs import arch_folder, arch_for_model, is_random_model
+from .config import RunConfig
+from .errors import UserError
+from .models import ASSETS_DIR, DTYPES, FAMILIES, embedded_models
+from .models.base import ENCODE_BATCH, NEGATIVE
+from .models.random_weights import build_random_model_pipeline
+from .models.tiny import TINY_BUILDERS
+from .rewards.catalog import reward_entry
+
+GB = 1e9
+META = torch.device("meta")
+#: bytes per weight of a quantized linear layer (see the module docstring)
+QUANTIZED_BYTES = {"nf4": 0.5 + 1 / 64 + 4 / (64 * 256), "int8": 1.0}
+#: the largest single accelerator on sale (GB); a plan above it cannot run on one
+LARGEST_GPU_GB = 192
+#: the GPUs the README and the app name, with their memory (GB)
+GPU_SIZES = {"16 GB (RTX 4060 Ti/4080)": 16, "24 GB (RTX 3090/4090, L4, A10G)": 24, "48 GB (L40S, A6000)": 48,
+             "80 GB (A100/H100)": 80}
+
+
+class LiveBytes(TorchDispatchMode):
+    """The bytes of tensor storage alive, and their high-water mark, of everything run under this mode.
+
+    Each op's outputs are followed by storage (views share one); a storage counts from the op that made it
+    until it is freed. Storages that existed before (``ignore``: weights, inputs) never count. Works on real
+    and on ``meta`` tensors, so the same instrument measures a run and plans one."""
+
+    def __init__(self, ignore: list[torch.Tensor] = ()):
+        super().__init__()
+        self.current = self.peak = 0
+        self._live: dict[int, weakref.ref] = {}
+        self._ignored = {t.untyped_storage()._cdata for t in ignore}
+
+    def _follow(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if key in self._live or key in self._ignored:
+            return
+        size = storage.nbytes()
+
+        def freed(_ref, key=key, size=size):
+            if self._live.pop(key, None) is not None:
+                self.current -= size
+
+        self._live[key] = weakref.ref(storage, freed)
+        self.current += size
+        self.peak = max(self.peak, self.current)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for item in tree_flatten(out)[0]:
+            if isinstance(item, torch.Tensor):
+                self._follow(item)
+        return out
+
+
+# ----- the model on the meta device ---------------------------------------------------------------------
+def _model_folder(name: str, revision: str | None) -> Path:
+    """The pipeline folder whose configs describe ``model.name`` (embedded, local, shipped or the Hub's)."""
+    if name in embedded_models():
+        return ASSETS_DIR / name
+    local = Path(name).expanduser()
+    if local.is_dir():
+        return local
+    arch = arch_for_model(name)
+    if arch is not None:
+        return arch_folder(arch)
+    return _hub_configs(name, revision)
+
+
+def _hub_configs(name: str, revision: str | None) -> Path:
+    """A Hub model's ``model_index.json`` and component ``config.json`` files (no weights); their snapshot folder."""
+    from .hubclient import download
+    if name.count("/") != 1 or name.startswith((".", "/", "~")):
+        raise UserError(f"model '{name}' is neither a tiny model, a local pipeline folder nor a Hub id (owner/name); "
+                        "a memory plan needs its configs")
+    purpose = f"plan the memory of '{name}'"
+    index_file = download(name, "model_index.json", purpose, revision=revision)
+    index = json.loads(index_file.read_text())
+    for component, value in index.items():
+        if isinstance(value, list) and value[0] in ("diffusers", "transformers") and not component.startswith("sched"):
+            if "tokenizer" not in component:
+                download(name, f"{component}/config.json", purpose, revision=revision)
+    return index_file.parent
+
+
+def _meta_component(folder: Path, component: str, library: str, class_name: str):
+    """One pipeline component instantiated on the meta device from its config."""
+    import importlib
+    cls = getattr(importlib.import_module(library), class_name)
+    path = folder / component
+    with META:
+        if library == "diffusers":
+            return cls.from_config(cls.load_config(path))
+        from transformers import AutoConfig
+        return cls._from_config(AutoConfig.from_pretrained(path))
+
+
+def meta_pipeline(name: str, revision: str | None = None):
+    """The pipeline of ``model.name`` with every weight on the meta device (tokenizers where shipped)."""
+    import diffusers
+    if name in TINY_BUILDERS:
+        with META:
+            return TINY_BUILDERS[name]()
+    if is_random_model(name):
+        return build_random_model_pipeline(name, device=META)
+    folder = _model_folder(name, revision)
+    index = json.loads((folder / "model_index.json").read_text())
+    pipeline_class = getattr(diffusers, index["_class_name"], None)
+    if index["_class_name"] not in FAMILIES or pipeline_class is None:
+        raise UserError(f"model '{name}' is a {index['_class_name']}; supported pipelines: {', '.join(FAMILIES)}")
+    parts = {}
+    for component, value in index.items():
+        if component.startswith("_") or not isinstance(value, list):
+            continue
+        library, class_name = value
+        if library is None:
+            parts[component] = None
+        elif component.startswith("scheduler"):
+            parts[component] = diffusers.FlowMatchEulerDiscreteScheduler()
+        elif "tokenizer" in component:
+            parts[component] = _tokenizer(folder / component, library, class_name)
+        else:
+            parts[component] = _meta_component(folder, component, library, class_name)
+    return pipeline_class(**parts)
+
+
+def _tokenizer(path: Path, library: str, class_name: str):
+    """The component's tokenizer when its files are in the folder (the embedded model), else None."""
+    if not path.is_dir() or not any(path.iterdir()) or library != "transformers":
+        return None
+    import transformers
+    try:
+        return getattr(transformers, class_name).from_pretrained(path)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+# ----- the plan ------------------------------------------------------------------------------------------
+def _bytes(module: torch.nn.Module | None) -> int:
+    if module is None:
+        return 0
+    return sum(p.numel() * p.element_size() for p in module.parameters()) + \
+        sum(b.numel() * b.element_size() for b in module.buffers())
+
+
+def _params(module: torch.nn.Module | None) -> int:
+    return 0 if module is None else sum(p.numel() for p in module.parameters())
+
+
+def _transformer_bytes(transformer: torch.nn.Module, quantize: str, element_size: int) -> int:
+    """Weights of the frozen transformer (LoRA excluded) in ``model.dtype`` or quantized (linear layers)."""
+    total = 0
+    for name, module in transformer.named_modules():
+        if "lora_" in name:
+            continue
+        for pname, param in module.named_parameters(recurse=False):
+            count = param.numel()
+            if quantize != "none" and isinstance(module, torch.nn.Linear) and pname == "weight":
+                total += count * QUANTIZED_BYTES[quantize] + (2 * param.shape[0] if quantize == "int8" else 0)
+            else:
+                total += count * element_size
+    return int(total)
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes of each resident part during training, of each phase's transient, and the peak."""
+
+    model: str
+    family: str
+    resolution: int
+    resident: dict[str, float] = field(default_factory=dict)
+    setup: dict[str, float] = field(default_factory=dict)
+    phases: dict[str, float] = field(default_factory=dict)       # transient of each training phase
+    phase_parts: dict[str, float] = field(default_factory=dict)  # extra resident of each phase (trajectory, ...)
+
+    def phase_total(self, phase: str) -> float:
+        return sum(self.resident.values()) + self.phase_parts.get(phase, 0.0) + self.phases[phase]
+
+    @property
+    def totals(self) -> dict[str, float]:
+        totals = {phase: self.phase_total(phase) for phase in self.phases}
+        totals["set-up"] = sum(self.setup.values())
+        return totals
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.totals, key=self.totals.get)
+
+    @property
+    def total(self) -> float:
+        return max(self.totals.values())
+
+    def table(self) -> str:
+        """The plan as text: the parts, the phases, the peak (GB = 10^9 bytes)."""
+        lines = [f"Memory plan: {self.model} ({self.family}, {self.resolution} px), GB of accelerator memory",
+                 "  resident during training:"]
+        lines += [f"    {name:<58} {size / GB:8.2f}" for name, size in self.resident.items()]
+        lines.append("  set-up (prompts encoded, text encoders then released):")
+        lines += [f"    {name:<58} {size / GB:8.2f}" for name, size in self.setup.items()]
+        lines.append("  phases (resident + the phase's own tensors + its transient activations):")
+        for phase in self.phases:
+            extra = self.phase_parts.get(phase, 0.0)
+            lines.append(f"    {phase:<42} +{extra / GB:6.2f} +{self.phases[phase] / GB:6.2f} = "
+                         f"{self.phase_total(phase) / GB:6.2f}")
+        lines.append(f"  peak: {self.total / GB:.2f} GB ({self.peak_phase})")
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict:
+        return {"model": self.model, "family": self.family, "resolution": self.resolution,
+                "resident_gb": {k: v / GB for k, v in self.resident.items()},
+                "setup_gb": {k: v / GB for k, v in self.setup.items()},
+                "phase_totals_gb": {k: v / GB for k, v in self.totals.items()},
+                "peak_phase": self.peak_phase, "total_gb": self.total / GB}
+
+
+def _flash_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **_):
+    """Attention as a GPU's flash / memory-efficient kernels hold it: the output and one float per query row,
+    never the score matrix (which the meta device's math fallback would make). Stands in for
+    ``scaled_dot_product_attention`` while a plan traces: its result is meta, only its memory counts."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, dropout_p, is_causal,
+                                                                      scale=scale)[0]
+
+
+def _traced(run, ignore) -> int:
+    """High-water mark of the tensors ``run()`` creates (bytes), with attention counted as on a GPU."""
+    meter = LiveBytes(ignore=ignore)
+    with mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", _flash_attention), meter:
+        run()
+    return meter.peak
+
+
+def _text_encoder_activations(encoder: torch.nn.Module, tokens: int, element: int) -> int:
+    """A text encoder's inference transient at set-up: one layer's widest tensors for :data:`ENCODE_BATCH` prompts
+    (hidden states in and out, the feed-forward's inner width, the attention scores)."""
+    config = getattr(encoder.config, "text_config", encoder.config)
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "d_model")
+    inner = getattr(config, "intermediate_size", None) or getattr(config, "d_ff", 4 * hidden)
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "num_heads")
+    return ENCODE_BATCH * tokens * (2 * hidden + 2 * inner + heads * tokens) * element
+
+
+def plan_memory(config: RunConfig) -> MemoryPlan:
+    """The memory plan of ``config`` (see the module docstring)."""
+    cfg = config
+    pipe = meta_pipeline(cfg.model.name, cfg.model.revision)
+    family_class = FAMILIES[type(pipe).__name__]
+    dtype = DTYPES[cfg.model.dtype]
+    compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.mixed_precision, dtype)
+    if cfg.model.quantize != "none":
+        compute = torch.bfloat16
+    with META:
+        pipe = pipe.to(dtype=compute)
+    model = family_class(pipe, cfg.model, META)
+    transformer = model.transformer
+    element = torch.tensor([], dtype=dtype).element_size()
+    plan = MemoryPlan(cfg.model.name, model.family, cfg.sampling.resolution)
+
+    # ----- resident weights
+    frozen_bytes = _transformer_bytes(transformer, cfg.model.quantize, element)
+    quant = f", {cfg.model.quantize}" if cfg.model.quantize != "none" else ""
+    plan.resident[f"transformer ({_params(transformer) / 1e9:.2f} B params, {cfg.model.dtype}{quant})"] = frozen_bytes
+    vae_bytes = _params(pipe.vae) * element
+    plan.resident[f"VAE ({_params(pipe.vae) / 1e6:.0f} M, {cfg.model.dtype})"] = vae_bytes
+    encoders = model.text_encoders
+    encoder_bytes = sum(_params(e) for e in encoders) * element
+    encoder_names = " + ".join(type(e).__name__.removesuffix("Model").removesuffix("ForConditionalGeneration")
+                               for e in encoders)
+    if not cfg.model.cache_text_embeddings:
+        plan.resident[f"text encoders ({encoder_names})"] = encoder_bytes
+    for spec in cfg.rewards:
+        params = reward_entry(spec.name).device_params_m * 1e6
+        if params:
+            plan.resident[f"reward {spec.name} ({params / 1e6:.0f} M, float32)"] = params * 4
+
+    lora = model.add_lora(cfg.lora)
+    lora_count = sum(p.numel() for p in lora)
+    for param in lora:  # under mixed precision the LoRA computes (and saves its inputs) in the compute dtype
+        param.data = param.data.to(compute)
+    state_bytes = 2 if cfg.train.optimizer == "adamw8bit" else 8
+    ema = 4 if cfg.train.ema_decay > 0 else 0
+    plan.resident[f"LoRA ({lora_count / 1e6:.1f} M): weights, AdamW states{', EMA' if ema else ''} (fp32)"] = \
+        lora_count * (4 + state_bytes + ema)
+
+    # ----- set-up: the text encoders encode every prompt, then leave
+    if cfg.model.cache_text_embeddings and encoders:
+        tokens = max(cfg.model.max_sequence_length, 77)
+        plan.setup[f"text encoders ({encoder_names}, {cfg.model.dtype})"] = encoder_bytes
+        plan.setup[f"encoding {ENCODE_BATCH} prompts at a time"] = max(
+            _text_encoder_activations(e, tokens, element) for e in encoders)
+
+    # ----- the rollout batch's tensors
+    samples = cfg.grpo.num_generations * cfg.grpo.prompts_per_iteration
+    latent = model.latent_shape(cfg.sampling.resolution)
+    latent_numel = math.prod(latent)
+    steps = cfg.sampling.num_steps
+    trained = max(1, math.ceil(steps * cfg.grpo.timestep_fraction))
+    noisy = trained if cfg.grpo.ode_after_trained else steps
+    reference = noisy if cfg.grpo.kl_beta > 0 else 0
+    trajectory = samples * latent_numel * 4 * ((steps + 1) + steps + reference)
+    cond_shapes = model.conditioning_shapes()
+    if model.use_cfg:
+        cond_shapes.update({NEGATIVE + k: v for k, v in cond_shapes.items()})
+    cond_bytes = samples * sum(math.prod(shape) for shape in cond_shapes.values()) * compute.itemsize
+    images = samples * 3 * cfg.sampling.resolution ** 2 * 4
+
+    def conditioning(batch: int) -> dict[str, torch.Tensor]:
+        return {k: torch.zeros((batch, *shape), dtype=compute, device=META) for k, shape in cond_shapes.items()}
+
+    weights = [p for p in transformer.parameters()] + [b for b in transformer.buffers()] + \
+        [p for p in pipe.vae.parameters()] + [b for b in pipe.vae.buffers()]
+
+    chunk = cfg.sampling.rollout_batch_size or samples
+    eval_chunk = min(cfg.prompts.eval_count, cfg.sampling.rollout_batch_size or 16)
+    sigma = torch.full((1,), 0.5, device=META)
+
+    def forward(batch: int) -> None:
+        with torch.no_grad():
+            model.velocity(torch.zeros((batch, *latent), device=META), sigma.expand(batch), conditioning(batch))
+
+    plan.phase_parts["rollout forward"] = trajectory + cond_bytes
+    plan.phases["rollout forward"] = _traced(lambda: forward(max(chunk, eval_chunk)), weights)
+
+    def decode() -> None:
+        with torch.no_grad():
+            model.decode(torch.zeros((samples, *latent), device=META))
+
+    plan.phase_parts["VAE decode"] = trajectory + cond_bytes
+    plan.phases["VAE decode"] = _traced(decode, weights)
+
+    micro = math.ceil(samples / cfg.train.gradient_accumulation_steps)
+    stacked = micro * (2 if cfg.backward.mode == "jagg" and cfg.backward.joint else 1)
+    if cfg.train.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    transformer.train()
+
+    def backward() -> None:
+        z = torch.zeros((stacked, *latent), device=META)
+        velocity = model.velocity(z, sigma.expand(stacked), conditioning(stacked))
+        (velocity * torch.zeros_like(velocity)).sum().backward()
+
+    plan.phase_parts["backward"] = trajectory + cond_bytes + images + lora_count * 4
+    plan.phases["backward"] = _traced(backward, weights) + _dequantized_weight(transformer, cfg.model.quantize)
+    return plan
+
+
+def _dequantized_weight(transformer: torch.nn.Module, quantize: str) -> int:
+    """A quantized linear layer computes with its weight dequantized to bf16: the largest one's bytes."""
+    if quantize == "none":
+        return 0
+    return max(m.weight.numel() * 2 for name, m in transformer.named_modules()
+               if isinstance(m, torch.nn.Linear) and "lora_" not in name)
+
+
+# ----- what fits -------------------------------------------------------------------------------------------
+def _memory_savers(config: RunConfig) -> list[tuple[str, object]]:
+    """Config changes that lower the peak, the ones that keep the training's result first: the same gradient
+    at more time (sequential endpoints, checkpointing, smaller rollout chunks and micro-batches), then fewer
+    bits (8-bit AdamW, int8, NF4 weights), then a lower resolution (a different run)."""
+    cfg = config
+    samples = cfg.grpo.num_generations * cfg.grpo.prompts_per_iteration
+    savers: list[tuple[str, object]] = []
+    if cfg.backward.mode == "jagg" and cfg.backward.joint:
+        savers.append(("backward.joint", False))
+    if not cfg.train.gradient_checkpointing:
+        savers.append(("train.gradient_checkpointing", True))
+    chunk = cfg.sampling.rollout_batch_size or samples
+    savers += [("sampling.rollout_batch_size", size) for size in (8, 4, 2, 1) if size < chunk]
+    micro = math.ceil(samples / cfg.train.gradient_accumulation_steps)
+    savers += [("train.gradient_accumulation_steps", math.ceil(samples / size)) for size in (8, 4, 2, 1)
+               if size < micro]
+    if cfg.train.optimizer == "adamw":
+        savers.append(("train.optimizer", "adamw8bit"))
+    if cfg.model.quantize == "none":
+        savers.append(("model.quantize", "int8"))
+    if cfg.model.quantize != "nf4":
+        savers.append(("model.quantize", "nf4"))
+    savers += [("sampling.resolution", r) for r in (768, 512, 384, 256) if r < cfg.sampling.resolution]
+    return savers
+
+
+def _changed(config: RunConfig, key: str, value) -> RunConfig:
+    data = config.model_dump(mode="json")
+    section, name = key.split(".")
+    data[section][name] = value
+    return RunConfig.model_validate(data)
+
+
+def cheapest_fit(config: RunConfig, budget_gb: float) -> tuple[list[str], MemoryPlan] | None:
+    """The first changes of :func:`_memory_savers`, applied in turn, after which the plan fits ``budget_gb``: the
+    ``--set`` overrides and the plan; None when even all of them do not fit."""
+    changes: dict[str, object] = {}
+    for key, value in _memory_savers(config):
+        config = _changed(config, key, value)
+        changes[key] = value
+        plan = plan_memory(config)
+        if plan.total <= budget_gb * GB:
+            return [f"{k}={json.dumps(v)}" for k, v in changes.items()], plan
+    return None
+
+
+def check_fits(plan: MemoryPlan, config: RunConfig, budget_gb: float | None) -> str:
+    """Whether the plan fits ``budget_gb`` (GB of the GPU), as the line to show; a plan that no single GPU holds
+    is a :class:`UserError` naming what would fit the largest one."""
+    if plan.total > LARGEST_GPU_GB * GB:
+        fix = cheapest_fit(config, LARGEST_GPU_GB)
+        hint = f"; with --set {' --set '.join(fix[0])} it plans {fix[1].total / GB:.1f} GB" if fix else \
+            "; lower sampling.resolution, grpo.num_generations or the model size"
+        raise UserError(f"this run plans {plan.total / GB:.1f} GB, more than any single GPU "
+                        f"({LARGEST_GPU_GB} GB){hint}")
+    if budget_gb is None:
+        return f"planned peak {plan.total / GB:.1f} GB"
+    if plan.total <= budget_gb * GB:
+        return f"fits: planned peak {plan.total / GB:.1f} GB of {budget_gb:.1f} GB"
+    fix = cheapest_fit(config, budget_gb)
+    if fix is None:
+        return (f"does not fit: planned peak {plan.total / GB:.1f} GB, the GPU has {budget_gb:.1f} GB, and no "
+                "setting change fits; use a larger GPU or shard with presets/accelerate/fsdp.yaml")
+    return (f"does not fit: planned peak {plan.total / GB:.1f} GB, the GPU has {budget_gb:.1f} GB; cheapest change "
+            f"that fits: --set {' --set '.join(fix[0])} (plans {fix[1].total / GB:.1f} GB)")
+
+
+def gpu_free_gb() -> float | None:
+    """Free memory of the first CUDA GPU (GB), None without one."""
+    if not torch.cuda.is_available():
+        return None
+    free, _total = torch.cuda.mem_get_info()
+    return free / GB

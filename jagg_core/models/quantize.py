@@ -1,0 +1,80 @@
+"""The frozen base transformer in fewer bits, through diffusers' quantizers; the LoRA on top stays float32.
+
+- ``nf4``: 4-bit NormalFloat with double quantization (bitsandbytes, QLoRA): about 0.53 bytes per weight of
+  the linear layers, bf16 compute. diffusers' bitsandbytes quantizer needs a CUDA GPU.
+- ``int8``: 8-bit weight-only with per-channel scales (torchao ``Int8WeightOnlyConfig``): about 1 byte per
+  weight of the linear layers; the activations stay in the compute dtype, so there is no outlier
+  decomposition (bitsandbytes LLM.int8's slow path) and the same code runs on a CPU (tested there) and a
+  GPU. peft adds LoRA to both kinds of layers.
+
+Models loaded from a folder or the Hub are quantized while loading (``PipelineQuantizationConfig``);
+a pipeline built in memory (tiny and random-weight models) has its transformer saved to a temporary
+folder and loaded back the same way, so every model goes through the one diffusers path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import tempfile
+
+import torch
+
+from ..errors import UserError
+
+QUANTIZATIONS = ("nf4", "int8")
+
+
+def check_quantization(kind: str, device: torch.device) -> None:
+    """One-line errors for a quantization this machine cannot run."""
+    if kind == "nf4" and device.type != "cuda":
+        raise UserError("model.quantize=nf4 needs a CUDA GPU (bitsandbytes NF4); on a CPU use model.quantize=int8 "
+                        "or none")
+    if kind == "nf4" and importlib.util.find_spec("bitsandbytes") is None:
+        raise UserError("model.quantize=nf4 needs bitsandbytes: pip install bitsandbytes")
+    if kind == "int8" and importlib.util.find_spec("torchao") is None:
+        raise UserError("model.quantize=int8 needs torchao: pip install torchao")
+
+
+def transformer_dtype(kind: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the transformer's unquantized weights and compute: ``model.dtype``, bfloat16 when quantized
+    (the dtype both quantizers compute in)."""
+    return dtype if kind == "none" else torch.bfloat16
+
+
+def transformer_quantization(kind: str):
+    """The diffusers quantization config of the transformer for ``kind`` (``nf4`` | ``int8``)."""
+    if kind == "nf4":
+        from diffusers import BitsAndBytesConfig
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                  bnb_4bit_compute_dtype=torch.bfloat16)
+    from diffusers import TorchAoConfig
+    from torchao.quantization import Int8WeightOnlyConfig
+    return TorchAoConfig(Int8WeightOnlyConfig())
+
+
+def pipeline_quantization(kind: str, device: torch.device):
+    """``quantization_config`` for ``Pipeline.from_pretrained``: the transformer only, or None for ``none``."""
+    if kind == "none":
+        return None
+    check_quantization(kind, device)
+    from diffusers import PipelineQuantizationConfig
+    return PipelineQuantizationConfig(quant_mapping={"transformer": transformer_quantization(kind)})
+
+
+def quantize_in_memory(pipe, kind: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Replace ``pipe.transformer`` (built in memory) by its quantized reload, on ``device``."""
+    if kind == "none":
+        return
+    check_quantization(kind, device)
+    transformer = pipe.transformer
+    with tempfile.TemporaryDirectory() as folder:
+        transformer.save_pretrained(folder)
+        kwargs = {"device_map": str(device)} if device.type == "cuda" else {}
+        pipe.transformer = type(transformer).from_pretrained(
+            folder, quantization_config=transformer_quantization(kind), torch_dtype=transformer_dtype(kind, dtype),
+            **kwargs)
+
+
+def is_quantized(module: torch.nn.Module) -> bool:
+    """Whether diffusers loaded ``module`` through a quantizer (it can then not change dtype or device)."""
+    return getattr(module, "hf_quantizer", None) is not None or bool(getattr(module, "is_quantized", False))

@@ -1,0 +1,146 @@
+"""Real architectures with random weights, built in memory from the configs shipped in :mod:`jagg_core.archs`.
+
+``model.name = random:<arch>`` (e.g. ``random:flux-dev``) or ``random:<arch>@<layers>`` gives a real diffusers
+pipeline (``StableDiffusion3Pipeline``, ``FluxPipeline``, ``QwenImagePipeline``) in which
+
+- the **transformer** is the arch's own (``transformer/config.json`` of the Hub repo) with seeded random
+  weights, its depth optionally cut to ``layers`` blocks: SD3.5 keeps the same share of dual-attention
+  blocks (the first ones, as in SD3.5-Medium), FLUX splits the blocks between double- and single-stream in
+  the real model's proportion (19 : 38), at least one of each;
+- the **VAE** and the **scheduler** are the arch's own (random VAE weights, the real scheduler config);
+- the **text encoders** are width-true stand-ins: the real classes with the real hidden and projection
+  sizes (CLIP-L 768, OpenCLIP-bigG 1280, T5-XXL 4096, Qwen2.5-VL 3584, the real attention widths), so the
+  conditioning tensors have the real shapes, but one layer, a small feed-forward, and the in-memory
+  character tokenizers of :mod:`jagg_core.models.tiny` (nothing is downloaded; the token sequences are
+  longer than real ones for the same prompt, the tensors' lengths are fixed by the pipeline's
+  ``max_sequence_length`` padding as with real tokenizers).
+
+So the transformer's compute and memory, for any resolution and depth, are those of the real model, and its
+LoRA targets are the real module names: what the benchmarks and memory plans of real models need, on any
+machine, with no access to gated weights. The images are noise.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+
+import torch
+import transformers
+from diffusers import FlowMatchEulerDiscreteScheduler
+
+from ..archs import arch_folder, parse_random_model, with_depth
+from .tiny import tiny_clip_tokenizer, tiny_qwen_tokenizer, tiny_t5_tokenizer
+
+#: feed-forward width of the stand-in text encoders (their one layer)
+STAND_IN_INTERMEDIATE = 256
+#: attention heads of the T5 stand-in (T5-XXL: 64 heads of 64); the output width stays d_model
+STAND_IN_T5_HEADS = 2
+
+
+def _component_class(library: str, name: str):
+    import diffusers
+    return getattr(diffusers if library == "diffusers" else transformers, name)
+
+
+def _real_config(folder, component: str) -> transformers.PretrainedConfig:
+    """The shipped transformers config, without its ``torch_dtype`` (the stored weights' dtype, which transformers
+    would otherwise create parts of the model in)."""
+    config = transformers.AutoConfig.from_pretrained(folder / component)
+    config.dtype = None
+    return config
+
+
+def clip_stand_in(folder, component: str, model_class, vocab_size: int):
+    """The CLIP text encoder of ``component`` at its real width and head count, one layer, character vocab."""
+    config = _real_config(folder, component)
+    config.update({"num_hidden_layers": 1, "intermediate_size": STAND_IN_INTERMEDIATE, "vocab_size": vocab_size,
+                   "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1})
+    return model_class(config)
+
+
+def t5_stand_in(folder, component: str, vocab_size: int):
+    """T5 encoder of the real ``d_model`` (and ``d_kv``), one layer, two heads, a small gated feed-forward."""
+    config = _real_config(folder, component)
+    config.update({"num_layers": 1, "num_decoder_layers": 1, "num_heads": STAND_IN_T5_HEADS,
+                   "d_ff": STAND_IN_INTERMEDIATE, "vocab_size": vocab_size, "pad_token_id": 0, "eos_token_id": 1,
+                   "decoder_start_token_id": 0})
+    return transformers.T5EncoderModel(config)
+
+
+def qwen_vl_stand_in(folder, component: str, tokenizer):
+    """Qwen2.5-VL with the real text width, heads and multimodal rotary sections, one layer, a small
+    feed-forward and a tiny vision tower (unused by text-only prompts)."""
+    real = _real_config(folder, component)
+    text = real.text_config.to_dict()
+    hidden = text["hidden_size"]
+    text.update({"dtype": None, "num_hidden_layers": 1, "max_window_layers": 1, "layer_types": None,
+                 "intermediate_size": STAND_IN_INTERMEDIATE, "vocab_size": len(tokenizer),
+                 "bos_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+                 "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"), "pad_token_id": tokenizer.pad_token_id})
+    vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": hidden}
+    return transformers.Qwen2_5_VLForConditionalGeneration(type(real)(text_config=text, vision_config=vision))
+
+
+def text_stand_ins(folder, index: dict) -> dict:
+    """The pipeline's text encoders (stand-ins) and tokenizers (character vocabularies), by component name."""
+    encoders = {name: _component_class(*spec) for name, spec in index.items()
+                if name.startswith("text_encoder") and spec[0]}
+    parts = {}
+    for name, model_class in encoders.items():
+        suffix = name.removeprefix("text_encoder")
+        if model_class.__name__.startswith("CLIP"):
+            tokenizer = tiny_clip_tokenizer()
+            encoder = clip_stand_in(folder, name, model_class, len(tokenizer))
+        elif model_class is transformers.T5EncoderModel:
+            tokenizer = tiny_t5_tokenizer()
+            encoder = t5_stand_in(folder, name, len(tokenizer))
+        else:  # Qwen2_5_VLForConditionalGeneration
+            tokenizer = tiny_qwen_tokenizer()
+            encoder = qwen_vl_stand_in(folder, name, tokenizer)
+        parts[name], parts["tokenizer" + suffix] = encoder, tokenizer
+    return parts
+
+
+@contextmanager
+def _creating(device: torch.device, dtype: torch.dtype):
+    """New tensors on ``device`` in ``dtype`` (weights are created in their final precision: a 20B transformer
+    never exists in float32)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_random_pipeline(arch: str, layers: int | None = None, seed: int = 0, *,
+                          device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+    """The diffusers pipeline of ``arch`` (see the module docstring) with weights drawn from ``seed``, created
+    on ``device`` (``meta`` for sizes only) in ``dtype``; ``layers`` cuts the transformer's depth."""
+    folder = arch_folder(arch)
+    index = json.loads((folder / "model_index.json").read_text())
+    import diffusers
+    pipeline_class = getattr(diffusers, index["_class_name"])
+    transformer_class, vae_class = (_component_class(*index[name]) for name in ("transformer", "vae"))
+    transformer_config = transformer_class.load_config(folder / "transformer")
+    if layers is not None:
+        transformer_config = with_depth(transformer_config, layers)
+    device = torch.device(device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        with _creating(device, dtype):
+            components = {"transformer": transformer_class.from_config(transformer_config),
+                          "vae": vae_class.from_config(vae_class.load_config(folder / "vae")),
+                          **text_stand_ins(folder, index)}
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler")
+    absent = {name: None for name, spec in index.items() if isinstance(spec, list) and spec == [None, None]}
+    return pipeline_class(scheduler=scheduler, **components, **absent)
+
+
+def build_random_model_pipeline(name: str, seed: int = 0, **kwargs):
+    """:func:`build_random_pipeline` for a ``model.name`` of the form ``random:<arch>[@<layers>]``."""
+    arch, layers = parse_random_model(name)
+    return build_random_pipeline(arch, layers, seed, **kwargs)
+
