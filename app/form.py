@@ -44,6 +44,7 @@ class Knob:
     choices: tuple[tuple[str, str], ...] = ()  # (shown label, config value)
     on: Any = True
     off: Any = False
+    optional: bool = False  # an empty field means null (the schema's default)
 
     @property
     def info(self) -> str:
@@ -60,6 +61,8 @@ class Knob:
         if self.kind == "multi":
             return list(value or [])
         if value is None or value == "":
+            if self.optional:
+                return None
             raise UserError(f"'{self.label}' needs a value")
         if self.kind in ("int", "float"):
             try:
@@ -102,7 +105,11 @@ ADVANCED_KNOBS = (
     Knob("model.dtype", "Base model dtype", "choice",
          choices=(("float32", "float32"), ("bfloat16", "bfloat16"), ("float16", "float16"))),
     Knob("train.optimizer", "8-bit AdamW", "bool", on="adamw8bit", off="adamw"),
-    Knob("model.quantize_4bit", "4-bit base model", "bool"),
+    Knob("model.quantize", "Quantize base model", "choice",
+         choices=(("no", "none"), ("NF4 (4-bit, GPU)", "nf4"), ("int8", "int8"))),
+    Knob("sampling.rollout_batch_size", "Rollout chunk", "int", optional=True),
+    Knob("train.gradient_checkpointing", "Gradient checkpointing", "bool"),
+    Knob("train.gradient_accumulation_steps", "Micro-batches", "int"),
     Knob("train.lr_scheduler", "LR schedule", "choice",
          choices=tuple((name, name) for name in ("constant", "constant_with_warmup", "linear", "cosine",
                                                   "cosine_with_restarts"))),

@@ -444,13 +444,12 @@ def cheapest_fit(config: RunConfig, budget_gb: float) -> tuple[list[str], Memory
 
 def check_fits(plan: MemoryPlan, config: RunConfig, budget_gb: float | None) -> str:
     """Whether the plan fits ``budget_gb`` (GB of the GPU), as the line to show; a plan that no single GPU holds
-    is a :class:`UserError` naming what would fit the largest one."""
+    is a :class:`UserError` saying what lowers it."""
     if plan.total > LARGEST_GPU_GB * GB:
-        fix = cheapest_fit(config, LARGEST_GPU_GB)
-        hint = f"; with --set {' --set '.join(fix[0])} it plans {fix[1].total / GB:.1f} GB" if fix else \
-            "; lower sampling.resolution, grpo.num_generations or the model size"
-        raise UserError(f"this run plans {plan.total / GB:.1f} GB, more than any single GPU "
-                        f"({LARGEST_GPU_GB} GB){hint}")
+        raise UserError(f"this run plans {plan.total / GB:.1f} GB, more than any single GPU ({LARGEST_GPU_GB} GB); "
+                        "lower sampling.resolution or the rollout batch (grpo.num_generations x "
+                        "prompts_per_iteration), set sampling.rollout_batch_size, or shard the model over several "
+                        "GPUs (presets/accelerate/fsdp.yaml)")
     if budget_gb is None:
         return f"planned peak {plan.total / GB:.1f} GB"
     if plan.total <= budget_gb * GB:

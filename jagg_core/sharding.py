@@ -17,16 +17,22 @@ so sharding it would save little and would make every step, checkpoint and the s
 depend on gathering it.
 
 Every transformer call is then a collective that all processes must make together, the same number
-of times in the same order. What the trainer does for that: the rollouts, the exact backward and
-the eval make the same calls everywhere by construction (the eval runs on every process; only
-rank 0 scores and writes it); every unit, the root included, reshards after each forward, so
-between transformer calls all processes are in the same state and rank 0 alone can save the
-adapter (``state_dict()`` reshards a unit that is whole, which would otherwise happen on rank 0
-only and make its next forward all-gather what the others do not); the JAGG routing (``backward.frac < 1``) is decided on scores averaged
-over the processes (:meth:`Sharding.agree`, see :mod:`jagg_core.jagg`), and each plan's pass
-structure is compared across processes before it runs (:meth:`Sharding.check_same_plan`), so a
-mismatch is an error instead of a hang. The text encoders, the VAE and the reward models are not
-sharded (each process has its own copy), so what calls them may differ between processes.
+of times in the same order. What the trainer does for that:
+
+- the rollouts, the exact backward and the eval make the same calls everywhere by construction (the
+  eval runs on every process; only rank 0 scores and writes it);
+- the JAGG routing (``backward.frac < 1``) is decided on the windows' scores averaged over the
+  processes (:meth:`Sharding.agree`, see :mod:`jagg_core.jagg`), and each plan's pass structure is
+  compared across processes before it runs (:meth:`Sharding.check_same_plan`), so a mismatch is an
+  error instead of a hang;
+- every FSDP unit, the root included, reshards after each forward, so between transformer calls all
+  processes are in the same state and rank 0 alone can save the adapter: ``state_dict()`` reshards a
+  unit left whole, which would otherwise happen on rank 0 only and make its next forward all-gather
+  what the other processes do not.
+
+The text encoders, the VAE and the reward models are not sharded (each process has its own copy),
+so what calls them may differ between processes. A quantized transformer (``model.quantize``) is
+refused: its packed weights cannot be split by FSDP.
 
 accelerate turns FSDP on only on accelerators; under ``accelerate launch`` on a CPU-only machine the
 processes are plain gloo data parallel. There the same accelerate function shards the transformer
@@ -78,9 +84,9 @@ def fsdp_plugin(accelerator: Accelerator) -> FullyShardedDataParallelPlugin | No
         raise UserError("fsdp_cpu_ram_efficient_loading is not supported (the LoRA is not sharded and each process "
                         "loads the pipeline itself); set it to false")
     if plugin.reshard_after_forward is not True:
-        raise UserError("fsdp_reshard_after_forward must be true: without it every process keeps the whole weights of "
-                        "each block after its forward, and the processes' sharding states drift apart when rank 0 alone "
-                        "saves the adapter")
+        raise UserError("fsdp_reshard_after_forward must be true: without it every process keeps the whole weights "
+                        "of each block after its forward, and the processes' sharding states drift apart when rank 0 "
+                        "alone saves the adapter")
     if plugin.activation_checkpointing:
         raise UserError("fsdp_activation_checkpointing renames the transformer's modules, which the diffusers LoRA "
                         "file relies on; set it to false and use train.gradient_checkpointing instead")
@@ -102,6 +108,9 @@ class Sharding:
         if not self.enabled:
             return self.accelerator.prepare(optimizer)
         transformer = model.transformer
+        if any(type(p).__name__ == "Params4bit" or type(p.data) is not torch.Tensor for p in transformer.parameters()):
+            raise UserError("a quantized transformer (model.quantize) cannot be sharded with FSDP; shard its bf16 "
+                            "weights instead (model.quantize=none, model.dtype=bfloat16) or train it without sharding")
         lora = [param for group in optimizer.param_groups for param in group["params"]]
         if self.plugin.ignored_modules is None:
             self.plugin.ignored_modules = LORA_MODULES

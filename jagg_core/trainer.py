@@ -39,7 +39,7 @@ from .prompts import load_prompts, split_prompts
 from .rewards import build_rewards
 from .rundir import OPTIMIZER_FILE, TRAINING_STATE_FILE, RunDirectory
 from .sampler import Trajectory, initial_noise, ode_sample, sde_rollout
-from .sharding import Sharding
+from .sharding import Sharding, fsdp_requested
 from .stopping import STOP, StopRequested
 from .tracking import log_eval_grid, log_row, start_trackers
 
@@ -136,11 +136,12 @@ class Trainer:
         encoders are released before the transformer and VAE take the device."""
         cfg = self.config
         device = self.accelerator.device
+        placement = {"place_transformer": not fsdp_requested()}  # FSDP places each rank's shard itself
         if not cfg.model.cache_text_embeddings:
-            return load_flow_model(cfg.model, device, seed=cfg.train.seed)
+            return load_flow_model(cfg.model, device, seed=cfg.train.seed, **placement)
         prompts = self.train_prompts + self.eval_prompts
         saved = load_embeddings(self.run.text_embeddings_file, prompts, cfg.model) if self.resume else None
-        model = load_flow_model(cfg.model, device, seed=cfg.train.seed, text_encoders=saved is None)
+        model = load_flow_model(cfg.model, device, seed=cfg.train.seed, text_encoders=saved is None, **placement)
         if saved is not None:
             model.load_embeddings(saved)
             self._log(f"text embeddings of {len(saved)} prompts read from {self.run.text_embeddings_file.name}")
@@ -166,7 +167,7 @@ class Trainer:
             folder = self.run.checkpoint_dir(done)
             try:
                 self.model.load_lora(folder)
-                state = torch.load(folder / OPTIMIZER_FILE, map_location=self.accelerator.device, weights_only=True)
+                state = torch.load(folder / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
                 self.optimizer.load_state_dict(state)
                 self._load_training_state(folder)
             except Exception as err:  # a damaged file can fail in safetensors, torch.load or load_state_dict

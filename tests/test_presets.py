@@ -31,5 +31,5 @@ def test_preset_is_valid_and_complete(name):
 
 def test_qwen_preset_quantizes_and_flux_dev_saves_memory():
     qwen, flux = load_config(preset="qwen-image-pickscore"), load_config(preset="flux-dev-hpsv2")
-    assert qwen.model.quantize_4bit
+    assert qwen.model.quantize == "nf4"
     assert flux.train.optimizer == "adamw8bit" and flux.train.gradient_checkpointing

@@ -27,7 +27,7 @@ def train(config, run_dir, resume=False) -> Trainer:
 def probe_output(transformer_velocity, model, seed=5):
     gen = torch.Generator().manual_seed(seed)
     z = torch.randn((2, *model.latent_shape(32)), generator=gen)
-    cond = model.conditioning(["a red circle", "two cats"])
+    cond = model.conditioning(list(model.cached_embeddings)[:2])  # prompts of the run: the encoders are released
     with torch.no_grad():
         return transformer_velocity(z, torch.tensor([0.7, 0.3]), {k: v for k, v in cond.items()})
 

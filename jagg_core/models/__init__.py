@@ -70,13 +70,16 @@ def _parse_model_index(path: Path) -> dict:
 
 
 def load_flow_model(config: ModelConfig, device: torch.device | str = "cpu", seed: int = 0, *,
-                    text_encoders: bool = True) -> FlowModel:
+                    text_encoders: bool = True, place_transformer: bool = True) -> FlowModel:
     """Build the :class:`FlowModel` for ``config.name`` on ``device``; without ``text_encoders`` the pipeline has
     none (the prompts' embeddings come from a cache). With ``model.cache_text_embeddings`` and the encoders, the
     transformer (quantized then, if asked) and the VAE come to the device only at
-    :meth:`FlowModel.release_text_encoders`, so the encoders and the transformer never share it."""
+    :meth:`FlowModel.release_text_encoders`, so the encoders and the transformer never share it. Without
+    ``place_transformer`` the transformer stays on the host (sharding places each process's part)."""
     device = torch.device(device)
     dtype = DTYPES[config.dtype]
+    if config.quantize != "none":
+        check_quantization(config.quantize, device)  # before any loading, though it may quantize later
     defer = text_encoders and config.cache_text_embeddings
     if config.name in TINY_BUILDERS or is_random_model(config.name):
         if is_random_model(config.name):  # weights made in their dtype: a 20B model never exists in float32
@@ -93,7 +96,8 @@ def load_flow_model(config: ModelConfig, device: torch.device | str = "cpu", see
         pipe = _load_pipeline(config, source, device, dtype, text_encoders, transformer=not later)
         prepare = partial(_load_quantized_transformer, pipe, config, source, device) if later else None
     family = _family_for(type(pipe).__name__, config.name)
-    return family(pipe, config, device, defer_denoiser=defer, prepare_transformer=prepare)
+    return family(pipe, config, device, defer_denoiser=defer, prepare_transformer=prepare,
+                  place_transformer=place_transformer)
 
 
 def _load_pipeline(config: ModelConfig, source: str, device: torch.device, dtype: torch.dtype, text_encoders: bool,
@@ -121,7 +125,6 @@ def _load_quantized_transformer(pipe, config: ModelConfig, source: str, device: 
     import importlib
     library, class_name = index["transformer"]
     cls = getattr(importlib.import_module(library), class_name)
-    check_quantization(config.quantize, device)
     with _loading_errors(config.name):
         pipe.transformer = cls.from_pretrained(source, subfolder="transformer", revision=config.revision,
                                                torch_dtype=transformer_dtype(config.quantize, DTYPES[config.dtype]),

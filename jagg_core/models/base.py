@@ -58,7 +58,7 @@ class FlowModel(ABC):
     default_lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
 
     def __init__(self, pipe, config: ModelConfig, device: torch.device | str = "cpu", *, defer_denoiser: bool = False,
-                 prepare_transformer: Callable[[], None] | None = None):
+                 prepare_transformer: Callable[[], None] | None = None, place_transformer: bool = True):
         """Frozen components go to ``device``. ``prepare_transformer`` (quantization) sets ``pipe.transformer``
         before it is placed. With ``defer_denoiser`` the transformer and VAE wait until
         :meth:`release_text_encoders`, so the text encoders never share the accelerator with them."""
@@ -67,6 +67,7 @@ class FlowModel(ABC):
         self.device = torch.device(device)
         self._prompt_cache: dict[str, Conditioning] = {}  # host memory
         self._prepare_transformer = prepare_transformer
+        self._place_transformer = place_transformer
         pipe.set_progress_bar_config(disable=True)
         for module in self.text_encoders:
             module.requires_grad_(False).eval().to(self.device)
@@ -82,7 +83,7 @@ class FlowModel(ABC):
             self._prepare_transformer = None
         self.pipe.vae.to(self.device)
         self.transformer.requires_grad_(False)
-        if not is_quantized(self.transformer):  # diffusers places quantized weights when loading them
+        if self._place_transformer and not is_quantized(self.transformer):  # quantizers place while loading
             self.transformer.to(self.device)
 
     @property

@@ -1,0 +1,179 @@
+"""Low-memory mechanics (text embeddings cached, chunked rollouts, quantized base) and the memory plan."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from conftest import run_cli, tiny_config
+from jagg_core.config import list_presets, load_config, preset_path
+from jagg_core.errors import UserError
+from jagg_core.memory_plan import GB, LiveBytes, check_fits, cheapest_fit, plan_memory
+from jagg_core.models import load_flow_model
+from jagg_core.models.base import FlowModel
+from jagg_core.rundir import RunDirectory
+from jagg_core.sampler import initial_noise, sde_rollout
+from jagg_core.trainer import Trainer
+
+FAMILIES = ["tiny-sd3", "tiny-flux", "tiny-qwen"]
+
+
+@pytest.mark.parametrize("model", FAMILIES)
+def test_text_encoders_leave_after_setup_and_a_resume_reads_the_saved_embeddings(model, tmp_path, offline,
+                                                                                  monkeypatch):
+    config = tiny_config(model, train__iterations=1)
+    first = Trainer(config, tmp_path)
+    first.setup()
+    assert first.model.text_encoders == [], "the encoders must be released after set-up"
+    assert RunDirectory(tmp_path).text_embeddings_file.is_file()
+    first.fit()
+    expected = first.model.conditioning(first.eval_prompts)
+
+    def no_encoding(self, prompts):
+        raise AssertionError("a resume must not encode prompts")
+
+    monkeypatch.setattr(type(first.model), "encode_prompts", no_encoding)
+    resumed = Trainer(config, tmp_path, resume=True)
+    resumed.setup()
+    pipe = resumed.model.pipe
+    assert all(getattr(pipe, name, None) is None for name in ("text_encoder", "text_encoder_2", "text_encoder_3"))
+    again = resumed.model.conditioning(resumed.eval_prompts)
+    assert again.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(again[key], expected[key], rtol=0, atol=0)
+
+
+def test_embeddings_made_with_other_settings_are_not_reused(tmp_path, offline):
+    Trainer(tiny_config(), tmp_path).setup()
+    other = Trainer(tiny_config(model__max_sequence_length=12), tmp_path, resume=True)
+    other.setup()  # the saved file's fingerprint differs: the encoders run again, then leave
+    assert other.model.text_encoders == []
+    assert other.model.conditioning(other.eval_prompts[:1])["prompt_embeds"].shape[1] == 77 + 12
+
+
+def test_an_unseen_prompt_after_release_is_a_clear_error(offline):
+    model = load_flow_model(tiny_config().model)
+    model.encode_and_cache(["a red circle"])
+    model.release_text_encoders()
+    with pytest.raises(UserError, match="not encoded at set-up"):
+        model.conditioning(["a blue square"])
+
+
+@pytest.mark.parametrize("model_name", FAMILIES)
+def test_rollouts_in_chunks_sample_the_same_trajectory_as_one_batch(model_name, offline):
+    model = load_flow_model(tiny_config(model_name, grpo__kl_beta=0.1).model)
+    model.add_lora(tiny_config().lora)
+    prompts = ["a red circle", "two cats", "a blue square"]
+    cond = model.conditioning([p for p in prompts for _ in range(2)])
+    sigmas = model.sigmas(6, 32)
+
+    def rollout(chunk):
+        generator = torch.Generator().manual_seed(3)
+        z0 = initial_noise(model, 6, 32, generator)
+        return sde_rollout(model, cond, sigmas, 0.7, z0, generator, with_reference=True, sde_steps=4,
+                           chunk_size=chunk)
+
+    whole = rollout(None)
+    for chunk in (1, 4):
+        part = rollout(chunk)
+        for name in ("latents", "velocities", "log_probs", "ref_velocities"):
+            torch.testing.assert_close(getattr(part, name), getattr(whole, name), rtol=1e-5, atol=1e-5)
+
+
+def test_an_int8_base_trains_with_a_float32_lora(tmp_path, offline):
+    pytest.importorskip("torchao")
+    trainer = Trainer(tiny_config(model__quantize="int8", train__iterations=1), tmp_path)
+    trainer.setup()
+    trainer.fit()
+    linear = trainer.model.transformer.transformer_blocks[0].attn.to_q
+    assert "Int8" in type(linear.base_layer.weight).__name__, "the base weight must be int8"
+    assert all(p.dtype == torch.float32 for p in trainer.params)
+    rows = RunDirectory(tmp_path).read_metrics()
+    assert rows[-1]["train/grad_norm"] > 0 and rows[-1]["train/skipped"] is False
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a CUDA machine NF4 loads (the GPU check covers it)")
+def test_nf4_on_a_cpu_is_one_clear_line(offline):
+    with pytest.raises(UserError, match="model.quantize=nf4 needs a CUDA GPU"):
+        load_flow_model(tiny_config(model__quantize="nf4").model)
+
+
+# ----- the plan ------------------------------------------------------------------------------------------
+def measured_peak(trainer: Trainer) -> int:
+    """Bytes of the live tensors at the peak of one training iteration (with its eval), counting the weights
+    and optimizer states the device holds throughout; the prompt cache is host memory and not counted."""
+    trainer.iteration(1)  # the optimizer states exist from here on
+    modules = [trainer.model.transformer, trainer.model.pipe.vae]
+    resident = [t for m in modules for t in [*m.parameters(), *m.buffers()]]
+    resident += [v for state in trainer.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in resident}
+    meter = LiveBytes(ignore=resident)
+    with meter:
+        trainer.iteration(2)
+    return sum(storages.values()) + meter.peak
+
+
+@pytest.mark.parametrize("model", FAMILIES)
+def test_the_plan_is_within_25_percent_of_the_measured_peak(model, tmp_path, offline):
+    config = tiny_config(model, sampling__resolution=64, grpo__num_generations=4)
+    trainer = Trainer(config, tmp_path)
+    trainer.setup()
+    measured = measured_peak(trainer)
+    planned = plan_memory(config).total
+    assert 0.75 <= planned / measured <= 1.25, f"planned {planned / 1e6:.2f} MB, measured {measured / 1e6:.2f} MB"
+
+
+def test_checkpointing_sequential_endpoints_and_chunks_lower_the_plan(offline):
+    base = dict(sampling__resolution=64, grpo__num_generations=4, backward__window=3)
+    full = plan_memory(tiny_config(**base))
+    lean = plan_memory(tiny_config(**base, train__gradient_checkpointing=True, backward__joint=False,
+                                   sampling__rollout_batch_size=1, train__gradient_accumulation_steps=8))
+    assert lean.phases["backward"] < full.phases["backward"]
+    assert lean.phases["rollout forward"] < full.phases["rollout forward"]
+
+
+def test_a_plan_that_does_not_fit_names_the_cheapest_change_that_does(tmp_path, offline):
+    config = tiny_config(sampling__resolution=64, grpo__num_generations=4)
+    budget = 0.8 * plan_memory(config).total / GB
+    line = check_fits(plan_memory(config), config, budget)
+    assert line.startswith("does not fit") and "--set " in line
+    changes, plan = cheapest_fit(config, budget)
+    assert plan.total <= budget * GB
+    (tmp_path / "run.yaml").write_text(config.to_yaml())
+    assert plan_memory(load_config(config_file=tmp_path / "run.yaml", overrides=changes)).total == plan.total
+
+
+BUDGETS = {"16gb": 16, "24gb": 24}
+
+
+@pytest.mark.parametrize("preset", [p for p in list_presets() if p not in ("shapes", "tiny-sd3")])
+def test_every_gpu_preset_states_its_planned_peak_and_fits_its_budget(preset, offline):
+    planned = plan_memory(load_config(preset=preset)).total / GB
+    stated = re.search(r"planned peak ([\d.]+) GB", preset_path(preset).read_text())
+    assert stated, f"{preset}: the first comment line must give the planned peak"
+    assert float(stated.group(1)) == pytest.approx(planned, abs=0.051), f"{preset} plans {planned:.2f} GB now"
+    for suffix, budget in BUDGETS.items():
+        if preset.endswith(suffix):
+            assert planned <= budget
+
+
+def test_plan_cli_prints_the_parts_and_whether_it_fits(offline):
+    result = run_cli("--preset", "sd35-medium-pickscore-16gb", "--plan", "--gpu-memory", "16")
+    assert result.returncode == 0, result.stderr
+    assert "transformer (2.24 B params, bfloat16)" in result.stdout
+    assert "text encoders" in result.stdout and "LoRA" in result.stdout and "backward" in result.stdout
+    assert re.search(r"^fits: planned peak [\d.]+ GB of 16.0 GB$", result.stdout, re.M)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--set", "model.name=nobody/unknown-model"], "model.name|nobody/unknown-model"),
+    (["--set", "sampling.resolution=2048", "--set", "grpo.num_generations=64", "--set", "grpo.prompts_per_iteration=16",
+      "--set", "model.guidance_scale=4"], "more than any single GPU"),
+])
+def test_a_plan_for_bad_input_is_one_line(args, message, offline):
+    result = run_cli("--preset", "flux-dev-hpsv2", "--plan", *args)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    assert re.search(message, result.stderr), result.stderr
