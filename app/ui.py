@@ -20,6 +20,7 @@ import importlib.util
 import inspect
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,27 @@ def _oauth_available() -> bool:
     return bool(os.environ.get("SPACE_ID")) and importlib.util.find_spec("authlib") is not None
 
 
+
+def _form(values) -> Form:
+    """The set-up form from the page's values, in the order of ``START_PARAMS``."""
+    fields = dict(zip(FORM_FIELDS, values))
+    return Form(preset=fields["preset"] or "", name=fields["name"] or "", model=fields["model"] or "",
+                rewards=list(fields["rewards"] or []), weights=fields["weights"] or [],
+                prompt_mode=fields["prompt_mode"], prompt_set=fields["prompt_set"] or "",
+                prompt_file=fields["prompt_file"], prompt_text=fields["prompt_text"] or "",
+                knobs={k.key: value for k, value in zip(KNOBS, values[len(FORM_FIELDS):])})
+
+
+def _memory_warning(config) -> str:
+    """On a GPU machine, a warning when the run's memory plan does not fit the free GPU memory (the run starts
+    anyway: the plan is an estimate); nothing without a GPU."""
+    from jagg_core.memory_plan import check_fits, gpu_free_gb, plan_memory  # torch: loaded on first use
+    free = gpu_free_gb()
+    if free is None:
+        return ""
+    verdict = check_fits(plan_memory(config), config, free)
+    return f" **Warning: {verdict}.**" if verdict.startswith("does not fit") else ""
+
 class Studio:
     """The event handlers, bound to one runs root."""
 
@@ -154,21 +176,32 @@ class Studio:
         if elsewhere is not None:
             return self._refuse(f"{elsewhere.name} is training in a process started outside this page; "
                                 "stop it before starting another")
-        fields = dict(zip(FORM_FIELDS, values))
-        form = Form(preset=fields["preset"] or "", name=fields["name"] or "", model=fields["model"] or "",
-                    rewards=list(fields["rewards"] or []), weights=fields["weights"] or [],
-                    prompt_mode=fields["prompt_mode"], prompt_set=fields["prompt_set"] or "",
-                    prompt_file=fields["prompt_file"], prompt_text=fields["prompt_text"] or "",
-                    knobs={k.key: value for k, value in zip(KNOBS, values[len(FORM_FIELDS):])})
+        form = _form(values)
         run_dir = self.jobs.new_run_dir(form.name or form.preset)
         try:
             config = build_config(form, run_dir)
+            warning = _memory_warning(config)
             RunDirectory(run_dir).write_config(config.to_yaml())
             self.jobs.launch(run_dir, config.train.mixed_precision)
         except (UserError, OSError) as err:
             shutil.rmtree(run_dir, ignore_errors=True)
             return self._refuse(str(err))
-        return f"Started `{run_dir.name}`.", gr.update(choices=self._run_names(), value=run_dir.name)
+        return f"Started `{run_dir.name}`.{warning}", gr.update(choices=self._run_names(), value=run_dir.name)
+
+    @staticmethod
+    def plan(*values) -> str:
+        """The memory plan of the form (``values`` as for :meth:`start`): its parts, and whether it fits this
+        machine's GPU, naming the cheapest change that does when not."""
+        from jagg_core.memory_plan import check_fits, gpu_free_gb, plan_memory  # torch: loaded on first use
+        try:
+            with tempfile.TemporaryDirectory() as scratch:
+                config = build_config(_form(values), Path(scratch))
+            memory = plan_memory(config)
+            verdict = check_fits(memory, config, gpu_free_gb())
+        except UserError as err:
+            return f"**Cannot plan:** {err}"
+        where = "" if gpu_free_gb() is not None else " (no CUDA GPU here: compare with your card)"
+        return f"**{verdict}**{where}\n\n```\n{memory.table()}\n```"
 
     def stop(self, profile: gr.OAuthProfile | None = None) -> str:
         """Stop the active job (SIGTERM to its process group, SIGKILL after a grace period)."""
@@ -343,9 +376,11 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                     knobs += _grid(ADVANCED_KNOBS, defaults.knobs, per_row=3)
                 with gr.Row():
                     start = gr.Button("Start", variant="primary", elem_id="start-btn")
+                    plan = gr.Button("Plan memory", elem_id="plan-btn")
                     stop = gr.Button("Stop", variant="stop", elem_id="stop-btn", interactive=False)
                     resume = gr.Button("Resume", elem_id="resume-btn", interactive=False)
                 form_message = gr.Markdown(elem_id="form-message")
+                memory_plan = gr.Markdown(elem_id="memory-plan")
 
             # ----- 2. live view and 3. push ------------------------------------------------------
             with gr.Column(scale=3, min_width=480):
@@ -400,6 +435,7 @@ def build_app(root: Path | None = None) -> gr.Blocks:
         prompt_mode.change(studio.prompt_mode_changed, [prompt_mode, prompt_set, prompt_text],
                            [prompt_set, prompt_file, prompt_text], api_visibility="private")
         start.click(_named(studio.start, START_PARAMS), form_inputs, [form_message, run_select], api_name="start")
+        plan.click(studio.plan, form_inputs, memory_plan, api_name="plan")
         stop.click(studio.stop, None, form_message, api_name="stop")
         resume.click(studio.resume, run_select, [form_message, run_select], api_name="resume")
         push.click(studio.push, [run_select, checkpoint, repo_id, visibility, token], push_result, api_name="push")

@@ -186,6 +186,14 @@ def _bytes(module: torch.nn.Module | None) -> int:
         sum(b.numel() * b.element_size() for b in module.buffers())
 
 
+def _count(number: int) -> str:
+    """``2.24 B``, ``84.0 M``, ``52.1 k``."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if number >= scale:
+            return f"{number / scale:.2f} {unit}" if unit == "B" else f"{number / scale:.1f} {unit}"
+    return str(number)
+
+
 def _params(module: torch.nn.Module | None) -> int:
     return 0 if module is None else sum(p.numel() for p in module.parameters())
 
@@ -302,9 +310,9 @@ def plan_memory(config: RunConfig) -> MemoryPlan:
     # ----- resident weights
     frozen_bytes = _transformer_bytes(transformer, cfg.model.quantize, element)
     quant = f", {cfg.model.quantize}" if cfg.model.quantize != "none" else ""
-    plan.resident[f"transformer ({_params(transformer) / 1e9:.2f} B params, {cfg.model.dtype}{quant})"] = frozen_bytes
+    plan.resident[f"transformer ({_count(_params(transformer))} params, {cfg.model.dtype}{quant})"] = frozen_bytes
     vae_bytes = _params(pipe.vae) * element
-    plan.resident[f"VAE ({_params(pipe.vae) / 1e6:.0f} M, {cfg.model.dtype})"] = vae_bytes
+    plan.resident[f"VAE ({_count(_params(pipe.vae))}, {cfg.model.dtype})"] = vae_bytes
     encoders = model.text_encoders
     encoder_bytes = sum(_params(e) for e in encoders) * element
     encoder_names = " + ".join(type(e).__name__.removesuffix("Model").removesuffix("ForConditionalGeneration")
@@ -322,7 +330,7 @@ def plan_memory(config: RunConfig) -> MemoryPlan:
         param.data = param.data.to(compute)
     state_bytes = 2 if cfg.train.optimizer == "adamw8bit" else 8
     ema = 4 if cfg.train.ema_decay > 0 else 0
-    plan.resident[f"LoRA ({lora_count / 1e6:.1f} M): weights, AdamW states{', EMA' if ema else ''} (fp32)"] = \
+    plan.resident[f"LoRA ({_count(lora_count)}): weights, AdamW states{', EMA' if ema else ''} (fp32)"] = \
         lora_count * (4 + state_bytes + ema)
 
     # ----- set-up: the text encoders encode every prompt, then leave

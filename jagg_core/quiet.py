@@ -12,7 +12,8 @@ def quiet_libraries() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    for name in ("bitsandbytes", "torchao", "transformers", "diffusers", "huggingface_hub", "accelerate", "peft"):
+    for name in ("bitsandbytes", "torchao", "transformers", "diffusers", "huggingface_hub", "accelerate", "peft",
+                 "torch.utils._pytree"):  # torchao's import-time enum registration notices
         logging.getLogger(name).setLevel(logging.ERROR)
     import diffusers.utils.logging
     import transformers.utils.logging

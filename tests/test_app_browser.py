@@ -1,5 +1,5 @@
 """The page in a real headless Chromium (Debian's ``chromium``, driven by Playwright): open it, start a tiny run with
-the Start button, see the eval sample previews appear and the run finish, and save a screenshot (also kept as
+the Start button (after its memory plan), see the eval sample previews appear and the run finish, and save a screenshot (also kept as
 ``docs/screenshot.png`` for the README). CI installs ``chromium``; without it this test is skipped."""
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ def test_start_a_run_in_the_browser_and_see_samples(tmp_path):
                 field = page.locator(f"#{elem_id} input")
                 field.fill(value)
                 field.blur()
+            page.locator("#plan-btn").click()  # the memory plan of the form, beside Start
+            expect(page.locator("#memory-plan")).to_contain_text("planned peak", timeout=60_000)
+            expect(page.locator("#memory-plan")).to_contain_text("LoRA")
             page.locator("#start-btn").click()
             expect(page.locator("#form-message")).to_contain_text("Started", timeout=30_000)
             expect(page.locator("#base-samples img").first).to_be_visible(timeout=150_000)
