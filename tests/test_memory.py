@@ -82,9 +82,10 @@ def test_rollouts_in_chunks_sample_the_same_trajectory_as_one_batch(model_name, 
             torch.testing.assert_close(getattr(part, name), getattr(whole, name), rtol=1e-5, atol=1e-5)
 
 
-def test_an_int8_base_trains_with_a_float32_lora(tmp_path, offline):
+@pytest.mark.parametrize("model", FAMILIES)
+def test_an_int8_base_trains_with_a_float32_lora(model, tmp_path, offline):
     pytest.importorskip("torchao")
-    trainer = Trainer(tiny_config(model__quantize="int8", train__iterations=1), tmp_path)
+    trainer = Trainer(tiny_config(model, model__quantize="int8", train__iterations=1), tmp_path)
     trainer.setup()
     trainer.fit()
     linear = trainer.model.transformer.transformer_blocks[0].attn.to_q
