@@ -107,7 +107,6 @@ ADVANCED_KNOBS = (
     Knob("train.optimizer", "8-bit AdamW", "bool", on="adamw8bit", off="adamw"),
     Knob("model.quantize", "Quantize base model", "choice",
          choices=(("no", "none"), ("NF4 (4-bit, GPU)", "nf4"), ("int8", "int8"))),
-    Knob("sampling.rollout_batch_size", "Rollout chunk", "int", optional=True),
     Knob("train.gradient_checkpointing", "Gradient checkpointing", "bool"),
     Knob("train.gradient_accumulation_steps", "Micro-batches", "int"),
     Knob("train.lr_scheduler", "LR schedule", "choice",
@@ -121,6 +120,7 @@ ADVANCED_KNOBS = (
     Knob("prompts.eval_count", "Eval prompts", "int"),
     Knob("train.sample_every", "Sample every", "int"),
     Knob("train.checkpoint_every", "Checkpoint every", "int"),
+    Knob("sampling.rollout_batch_size", "Rollout chunk", "int", optional=True),  # optional knobs last (API defaults)
 )
 
 KNOBS = MAIN_KNOBS + ADVANCED_KNOBS

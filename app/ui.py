@@ -47,6 +47,8 @@ FORM_FIELDS = ("preset", "name", "model", "rewards", "weights", "prompt_mode", "
 # /start's parameters: the form fields, then each knob named by its config key (``train.iterations`` ->
 # ``train_iterations``), so that API clients can pass ``train_iterations=3`` and leave the rest at the defaults.
 START_PARAMS = FORM_FIELDS + tuple(k.key.replace(".", "_") for k in KNOBS)
+#: API parameters that may be left out (null: the schema's default); they come last
+OPTIONAL_PARAMS = {k.key.replace(".", "_") for k in KNOBS if k.optional}
 CSS = """
 #title h1 {margin-bottom: 0}
 #form-message, #push-result {min-height: 1.5em}
@@ -88,7 +90,8 @@ def _named(fn, names: tuple[str, ...]):
 
     positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
     named.__signature__ = inspect.Signature(
-        [inspect.Parameter(name, positional) for name in names]
+        [inspect.Parameter(name, positional, **({"default": None} if name in OPTIONAL_PARAMS else {}))
+         for name in names]
         + [inspect.Parameter("profile", positional, default=None, annotation=gr.OAuthProfile | None)])
     named.__annotations__ = {"profile": gr.OAuthProfile | None}
     named.__doc__ = fn.__doc__

@@ -163,7 +163,7 @@ def test_the_bench_runs_a_random_weight_arch(tmp_path):
     out = tmp_path / "out.json"
     # a small rollout batch keeps the test short; the arch, its widths and the variants are the bench's own
     result = run_bench("--arch", "sd35-medium", "--random-weights", "--layers", "2", "--resolution", "64",
-                       "--json", str(out), "--repeats", "1", "--iterations", "0",
+                       "--json", str(out), "--repeats", "1", "--iterations", "0", "--no-memory",
                        "--set", "grpo.num_generations=2", "--set", "grpo.prompts_per_iteration=1",
                        "--set", "sampling.num_steps=5", "--set", "model.max_sequence_length=8")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -175,7 +175,7 @@ def test_the_bench_runs_a_random_weight_arch(tmp_path):
         assert row["model"] == "random:sd35-medium@2" and row["section"] == "train_phase"
         assert row["rollout_s"] > 0 and row["train_s"] == row["seconds"] > 0
         assert row["iteration_s"] == pytest.approx(row["rollout_s"] + row["train_s"])
-        assert row["peak_mem_mb"] >= row["base_mem_mb"] > 0 and row["rollout_peak_mem_mb"] > 0
+        assert row["peak_mem_ratio"] is None  # --no-memory: the memory subprocess is test_bench's
     exact = next(r for r in rows if r["mode"] == "exact")
     cached = next(r for r in rows if (r["mode"], r["window"], r["joint"]) == ("cached", 5, False))
     assert exact["passes"] == 5 and cached["passes"] == 2 and exact["params_m"] > 150
