@@ -31,7 +31,7 @@ iterations, and the rollout's peak memory (``rollout_peak_mem_mb``).
 weights (``--random-weights``: ``model.name = random:ARCH[@LAYERS]``, built from the shipped configs, no
 download) or the Hub model's own weights, on the bench's rollout batch at ``--resolution``, in bf16 with
 bf16 autocast on a GPU (float32 on a CPU), through the same machinery: exact and JAGG at W = 2, 4, 5
-(forward and cached velocities, joint and sequential endpoints), see :func:`arch_options`.
+(forward and cached velocities, joint and sequential endpoints), see :data:`ARCH_OPTIONS`.
 
 The JSON is a list of rows; every row has :data:`ROW_KEYS` (``None`` where a figure does not apply).
 """
@@ -160,14 +160,13 @@ def bench_config(model: str, overrides: list[str] = ()) -> RunConfig:
 
 
 # ----- real architectures (--arch) ------------------------------------------------------------
-#: the variants of the real-architecture bench: exact, and JAGG at these windows with these velocities
-ARCH_WINDOWS = (2, 4, 5)
-ARCH_MODES = ("forward", "cached")
+#: the real-architecture bench: exact, and JAGG at W = 2, 4, 5 with forward and cached velocities (joint and
+#: sequential endpoints), 3 repeats, a 3-iteration training; ``--quick``: W = 2, 5 cached, 2 repeats, no training
+ARCH_OPTIONS = {"windows": (2, 4, 5), "modes": ("forward", "cached"), "fracs": (), "repeats": 3, "iterations": 3,
+                "seeds": (0,)}
+ARCH_OPTIONS_QUICK = {**ARCH_OPTIONS, "windows": (2, 5), "modes": ("cached",), "repeats": 2, "iterations": 0}
 #: default image side of the real-architecture bench, by device type
 ARCH_RESOLUTION = {"cuda": 512, "cpu": 64}
-#: its repeats and short trainings (``--quick``: fewer repeats, no training)
-ARCH_RUNS = {"repeats": 3, "iterations": 3, "seeds": (0,)}
-ARCH_RUNS_QUICK = {"repeats": 2, "iterations": 0, "seeds": (0,)}
 
 
 def arch_model(arch: str | None, random_weights: bool, layers: int | None = None) -> str:
@@ -196,12 +195,11 @@ def arch_overrides(device_type: str, resolution: int | None = None, quantize: st
 
 
 def arch_options(model: str, overrides: list[str], quick: bool = False, **changes) -> BenchOptions:
-    """The real-architecture bench of ``model``: exact and JAGG (:data:`ARCH_WINDOWS` x :data:`ARCH_MODES`, joint
-    and sequential endpoints), then a short training unless ``--quick``; the config is checked here."""
+    """The real-architecture bench of ``model`` (:data:`ARCH_OPTIONS`, or :data:`ARCH_OPTIONS_QUICK`) under
+    ``overrides``, which are checked here."""
     bench_config(model, overrides)
-    runs = ARCH_RUNS_QUICK if quick else ARCH_RUNS
-    return BenchOptions(models=[model], windows=ARCH_WINDOWS, other_windows=ARCH_WINDOWS, modes=ARCH_MODES,
-                        fracs=(), overrides=tuple(overrides), **{**runs, **changes})
+    return BenchOptions(models=[model], overrides=tuple(overrides),
+                        **{**(ARCH_OPTIONS_QUICK if quick else ARCH_OPTIONS), **changes})
 
 
 # ----- one rollout batch and its backward ----------------------------------------------------
@@ -547,7 +545,8 @@ def write_outputs(rows: list[dict], json_path=None, table_path=None, plot_path=N
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m jagg_core.bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats and iterations, W=5 on the larger models")
+    parser.add_argument("--quick", action="store_true", help="fewer repeats and iterations, W=5 on the larger models "
+                        "(with --arch: W=2, 5 cached, no training)")
     parser.add_argument("--json", help="write the rows as JSON here")
     parser.add_argument("--table", help="write the markdown tables here")
     parser.add_argument("--plot", help="write the reward-vs-seconds PNG here")
@@ -606,6 +605,7 @@ def bench_options(args: argparse.Namespace) -> BenchOptions:
 
 
 def run_and_report(options: BenchOptions, args: argparse.Namespace) -> None:
+    """Run the bench, write ``--json``/``--table``/``--plot``, print the tables and the machine's load."""
     load_before = os.getloadavg()[0]
     start = time.perf_counter()
     rows = run_bench(options, threads=args.threads, log=lambda line: print(line, file=sys.stderr, flush=True))

@@ -16,7 +16,7 @@ import transformers
 import diffusers
 from jagg_core.archs import (arch_folder, arch_for_model, arch_names, hub_id, parse_random_model, transformer_config,
                              with_depth)
-from jagg_core.bench import ROW_KEYS
+from jagg_core.bench import ROW_KEYS, arch_model, arch_options, arch_overrides
 from jagg_core.bench import main as bench_main
 from jagg_core.config import ModelConfig
 from jagg_core.errors import UserError
@@ -145,13 +145,15 @@ def test_random_weight_models_condition_and_predict_at_the_real_widths(arch, wid
     assert velocity.shape == z.shape and torch.isfinite(velocity).all() and velocity.std() > 0
 
 
-def test_random_weights_are_seeded():
-    a, b = (build_random_pipeline("flux-schnell", layers=2, seed=3) for _ in range(2))
-    c = build_random_pipeline("flux-schnell", layers=2, seed=4)
-    weight = "x_embedder.weight"
-    assert torch.equal(a.transformer.state_dict()[weight], b.transformer.state_dict()[weight])
-    assert not torch.equal(a.transformer.state_dict()[weight], c.transformer.state_dict()[weight])
-    assert not a.transformer.config.guidance_embeds and a.scheduler.config.shift == 1.0
+def test_random_weights_come_from_the_seed_alone():
+    """The bench's memory subprocess rebuilds the same model: the weights depend on the seed, not on the global RNG."""
+    first = build_random_pipeline("qwen-image", layers=1, seed=3)
+    torch.rand(10)
+    second = build_random_pipeline("qwen-image", layers=1, seed=3)
+    for name in ("transformer", "vae", "text_encoder"):
+        a, b = getattr(first, name).state_dict(), getattr(second, name).state_dict()
+        assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a), name
+    assert first.transformer.state_dict()["img_in.weight"].std() > 0
 
 
 def run_bench(*args: str) -> subprocess.CompletedProcess:
@@ -160,16 +162,19 @@ def run_bench(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_the_bench_runs_a_random_weight_arch(tmp_path):
-    out = tmp_path / "out.json"
-    # a small rollout batch keeps the test short; the arch, its widths and the variants are the bench's own
+    out, prompts = tmp_path / "out.json", tmp_path / "prompts.txt"
+    prompts.write_text("a red circle\na blue square\na cat\na dog\n")
+    # --quick (W = 2, 5 cached), a small rollout batch and four prompts (each is encoded at set-up) keep it short;
+    # the arch and its widths are the real ones
     result = run_bench("--arch", "sd35-medium", "--random-weights", "--layers", "2", "--resolution", "64",
-                       "--json", str(out), "--repeats", "1", "--iterations", "0", "--no-memory",
+                       "--json", str(out), "--repeats", "1", "--iterations", "0", "--no-memory", "--quick",
                        "--set", "grpo.num_generations=2", "--set", "grpo.prompts_per_iteration=1",
-                       "--set", "sampling.num_steps=5", "--set", "model.max_sequence_length=8")
+                       "--set", "sampling.num_steps=5", "--set", "model.max_sequence_length=8",
+                       "--set", f"prompts.source={prompts}", "--set", "prompts.eval_count=2")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads(out.read_text())
-    assert {(r["mode"], r["window"], r["joint"]) for r in rows} == {("exact", 1, False)} | {
-        (mode, window, joint) for mode in ("forward", "cached") for window in (2, 4, 5) for joint in (True, False)}
+    assert [(r["mode"], r["window"], r["joint"]) for r in rows] == [("exact", 1, False)] + [
+        ("cached", window, joint) for window in (2, 5) for joint in (True, False)]
     for row in rows:
         assert set(ROW_KEYS) <= set(row), set(ROW_KEYS) - set(row)
         assert row["model"] == "random:sd35-medium@2" and row["section"] == "train_phase"
@@ -180,6 +185,16 @@ def test_the_bench_runs_a_random_weight_arch(tmp_path):
     cached = next(r for r in rows if (r["mode"], r["window"], r["joint"]) == ("cached", 5, False))
     assert exact["passes"] == 5 and cached["passes"] == 2 and exact["params_m"] > 150
     assert "Whole iterations" in result.stdout
+
+
+def test_the_arch_bench_compares_exact_with_jagg_at_windows_2_4_5():
+    options = arch_options(arch_model("flux-dev", True, 4), arch_overrides("cpu", 128))
+    assert options.models == ["random:flux-dev@4"] and options.overrides == ("sampling.resolution=128",)
+    assert {(v.mode, v.window, v.joint) for v in options.grid(0)} == {("exact", 1, False)} | {
+        (mode, window, joint) for mode in ("forward", "cached") for window in (2, 4, 5) for joint in (True, False)}
+    assert arch_overrides("cuda", quantize="nf4") == ["sampling.resolution=512", "model.dtype=bfloat16",
+                                                      "train.mixed_precision=bf16", "model.quantize=nf4"]
+    assert arch_model("qwen-image", random_weights=False) == "Qwen/Qwen-Image"
 
 
 @pytest.mark.parametrize("args,message", [

@@ -18,7 +18,7 @@ WINDOW_TWO, WINDOW_THREE = Variant("cached", 2, True), Variant("cached", 3, True
 def bench():
     """(rows, the train-phase workload, each variant's gradient as the bench took it)."""
     options = BenchOptions(models=["tiny-sd3"], windows=(2, 3), modes=("cached",), joints=(True,), fracs=(),
-                           repeats=1, warmup=0, iterations=1, seeds=(0,))
+                           repeats=1, warmup=0, iterations=1, seeds=(0,), overrides=("grpo.prompts_per_iteration=1",))
     assert options.grid(0) == [EXACT, WINDOW_TWO, WINDOW_THREE]
     workloads, gradients, last = [], {}, {}
     backward, gradient = Workload.backward, Workload.gradient
@@ -92,6 +92,15 @@ def test_rows_have_the_required_keys(rows):
     for row in rows:
         assert set(ROW_KEYS) <= set(row), set(ROW_KEYS) - set(row)
         assert row["model"] == "tiny-sd3" and row["params_m"] > 0 and row["seconds"] > 0
+    for row in rows[:3]:  # the train phase with the rollout of the same batch: whole iterations
+        assert row["rollout_s"] > 0 and row["train_s"] == row["seconds"]
+        assert row["iteration_s"] == pytest.approx(row["rollout_s"] + row["train_s"])
+        assert row["iteration_speedup"] == pytest.approx(rows[0]["iteration_s"] / row["iteration_s"])
+
+
+def test_the_overrides_apply_to_the_workload(bench):
+    _, work, _ = bench
+    assert work.overrides == ("grpo.prompts_per_iteration=1",) and work.traj.batch_size == 4  # 1 prompt x G = 4
 
 
 def test_the_exact_row_is_the_per_step_gradient_and_window_two_is_exact(bench):
@@ -125,7 +134,7 @@ def test_a_wider_window_on_a_nonlinear_model_is_close_to_exact_but_not_exact(ben
 
 def test_memory_figures_exist_with_the_peak_above_the_base(rows):
     for row in rows[:3]:
-        assert row["peak_mem_basis"], row
+        assert row["peak_mem_basis"] and row["rollout_peak_mem_mb"] > 0, row
         assert row["base_mem_mb"] > 0 and row["peak_mem_mb"] >= row["base_mem_mb"], row
         assert row["peak_mem_ratio"] is not None and math.isfinite(row["peak_mem_ratio"]), row
         assert row["peak_mem_ratio"] >= 0, row

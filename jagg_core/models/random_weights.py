@@ -25,9 +25,9 @@ from __future__ import annotations
 import json
 from contextlib import contextmanager
 
+import diffusers
 import torch
 import transformers
-from diffusers import FlowMatchEulerDiscreteScheduler
 
 from ..archs import arch_folder, parse_random_model, with_depth
 from .tiny import tiny_clip_tokenizer, tiny_qwen_tokenizer, tiny_t5_tokenizer
@@ -39,7 +39,6 @@ STAND_IN_T5_HEADS = 2
 
 
 def _component_class(library: str, name: str):
-    import diffusers
     return getattr(diffusers if library == "diffusers" else transformers, name)
 
 
@@ -95,9 +94,11 @@ def text_stand_ins(folder, index: dict) -> dict:
         elif model_class is transformers.T5EncoderModel:
             tokenizer = tiny_t5_tokenizer()
             encoder = t5_stand_in(folder, name, len(tokenizer))
-        else:  # Qwen2_5_VLForConditionalGeneration
+        elif model_class is transformers.Qwen2_5_VLForConditionalGeneration:
             tokenizer = tiny_qwen_tokenizer()
             encoder = qwen_vl_stand_in(folder, name, tokenizer)
+        else:
+            raise ValueError(f"no stand-in for the text encoder {model_class.__name__} of {folder.name}")
         parts[name], parts["tokenizer" + suffix] = encoder, tokenizer
     return parts
 
@@ -121,7 +122,6 @@ def build_random_pipeline(arch: str, layers: int | None = None, seed: int = 0, *
     on ``device`` (``meta`` for sizes only) in ``dtype``; ``layers`` cuts the transformer's depth."""
     folder = arch_folder(arch)
     index = json.loads((folder / "model_index.json").read_text())
-    import diffusers
     pipeline_class = getattr(diffusers, index["_class_name"])
     transformer_class, vae_class = (_component_class(*index[name]) for name in ("transformer", "vae"))
     transformer_config = transformer_class.load_config(folder / "transformer")
@@ -134,9 +134,10 @@ def build_random_pipeline(arch: str, layers: int | None = None, seed: int = 0, *
             components = {"transformer": transformer_class.from_config(transformer_config),
                           "vae": vae_class.from_config(vae_class.load_config(folder / "vae")),
                           **text_stand_ins(folder, index)}
-    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler")
-    absent = {name: None for name, spec in index.items() if isinstance(spec, list) and spec == [None, None]}
-    return pipeline_class(scheduler=scheduler, **components, **absent)
+    for name in ("transformer", "vae"):  # buffers made in float32 (SD3's position table) too, as from_pretrained
+        components[name].to(dtype=dtype)
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler")
+    return pipeline_class(scheduler=scheduler, **components)
 
 
 def build_random_model_pipeline(name: str, seed: int = 0, **kwargs):
