@@ -48,6 +48,7 @@ from .models.base import ENCODE_BATCH, NEGATIVE
 from .models.random_weights import build_random_model_pipeline
 from .models.tiny import TINY_BUILDERS
 from .rewards.catalog import reward_entry
+from .sampler import EVAL_BATCH
 
 GB = 1e9
 META = torch.device("meta")
@@ -362,7 +363,7 @@ def plan_memory(config: RunConfig) -> MemoryPlan:
         [p for p in pipe.vae.parameters()] + [b for b in pipe.vae.buffers()]
 
     chunk = cfg.sampling.rollout_batch_size or samples
-    eval_chunk = min(cfg.prompts.eval_count, cfg.sampling.rollout_batch_size or 16)
+    eval_chunk = min(cfg.prompts.eval_count, cfg.sampling.rollout_batch_size or EVAL_BATCH)
     sigma = torch.full((1,), 0.5, device=META)
 
     def forward(batch: int) -> None:

@@ -25,6 +25,10 @@ import torch
 from .models.base import Conditioning, FlowModel
 
 
+#: eval samples denoised together when ``sampling.rollout_batch_size`` is not set
+EVAL_BATCH = 16
+
+
 def step_noise_std(sigmas: torch.Tensor, noise_level: float) -> torch.Tensor:
     """``std_t = a sqrt(s / (1 - s))`` for every step; the step at s = 1 uses sigma_1 instead."""
     s = sigmas[:-1].double()

@@ -38,7 +38,7 @@ from .models.text_embeddings import load_embeddings, save_embeddings
 from .prompts import load_prompts, split_prompts
 from .rewards import build_rewards
 from .rundir import OPTIMIZER_FILE, TRAINING_STATE_FILE, RunDirectory
-from .sampler import Trajectory, initial_noise, ode_sample, sde_rollout
+from .sampler import EVAL_BATCH, Trajectory, initial_noise, ode_sample, sde_rollout
 from .sharding import Sharding, fsdp_requested
 from .stopping import STOP, StopRequested
 from .tracking import log_eval_grid, log_row, start_trackers
@@ -48,8 +48,6 @@ def iteration_seed(seed: int, iteration: int, rank: int, stream: int) -> int:
     return (seed * 1_000_003 + iteration * 9_176 + rank * 131 + stream) % (2 ** 63)
 
 
-#: eval samples denoised together when ``sampling.rollout_batch_size`` is not set
-EVAL_BATCH = 16
 #: a run fails, instead of skipping updates for ever, after this many iterations in a row with a non-finite reward
 MAX_NON_FINITE_STREAK = 5
 

@@ -92,18 +92,19 @@ def load_flow_model(config: ModelConfig, device: torch.device | str = "cpu", see
         prepare = partial(quantize_in_memory, pipe, config.quantize, device, dtype)
     else:
         source = str(ASSETS_DIR / config.name) if config.name in embedded_models() else config.name
+        index = _read_model_index(source, config.revision)
         later = defer and config.quantize != "none"  # a quantizer places the weights while loading them
-        pipe = _load_pipeline(config, source, device, dtype, text_encoders, transformer=not later)
-        prepare = partial(_load_quantized_transformer, pipe, config, source, device) if later else None
+        pipe = _load_pipeline(config, source, index, dtype, text_encoders, transformer=not later)
+        prepare = partial(_load_quantized_transformer, pipe, config, source, index["transformer"]) if later else None
     family = _family_for(type(pipe).__name__, config.name)
     return family(pipe, config, device, defer_denoiser=defer, prepare_transformer=prepare,
                   place_transformer=place_transformer)
 
 
-def _load_pipeline(config: ModelConfig, source: str, device: torch.device, dtype: torch.dtype, text_encoders: bool,
+def _load_pipeline(config: ModelConfig, source: str, index: dict, dtype: torch.dtype, text_encoders: bool,
                    transformer: bool):
-    """A pipeline from an embedded folder, a local folder or the Hub (only the components asked for)."""
-    index = _read_model_index(source, config.revision)
+    """A pipeline from an embedded folder, a local folder or the Hub (``index``: its model_index.json), with only
+    the components asked for."""
     _family_for(index.get("_class_name", "unknown"), config.name)
     import diffusers
     pipeline_class = getattr(diffusers, index["_class_name"])
@@ -112,18 +113,18 @@ def _load_pipeline(config: ModelConfig, source: str, device: torch.device, dtype
               if value == [None, None] or (not text_encoders and key in TEXT_ENCODERS)
               or (not transformer and key == "transformer")}
     dtypes = {"transformer": transformer_dtype(config.quantize, dtype), "default": dtype}
-    quantization = pipeline_quantization(config.quantize, device) if transformer else None
+    quantization = pipeline_quantization(config.quantize) if transformer else None
     with _loading_errors(config.name):
         return pipeline_class.from_pretrained(source, revision=config.revision, torch_dtype=dtypes,
                                               local_files_only=Path(source).is_dir() or hub_offline(),
                                               quantization_config=quantization, **absent)
 
 
-def _load_quantized_transformer(pipe, config: ModelConfig, source: str, device: torch.device) -> None:
-    """Load the pipeline's transformer quantized (after the text encoders are gone)."""
-    index = _read_model_index(source, config.revision)
+def _load_quantized_transformer(pipe, config: ModelConfig, source: str, entry: list[str]) -> None:
+    """Load the pipeline's transformer (``entry``: its ``[library, class]`` in model_index.json) quantized, after
+    the text encoders are gone."""
     import importlib
-    library, class_name = index["transformer"]
+    library, class_name = entry
     cls = getattr(importlib.import_module(library), class_name)
     with _loading_errors(config.name):
         pipe.transformer = cls.from_pretrained(source, subfolder="transformer", revision=config.revision,

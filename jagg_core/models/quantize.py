@@ -25,7 +25,8 @@ QUANTIZATIONS = ("nf4", "int8")
 
 
 def check_quantization(kind: str, device: torch.device) -> None:
-    """One-line errors for a quantization this machine cannot run."""
+    """One-line errors for a quantization this machine cannot run (``load_flow_model`` asks first, before anything
+    is loaded or quantized)."""
     if kind == "nf4" and device.type != "cuda":
         raise UserError("model.quantize=nf4 needs a CUDA GPU (bitsandbytes NF4); on a CPU use model.quantize=int8 "
                         "or none")
@@ -52,11 +53,10 @@ def transformer_quantization(kind: str):
     return TorchAoConfig(Int8WeightOnlyConfig())
 
 
-def pipeline_quantization(kind: str, device: torch.device):
+def pipeline_quantization(kind: str):
     """``quantization_config`` for ``Pipeline.from_pretrained``: the transformer only, or None for ``none``."""
     if kind == "none":
         return None
-    check_quantization(kind, device)
     from diffusers import PipelineQuantizationConfig
     return PipelineQuantizationConfig(quant_mapping={"transformer": transformer_quantization(kind)})
 
@@ -65,7 +65,6 @@ def quantize_in_memory(pipe, kind: str, device: torch.device, dtype: torch.dtype
     """Replace ``pipe.transformer`` (built in memory) by its quantized reload, on ``device``."""
     if kind == "none":
         return
-    check_quantization(kind, device)
     transformer = pipe.transformer
     with tempfile.TemporaryDirectory() as folder:
         transformer.save_pretrained(folder)
