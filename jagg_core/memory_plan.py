@@ -56,9 +56,6 @@ META = torch.device("meta")
 QUANTIZED_BYTES = {"nf4": 0.5 + 1 / 64 + 4 / (64 * 256), "int8": 1.0}
 #: the largest single accelerator on sale (GB); a plan above it cannot run on one
 LARGEST_GPU_GB = 192
-#: the GPUs the README and the app name, with their memory (GB)
-GPU_SIZES = {"16 GB (RTX 4060 Ti/4080)": 16, "24 GB (RTX 3090/4090, L4, A10G)": 24, "48 GB (L40S, A6000)": 48,
-             "80 GB (A100/H100)": 80}
 
 
 class LiveBytes(TorchDispatchMode):
@@ -257,13 +254,6 @@ class MemoryPlan:
                          f"{self.phase_total(phase) / GB:6.2f}")
         lines.append(f"  peak: {self.total / GB:.2f} GB ({self.peak_phase})")
         return "\n".join(lines)
-
-    def as_dict(self) -> dict:
-        return {"model": self.model, "family": self.family, "resolution": self.resolution,
-                "resident_gb": {k: v / GB for k, v in self.resident.items()},
-                "setup_gb": {k: v / GB for k, v in self.setup.items()},
-                "phase_totals_gb": {k: v / GB for k, v in self.totals.items()},
-                "peak_phase": self.peak_phase, "total_gb": self.total / GB}
 
 
 def _flash_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **_):
