@@ -59,8 +59,7 @@ def progress(run_dir: Path, job_started_at: float | None = None) -> Progress:
     eta = None
     if state == "running":
         rows = [r for r in run.read_metrics() if r[metrics.ITERATION] > 0][-ETA_WINDOW:]
-        times = [sum(r.get(key, 0.0) for key in (metrics.TIME_ROLLOUT, metrics.TIME_TRAIN, metrics.TIME_EVAL))
-                 for r in rows]
+        times = [metrics.seconds(r) for r in rows]
         if times:
             eta = max(0.0, (total - iteration) * sum(times) / len(times))
     return Progress(state, str(status.get("message") or ""), iteration, total, elapsed, eta)
@@ -114,13 +113,15 @@ def timing_words(prog: Progress | None) -> str:
     return " · ".join(parts)
 
 
-# metric key -> series label, for the reward plot and the loss plot
+# metric key -> series label, for the reward plot, the loss plot and the fidelity plot (the audits' cosines)
 REWARD_SERIES = {metrics.REWARD_MEAN: "rollout reward", metrics.EVAL_REWARD_MEAN: "eval reward (fixed seeds)"}
 LOSS_SERIES = {metrics.LOSS: "loss", metrics.KL: "KL"}
+FIDELITY_SERIES = {metrics.JAGG_GRAD_COSINE: "grad cosine vs exact"}
 
 
-def curves(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Long-format frames ``(iteration, value, series)`` for the reward plot and the loss plot."""
+def curves(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """Long-format frames ``(iteration, value, series)`` for the reward plot, the loss plot and the fidelity plot
+    (``backward.audit_every``: a point per audited iteration)."""
     rows = RunDirectory(run_dir).read_metrics()
 
     def frame(series: dict[str, str]) -> pd.DataFrame:
@@ -133,7 +134,7 @@ def curves(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
         return pd.DataFrame(points, columns=["iteration", "value", "series"]).astype(
             {"iteration": "int64", "value": "float64", "series": "str"})
 
-    return frame(REWARD_SERIES), frame(LOSS_SERIES)
+    return frame(REWARD_SERIES), frame(LOSS_SERIES), frame(FIDELITY_SERIES)
 
 
 def captioned(images: ImageSet | None) -> list[tuple[str, str]]:

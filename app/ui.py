@@ -301,7 +301,7 @@ class Studio:
             *changed("timing", timing, lambda: timing),
             *changed("bar", bar, lambda: gr.update(value=bar[0], maximum=max(bar[1], 1))),
             *changed("metrics", (selected, mtime(run and run.metrics_file)),
-                     lambda: live.curves(run_dir) if run_dir else (None, None), count=2),
+                     lambda: live.curves(run_dir) if run_dir else (None, None, None), count=3),
             *changed("samples", (selected, tuple(sample_iterations), mtime(last_samples)), samples, count=2),
             *changed("rollouts", (selected, mtime(run and run.rollouts_dir)),
                      lambda: live.captioned(run.rollouts()) if run else []),
@@ -401,6 +401,9 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                                               color_map=_colors(live.REWARD_SERIES), elem_id="reward-plot")
                     loss_plot = gr.LinePlot(x="iteration", y="value", color="series", title="Loss", height=240,
                                             color_map=_colors(live.LOSS_SERIES), elem_id="loss-plot")
+                fidelity_plot = gr.LinePlot(x="iteration", y="value", color="series", height=200,
+                                            title="JAGG gradient fidelity (audited iterations, backward.audit_every)",
+                                            color_map=_colors(live.FIDELITY_SERIES), elem_id="fidelity-plot")
                 gr.Markdown("**Fixed-seed eval samples** (held-out prompts): the base model beside the latest.")
                 with gr.Row():
                     base_samples = gr.Gallery(label="Iteration 0 (base model)", columns=2, height=380,
@@ -445,8 +448,8 @@ def build_app(root: Path | None = None) -> gr.Blocks:
         gr.api(studio.status, api_name="status")
 
         seen = gr.State({})
-        live_outputs = [run_select, run_status, timing, progress_bar, reward_plot, loss_plot, base_samples,
-                        latest_samples, rollouts, log, checkpoint, start, stop, resume, seen]
+        live_outputs = [run_select, run_status, timing, progress_bar, reward_plot, loss_plot, fidelity_plot,
+                        base_samples, latest_samples, rollouts, log, checkpoint, start, stop, resume, seen]
         timer = gr.Timer(REFRESH_S)
         for trigger in (timer.tick, demo.load):
             trigger(studio.refresh, [run_select, seen], live_outputs, show_progress="hidden",

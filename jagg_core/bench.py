@@ -19,7 +19,9 @@ through the project's own code: :class:`~jagg_core.trainer.Trainer` (set-up, rol
 2. The same on each model of ``--models``: by default the embedded pretrained model (or tiny-sd3
    while there is none) and ``bench-sd3-31m``, a DiT large enough to be compute-bound on a CPU.
 3. **Whole iterations** (rollout + train) of a short training, exact and JAGG (cached, W = 5, joint)
-   alternating iteration by iteration, for each seed; reward against wall-clock goes to ``--plot``.
+   alternating iteration by iteration, for each seed; reward against wall-clock goes to ``--plot``. The JAGG
+   training is audited at every iteration (``backward.audit_every``), timed apart: the cost of one audit
+   against an iteration's.
 4. **Routing**: the linearity score of every window (``linearity`` in each row) and rows with
    ``frac < 1`` (section ``routing``).
 
@@ -55,6 +57,7 @@ import torch
 
 from . import metrics
 from .archs import RANDOM_PREFIX, arch_names, hub_id, parse_random_model
+from .audit import flat_gradient, gradient_agreement
 from .config import BackwardConfig, RunConfig, list_presets, load_config
 from .errors import UserError, exit_on_user_error
 from .grpo import group_advantages
@@ -88,12 +91,13 @@ class Variant:
     joint: bool = False
     frac: float = 1.0
 
-    def backward_config(self) -> BackwardConfig:
+    def backward_config(self, **settings) -> BackwardConfig:
+        """The backward section of this variant, with other keys of it (``audit_every`` ...) from ``settings``."""
         if self.mode == "exact":
-            return BackwardConfig(mode="exact")
+            return BackwardConfig(mode="exact", **settings)
         return BackwardConfig(mode="jagg", window=self.window, joint=self.joint, frac=self.frac,
                               velocities="forward" if self.mode == "forward" else "cached",
-                              shared_knots=self.mode == "cached_shared")
+                              shared_knots=self.mode == "cached_shared", **settings)
 
     @property
     def label(self) -> str:
@@ -238,8 +242,7 @@ class Workload:
 
     def gradient(self) -> torch.Tensor:
         """All LoRA gradients, flattened (zeros where a parameter got none)."""
-        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().flatten().double().cpu()
-                          for p in self.trainer.params])
+        return flat_gradient(self.trainer.params).double().cpu()
 
 
 def base_params_m(trainer: Trainer) -> float:
@@ -358,6 +361,7 @@ def train_phase_rows(work: Workload, variants: list[Variant], seconds, gradients
     rows = []
     for variant in variants:
         grad, plan, mem = gradients[variant], plans[variant], memory.get(variant.label)
+        cosine, rel_err = gradient_agreement(grad, exact_grad)
         row = {"section": "routing" if variant.frac < 1 else "train_phase", "model": work.model_name,
                "params_m": work.params_m, "mode": variant.mode, "window": variant.window, "joint": variant.joint,
                "frac": variant.frac, "routed_frac": plan.routed_frac, "passes": len(plan.pass_steps),
@@ -367,8 +371,7 @@ def train_phase_rows(work: Workload, variants: list[Variant], seconds, gradients
                "train_s": min(seconds[variant]), "rollout_s": rollout_s,
                "iteration_s": rollout_s + min(seconds[variant]),
                "iteration_speedup": (rollout_s + exact_seconds) / (rollout_s + min(seconds[variant])),
-               "grad_cosine": float(torch.nn.functional.cosine_similarity(grad, exact_grad, dim=0)),
-               "grad_rel_err": float((grad - exact_grad).norm() / exact_grad.norm()),
+               "grad_cosine": cosine, "grad_rel_err": rel_err,
                "peak_mem_basis": memory_basis(work.device) if mem else None,
                "base_mem_mb": mem["base_mb"] if mem else None, "peak_mem_mb": mem["peak_mb"] if mem else None,
                "peak_mem_ratio": ((mem["peak_mb"] - mem["base_mb"]) / (exact_mem["peak_mb"] - exact_mem["base_mb"])
@@ -395,10 +398,14 @@ def bench_iterations(model: str, options: BenchOptions) -> list[dict]:
     there is only one), as the minimum of the rollout plus the minimum of the train phase (every
     iteration does the same work, so the minimum is the figure least disturbed by other processes,
     as in the train phase) and as the median; and each seed's reward curve as
-    ``[cumulative seconds, rollout reward mean]`` points.
+    ``[cumulative seconds, rollout reward mean]`` points. The JAGG training runs the fidelity audit
+    (:mod:`jagg_core.audit`) at every iteration, on the config's ``backward.audit_samples``: it changes nothing
+    of the training and is timed apart, so its row also has the seconds of one audit (``audit_s``, the minimum),
+    their ratio to the iteration's (``audit_ratio``) and the mean audited cosine (``audit_cosine``).
     """
     variants = (EXACT, ITERATION_VARIANT)
-    times = {v: {"rollout": [], "train": []} for v in variants}
+    times = {v: {"rollout": [], "train": [], "audit": []} for v in variants}
+    cosines = {v: [] for v in variants}
     curves = {v: {} for v in variants}
     first = 1 if options.iterations > 1 else 0
     with tempfile.TemporaryDirectory() as root:
@@ -410,7 +417,7 @@ def bench_iterations(model: str, options: BenchOptions) -> list[dict]:
                 config = bench_config(model, [*options.overrides, f"train.seed={seed}",
                                               f"train.iterations={beyond}", f"train.sample_every={beyond}",
                                               f"train.checkpoint_every={beyond}"])
-                config.backward = variant.backward_config()
+                config.backward = variant.backward_config(audit_every=1, audit_samples=config.backward.audit_samples)
                 trainers[variant] = Trainer(config, Path(root) / f"{variant.mode}-{seed}")
                 trainers[variant].setup()
                 curves[variant][str(seed)] = []
@@ -423,8 +430,12 @@ def bench_iterations(model: str, options: BenchOptions) -> list[dict]:
                     if iteration > first:
                         times[variant]["rollout"].append(row[metrics.TIME_ROLLOUT])
                         times[variant]["train"].append(row[metrics.TIME_TRAIN])
+                        if metrics.TIME_AUDIT in row:
+                            times[variant]["audit"].append(row[metrics.TIME_AUDIT])
+                            cosines[variant].append(row[metrics.JAGG_GRAD_COSINE])
             params_m, device = base_params_m(trainers[EXACT]), str(trainers[EXACT].accelerator.device)
     iteration_s = {v: min(times[v]["rollout"]) + min(times[v]["train"]) for v in variants}
+    audit_s = {v: min(times[v]["audit"]) if times[v]["audit"] else None for v in variants}
     return [{"section": "iteration", "model": model, "params_m": params_m, "mode": v.mode, "window": v.window,
              "joint": v.joint, "frac": v.frac, "seconds": iteration_s[v],
              "rollout_s": min(times[v]["rollout"]), "train_s": min(times[v]["train"]),
@@ -432,7 +443,9 @@ def bench_iterations(model: str, options: BenchOptions) -> list[dict]:
              "speedup": iteration_s[EXACT] / iteration_s[v], "iterations": options.iterations,
              "seeds": list(options.seeds), "reward_final": statistics.mean(c[-1][1] for c in curves[v].values()),
              "curves": curves[v], "peak_mem_ratio": None, "peak_mem_basis": None, "grad_cosine": None,
-             "grad_rel_err": None, "device": device} for v in variants]
+             "grad_rel_err": None, "audit_s": audit_s[v],
+             "audit_ratio": audit_s[v] / iteration_s[v] if audit_s[v] is not None else None,
+             "audit_cosine": statistics.mean(cosines[v]) if cosines[v] else None, "device": device} for v in variants]
 
 
 def run_bench(options: BenchOptions, threads: int = 2, log=print) -> list[dict]:
@@ -494,10 +507,11 @@ def format_tables(rows: list[dict]) -> str:
     if iteration:
         parts.append(_markdown(
             ["model", "backward", "rollout s", "train s", "iteration s", "speed-up", "iteration s (median)",
-             "final reward (mean of seeds)"],
+             "final reward (mean of seeds)", "audit s", "audit / iteration", "audit cosine"],
             [[r["model"], "exact" if r["mode"] == "exact" else f"{r['mode']} W={r['window']}", f"{r['rollout_s']:.3f}",
               f"{r['train_s']:.3f}", f"{r['seconds']:.3f}", f"{r['speedup']:.2f}x", f"{r['seconds_median']:.3f}",
-              f"{r['reward_final']:.4f}"]
+              f"{r['reward_final']:.4f}", _fmt(r.get("audit_s"), ".3f"), _fmt(r.get("audit_ratio"), ".1%"),
+              _fmt(r.get("audit_cosine"), ".4f")]
              for r in iteration]))
     return "\n\n".join(parts) + "\n"
 

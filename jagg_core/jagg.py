@@ -175,6 +175,18 @@ def make_plan(config: BackwardConfig, batch: Trajectory, trained_steps: int, los
     return plan
 
 
+def window_plan(plan: BackwardPlan, win: Window, interpolate: bool) -> BackwardPlan:
+    """The part of ``plan`` that backpropagates the steps of ``win`` alone, with the plan's loss, batch geometry,
+    velocities and stacking: ``interpolate`` (``win`` is one of the plan's JAGG windows) = its two endpoint passes
+    with its interpolated steps aggregated onto them, ``G_a = sum_j (1 - alpha_j) s_j``, ``G_b = sum_j alpha_j s_j``;
+    otherwise one pass per step, the exact backward of those steps. Used by :mod:`jagg_core.audit`."""
+    interpolated = {j: plan.interpolated[j] for j in win.intermediates} if interpolate else {}
+    passes = sorted({win.start, win.end}) if interpolate else list(win.steps)
+    score = plan.scores[plan.windows.index(win)] if win in plan.windows else 1.0
+    return replace(plan, windows=[win], use_jagg=[interpolate], scores=[score], pass_steps=passes,
+                   interpolated=interpolated)
+
+
 @dataclass
 class BackwardResult:
     loss: float

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from .archs import arch_folder, arch_for_model, is_random_model
@@ -45,6 +45,7 @@ from .config import RunConfig
 from .errors import UserError
 from .models import ASSETS_DIR, DTYPES, FAMILIES, embedded_models
 from .models.base import ENCODE_BATCH, NEGATIVE
+from .models.quantize import transformer_dtype
 from .models.random_weights import build_random_model_pipeline
 from .models.tiny import TINY_BUILDERS
 from .rewards.catalog import reward_entry
@@ -56,6 +57,19 @@ META = torch.device("meta")
 QUANTIZED_BYTES = {"nf4": 0.5 + 1 / 64 + 4 / (64 * 256), "int8": 1.0}
 #: the largest single accelerator on sale (GB); a plan above it cannot run on one
 LARGEST_GPU_GB = 192
+#: the phase in which the prompts are encoded, before training
+SETUP_PHASE = "set-up"
+
+
+def plain_tensors(tensors):
+    """The tensors holding the data of ``tensors``: a wrapper subclass (torchao's quantized weights) is replaced by
+    its inner tensors, since its own storage is a placeholder of the dequantized size."""
+    for tensor in tensors:
+        if is_traceable_wrapper_subclass(tensor):
+            names, _ = tensor.__tensor_flatten__()
+            yield from plain_tensors(getattr(tensor, name) for name in names)
+        else:
+            yield tensor
 
 
 class LiveBytes(TorchDispatchMode):
@@ -69,9 +83,13 @@ class LiveBytes(TorchDispatchMode):
         super().__init__()
         self.current = self.peak = 0
         self._live: dict[int, weakref.ref] = {}
-        self._ignored = {t.untyped_storage()._cdata for t in ignore}
+        self._ignored = {t.untyped_storage()._cdata for t in plain_tensors(ignore)}
 
     def _follow(self, tensor: torch.Tensor) -> None:
+        if is_traceable_wrapper_subclass(tensor):
+            for inner in plain_tensors([tensor]):
+                self._follow(inner)
+            return
         storage = tensor.untyped_storage()
         key = storage._cdata
         if key in self._live or key in self._ignored:
@@ -197,11 +215,13 @@ def _params(module: torch.nn.Module | None) -> int:
 
 
 def _transformer_bytes(transformer: torch.nn.Module, quantize: str, element_size: int) -> int:
-    """Weights of the frozen transformer (LoRA excluded) in ``model.dtype`` or quantized (linear layers)."""
+    """Weights and buffers (SD3's position table: 0.45 GB in bf16) of the frozen transformer (LoRA excluded) in
+    ``element_size`` bytes, the linear layers' weights quantized with ``quantize``."""
     total = 0
     for name, module in transformer.named_modules():
         if "lora_" in name:
             continue
+        total += sum(buffer.numel() for buffer in module.buffers(recurse=False)) * element_size
         for pname, param in module.named_parameters(recurse=False):
             count = param.numel()
             if quantize != "none" and isinstance(module, torch.nn.Linear) and pname == "weight":
@@ -229,7 +249,7 @@ class MemoryPlan:
     @property
     def totals(self) -> dict[str, float]:
         totals = {phase: self.phase_total(phase) for phase in self.phases}
-        totals["set-up"] = sum(self.setup.values())
+        totals[SETUP_PHASE] = sum(self.setup.values())
         return totals
 
     @property
@@ -254,6 +274,33 @@ class MemoryPlan:
                          f"{self.phase_total(phase) / GB:6.2f}")
         lines.append(f"  peak: {self.total / GB:.2f} GB ({self.peak_phase})")
         return "\n".join(lines)
+
+
+def measured_peak(trainer) -> int:
+    """Bytes at the peak of one training iteration with its eval (the trainer's next two iterations: the first makes
+    the optimizer states, the second is measured), the weights and optimizer states the device holds included.
+
+    On a GPU: ``torch.cuda.max_memory_allocated`` over the second iteration. On a CPU: the storages of the weights
+    and optimizer states plus the high-water mark of every other tensor (:class:`LiveBytes`); the prompt cache is
+    host memory and not counted.
+    """
+    start = trainer.start_iteration
+    trainer.iteration(start)  # the optimizer states exist from here on
+    device = trainer.accelerator.device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        trainer.iteration(start + 1)
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+    modules = [trainer.model.transformer, trainer.model.pipe.vae]
+    resident = [t for m in modules for t in [*m.parameters(), *m.buffers()]]
+    resident += [v for state in trainer.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in plain_tensors(resident)}
+    meter = LiveBytes(ignore=resident)
+    with meter:
+        trainer.iteration(start + 1)
+    return sum(storages.values()) + meter.peak
 
 
 def _flash_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **_):
@@ -288,7 +335,8 @@ def plan_memory(config: RunConfig) -> MemoryPlan:
     pipe = meta_pipeline(cfg.model.name, cfg.model.revision)
     family_class = FAMILIES[type(pipe).__name__]
     dtype = DTYPES[cfg.model.dtype]
-    compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.mixed_precision, dtype)
+    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.mixed_precision)
+    compute = autocast or dtype
     if cfg.model.quantize != "none":
         compute = torch.bfloat16
     with META:
@@ -299,7 +347,8 @@ def plan_memory(config: RunConfig) -> MemoryPlan:
     plan = MemoryPlan(cfg.model.name, model.family, cfg.sampling.resolution)
 
     # ----- resident weights
-    frozen_bytes = _transformer_bytes(transformer, cfg.model.quantize, element)
+    frozen_bytes = _transformer_bytes(transformer, cfg.model.quantize,
+                                      transformer_dtype(cfg.model.quantize, dtype).itemsize)
     quant = f", {cfg.model.quantize}" if cfg.model.quantize != "none" else ""
     plan.resident[f"transformer ({_count(_params(transformer))} params, {cfg.model.dtype}{quant})"] = frozen_bytes
     vae_bytes = _params(pipe.vae) * element
@@ -317,8 +366,8 @@ def plan_memory(config: RunConfig) -> MemoryPlan:
 
     lora = model.add_lora(cfg.lora)
     lora_count = sum(p.numel() for p in lora)
-    for param in lora:  # under mixed precision the LoRA computes (and saves its inputs) in the compute dtype
-        param.data = param.data.to(compute)
+    for param in lora:  # float32; under mixed precision it computes (and saves its inputs) in the autocast dtype
+        param.data = param.data.to(autocast or torch.float32)
     state_bytes = 2 if cfg.train.optimizer == "adamw8bit" else 8
     ema = 4 if cfg.train.ema_decay > 0 else 0
     plan.resident[f"LoRA ({_count(lora_count)}): weights, AdamW states{', EMA' if ema else ''} (fp32)"] = \

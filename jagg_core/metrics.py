@@ -10,7 +10,11 @@ One JSON object per iteration, with namespaced keys (as TensorBoard and TRL grou
     train/loss, train/kl, train/ratio_mean, train/clip_frac, train/grad_norm, train/lr
     train/skipped          the update was skipped (non-finite reward or gradient)
     jagg/windows, jagg/routed_frac, jagg/linearity_mean, jagg/backward_passes
-    time/rollout_s, time/train_s, time/eval_s      seconds of the phases of the iteration
+    jagg/grad_cosine, jagg/grad_rel_err, jagg/window_cosines   the fidelity audit (audited iterations only,
+                           ``backward.audit_every``): cos(g_jagg, g_exact), |g_jagg - g_exact| / |g_exact| and
+                           each window's cosine, a list (:mod:`jagg_core.audit`)
+    time/rollout_s, time/train_s, time/audit_s, time/eval_s    seconds of the phases of the iteration (the
+                           update's own in train_s; the audit's apart)
 
 Run directories written before these names used flat keys (``reward_mean``, ``time_rollout_s`` ...);
 :func:`normalize` maps a row of either kind to the namespaced keys, so old runs still display.
@@ -33,9 +37,20 @@ JAGG_WINDOWS = "jagg/windows"
 JAGG_ROUTED_FRAC = "jagg/routed_frac"
 JAGG_LINEARITY_MEAN = "jagg/linearity_mean"
 BACKWARD_PASSES = "jagg/backward_passes"
+JAGG_GRAD_COSINE = "jagg/grad_cosine"
+JAGG_GRAD_REL_ERR = "jagg/grad_rel_err"
+JAGG_WINDOW_COSINES = "jagg/window_cosines"
 TIME_ROLLOUT = "time/rollout_s"
 TIME_TRAIN = "time/train_s"
+TIME_AUDIT = "time/audit_s"
 TIME_EVAL = "time/eval_s"
+#: the seconds an iteration spends, phase by phase (a phase it skipped is absent from its row)
+PHASE_TIMES = (TIME_ROLLOUT, TIME_TRAIN, TIME_AUDIT, TIME_EVAL)
+
+
+def seconds(row: dict) -> float:
+    """The seconds of a metrics row's iteration: the sum of its :data:`PHASE_TIMES`."""
+    return sum(row.get(key, 0.0) for key in PHASE_TIMES)
 
 
 def reward_part(name: str) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,7 +153,7 @@ def _recipe(config: dict, snap: RunSnapshot) -> str:
     done = f"{snap.iteration} of {train.get('iterations')}" if snap.iteration is not None else train.get("iterations")
     if backward.get("mode") == "jagg":
         backward_text = (f"JAGG (window {backward.get('window')}, velocities `{backward.get('velocities')}`, "
-                         f"JAGG fraction {backward.get('frac')})")
+                         f"JAGG fraction {backward.get('frac')}){_audit_words(snap.metrics)}")
     else:
         backward_text = "exact per-step backward"
     init = f", started from `{lora['init_lora']}`" if lora.get("init_lora") else ""
@@ -198,8 +199,23 @@ def _results_table(first: dict, last: dict) -> str:
 
 
 def _training_time(rows: list[dict]) -> float:
-    """Seconds of rollouts, updates and evals over the run's iterations (loading excluded)."""
-    return sum(row.get(key, 0.0) for row in rows for key in (metrics.TIME_ROLLOUT, metrics.TIME_TRAIN, metrics.TIME_EVAL))
+    """Seconds of rollouts, updates, audits and evals over the run's iterations (loading excluded)."""
+    return sum(metrics.seconds(row) for row in rows)
+
+
+def _audit_words(rows: list[dict]) -> str:
+    """The fidelity audits of the run (``backward.audit_every``) in words: how many, and the mean cosine and
+    relative error of the JAGG gradient with the exact per-step one; empty when none was made."""
+    audits = [(row[metrics.JAGG_GRAD_COSINE], row[metrics.JAGG_GRAD_REL_ERR]) for row in rows
+              if isinstance(row.get(metrics.JAGG_GRAD_COSINE), (int, float))
+              and math.isfinite(row[metrics.JAGG_GRAD_COSINE])]
+    if not audits:
+        return ""
+    cosine = sum(c for c, _ in audits) / len(audits)
+    rel_err = sum(e for _, e in audits) / len(audits)
+    times = "once" if len(audits) == 1 else f"at {len(audits)} iterations"
+    return (f"; audited {times} against the exact per-step gradient of the same samples: mean cosine "
+            f"**{cosine:.3f}**, mean relative error {rel_err:.3f}")
 
 
 def build_model_card(snap: RunSnapshot, repo_id: str) -> ModelCard:

@@ -1,4 +1,5 @@
-"""The GRPO training loop: rollout -> rewards -> advantages -> backward (exact | JAGG) -> step.
+"""The GRPO training loop: rollout -> rewards -> advantages -> backward (exact | JAGG) -> step, with the fidelity
+audit of the JAGG backward (:mod:`jagg_core.audit`) before the step every ``backward.audit_every`` iterations.
 
 Runs alone or under ``accelerate launch`` (data parallel: each process draws its own prompts, the
 LoRA gradients are averaged across processes before every optimizer step, so all ranks keep
@@ -26,6 +27,7 @@ from diffusers.training_utils import EMAModel
 from tqdm.auto import tqdm
 
 from . import metrics
+from .audit import audit_indices, run_audit
 from .config import BackwardConfig, RunConfig
 from .errors import UserError
 from .grpo import LossSettings, group_advantages
@@ -254,23 +256,27 @@ class Trainer:
         return plan
 
     def accumulate_gradients(self, traj: Trajectory, cond: Conditioning, advantages: torch.Tensor,
-                             plan: BackwardPlan, on_policy: bool) -> list[BackwardResult]:
+                             plan: BackwardPlan, on_policy: bool,
+                             samples: torch.Tensor | None = None) -> list[BackwardResult]:
         """Add the LoRA gradient of the whole rollout batch to ``.grad`` following ``plan``, one micro-batch at a
-        time (``train.gradient_accumulation_steps`` of them)."""
+        time (``train.gradient_accumulation_steps`` of them); or only that of the batch's ``samples`` (indices), in
+        micro-batches no larger than those."""
         n = advantages.shape[0]
-        chunks = torch.arange(n).tensor_split(min(self.config.train.gradient_accumulation_steps, n))
+        count = min(self.config.train.gradient_accumulation_steps, n)
+        chunks = torch.arange(n).tensor_split(count) if samples is None else samples.split(math.ceil(n / count))
         return [run_backward(self.model, plan, traj.select(index), {k: v[index] for k, v in cond.items()},
                              advantages[index], on_policy=on_policy, backward=self.accelerator.backward,
                              autocast=self.accelerator.autocast)
                 for index in chunks]
 
-    def train_on(self, rollout: Rollout) -> dict:
+    def train_on(self, rollout: Rollout, audit: bool = False) -> dict:
         """``grpo.inner_epochs`` optimizer steps on one rollout batch, all following one backward plan; the
-        first is on-policy."""
+        first is on-policy. ``audit``: the fidelity audit (:meth:`audit`) first, when the plan interpolates a step."""
         cfg = self.config
         advantages = group_advantages(rollout.rewards, cfg.grpo.num_generations, cfg.grpo.adv_clip).to(
             self.accelerator.device)
         plan = self.plan_backward(rollout.trajectory, cfg.backward)
+        audited = self.audit(rollout, advantages, plan) if audit and plan.interpolated else {}
         results, grad_norms, skipped = [], [], False
         for epoch in range(cfg.grpo.inner_epochs):
             results += self.accumulate_gradients(rollout.trajectory, rollout.cond, advantages, plan,
@@ -286,7 +292,21 @@ class Trainer:
                 metrics.CLIP_FRAC: sum(r.clip_frac for r in results) / count, metrics.GRAD_NORM: grad_norms[-1],
                 metrics.SKIPPED: skipped, metrics.JAGG_WINDOWS: len(plan.windows),
                 metrics.JAGG_ROUTED_FRAC: plan.routed_frac, metrics.JAGG_LINEARITY_MEAN: plan.linearity_mean,
-                metrics.BACKWARD_PASSES: len(plan.pass_steps)}
+                metrics.BACKWARD_PASSES: len(plan.pass_steps), **audited}
+
+    def audit(self, rollout: Rollout, advantages: torch.Tensor, plan: BackwardPlan) -> dict:
+        """The fidelity audit of ``plan`` on ``backward.audit_samples`` samples of the rollout (:mod:`jagg_core.audit`),
+        on-policy, before the update and leaving it as it would be; its metrics and seconds."""
+        began = time.perf_counter()
+        samples = audit_indices(len(rollout.prompts), self.config.backward.audit_samples)
+
+        def backward_of(part: BackwardPlan) -> None:
+            self.accumulate_gradients(rollout.trajectory, rollout.cond, advantages, part, on_policy=True,
+                                      samples=samples)
+
+        fidelity = run_audit(self.params, plan, backward_of, self.accelerator.device)
+        return {metrics.JAGG_GRAD_COSINE: fidelity.cosine, metrics.JAGG_GRAD_REL_ERR: fidelity.rel_err,
+                metrics.JAGG_WINDOW_COSINES: fidelity.window_cosines, metrics.TIME_AUDIT: time.perf_counter() - began}
 
     def _optimizer_step(self) -> tuple[float, bool]:
         """Average gradients over processes, clip, step; skip (and warn) if anything is non-finite."""
@@ -422,7 +442,8 @@ class Trainer:
         learning_rate = self.lr_scheduler.get_last_lr()[0]  # the rate of this iteration's (first) update
         t1 = time.perf_counter()
         if torch.isfinite(all_rewards).all():
-            stats = self.train_on(rollout)
+            every = cfg.backward.audit_every
+            stats = self.train_on(rollout, audit=every > 0 and iteration % every == 0)
             self.non_finite_streak = 0
         else:
             self.non_finite_streak += 1
@@ -431,7 +452,7 @@ class Trainer:
                                 f"(last at iteration {iteration}); check the reward (server) and resume")
             warnings.warn(f"iteration {iteration}: non-finite reward; this update is skipped", stacklevel=2)
             stats = {metrics.SKIPPED: True}
-        time_train = time.perf_counter() - t1
+        time_train = time.perf_counter() - t1 - stats.get(metrics.TIME_AUDIT, 0.0)  # the update's; the audit's apart
         finite = all_rewards[torch.isfinite(all_rewards)]
         row = {metrics.ITERATION: iteration,
                metrics.REWARD_MEAN: float(finite.mean()) if finite.numel() else float("nan"),

@@ -98,6 +98,13 @@ def test_rows_have_the_required_keys(rows):
         assert row["iteration_speedup"] == pytest.approx(rows[0]["iteration_s"] / row["iteration_s"])
 
 
+def test_the_jagg_iteration_row_has_the_cost_of_one_audit(rows):
+    exact, jagg = (r for r in rows if r["section"] == "iteration")
+    assert exact["audit_s"] is None and exact["audit_ratio"] is None  # the exact backward has nothing to audit
+    assert jagg["audit_s"] > 0 and jagg["audit_ratio"] == pytest.approx(jagg["audit_s"] / jagg["seconds"])
+    assert -1 <= jagg["audit_cosine"] <= 1
+
+
 def test_the_overrides_apply_to_the_workload(bench):
     _, work, _ = bench
     assert work.overrides == ("grpo.prompts_per_iteration=1",) and work.traj.batch_size == 4  # 1 prompt x G = 4

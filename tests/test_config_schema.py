@@ -48,10 +48,11 @@ def test_every_field_has_a_one_line_description(key):
     assert "\n" not in description
 
 
-def test_all_64_keys_are_covered():
+def test_all_66_keys_are_covered():
     """56 keys; train.lr_scheduler, lr_warmup_steps, lr_num_cycles, ema_decay and report_to; model.quantize (was
-    quantize_4bit), cache_text_embeddings, vae_slicing and sampling.rollout_batch_size."""
-    assert len(_keys()) == 64
+    quantize_4bit), cache_text_embeddings, vae_slicing and sampling.rollout_batch_size; backward.audit_every and
+    audit_samples."""
+    assert len(_keys()) == 66
 
 
 def test_readme_reference_is_the_generated_one():

@@ -48,7 +48,8 @@ def launch(run_dir, *launcher_args: str, extra: tuple[str, ...] = ()) -> subproc
 
 def test_fsdp_launch_shards_the_transformer_and_keeps_the_lora_whole_and_identical(tmp_path):
     run_dir = tmp_path / "fsdp"
-    result = launch(run_dir, "--config_file", str(FSDP_CONFIG), extra=("--set", "backward.frac=0.5"))
+    result = launch(run_dir, "--config_file", str(FSDP_CONFIG),
+                    extra=("--set", "backward.frac=0.5", "--set", "backward.audit_every=1"))
     assert result.returncode == 0, result.stderr[-3000:]
     run = RunDirectory(run_dir)
     status = run.read_status()
@@ -63,6 +64,8 @@ def test_fsdp_launch_shards_the_transformer_and_keeps_the_lora_whole_and_identic
     assert [r["iteration"] for r in rows] == [0, 1, 2]
     assert all(metrics.EVAL_REWARD_MEAN in r for r in rows)  # the eval ran with every process taking part
     assert rows[1][metrics.JAGG_ROUTED_FRAC] == 0.5 and rows[1][metrics.BACKWARD_PASSES] in (5, 6)
+    # the fidelity audit ran on every process at the same iterations (its transformer calls are collectives too)
+    assert all(len(r[metrics.JAGG_WINDOW_COSINES]) == 2 and 1.0 in r[metrics.JAGG_WINDOW_COSINES] for r in rows[1:])
     # the saved adapter is the whole LoRA in diffusers format
     pipe = build_tiny_pipeline("tiny-sd3", seed=0)
     pipe.load_lora_weights(str(run.lora_dir))

@@ -97,9 +97,10 @@ def test_old_run_directories_read_with_the_namespaced_keys(tmp_path):
                     {metrics.ITERATION: 1, metrics.REWARD_MEAN: 0.4, metrics.REWARD_STD: 0.1,
                      metrics.reward_part("shapes"): 0.4, metrics.LOSS: 0.02, metrics.KL: 0.0,
                      metrics.TIME_ROLLOUT: 1.5, metrics.TIME_TRAIN: 0.5, metrics.JAGG_ROUTED_FRAC: 1.0}]
-    rewards, losses = live.curves(tmp_path)
+    rewards, losses, fidelity = live.curves(tmp_path)
     assert set(rewards["series"]) == {"rollout reward", "eval reward (fixed seeds)"}
     assert rewards.dropna()["value"].tolist() == [0.5, 0.4] and losses.dropna()["value"].tolist() == [0.02, 0.0]
+    assert fidelity.dropna().empty  # no audit in these runs
 
 
 def test_iteration_names_and_incomplete_image_folders(tmp_path):
