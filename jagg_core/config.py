@@ -34,8 +34,9 @@ class ModelConfig(_Section):
     """The base flow model, how it is loaded and how it is called (CFG, text length)."""
 
     name: str = Field("jagg-shapes", description="base model: a tiny test model (tiny-sd3, tiny-flux, tiny-qwen), the "
-                      "embedded jagg-shapes, a Hub id owner/name or a local diffusers pipeline folder "
-                      "(SD3/SD3.5, FLUX.1, Qwen-Image)")
+                      "embedded jagg-shapes, a Hub id owner/name, a local diffusers pipeline folder "
+                      "(SD3/SD3.5, FLUX.1, Qwen-Image), or random:ARCH[@LAYERS], a real architecture with random "
+                      "weights for benchmarks (ARCH: sd35-medium, sd35-large, flux-dev, flux-schnell, qwen-image)")
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of model.name; "
                                  "null = the default branch")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(

@@ -107,6 +107,12 @@ def test_model_names_map_to_archs():
         arch_folder("sd3")
 
 
+def test_the_model_name_reference_lists_every_arch():
+    description = ModelConfig.model_fields["name"].description
+    assert "random:ARCH[@LAYERS]" in description
+    assert f"(ARCH: {', '.join(arch_names())})" in description
+
+
 def test_depth_cuts_keep_the_real_proportions():
     flux = transformer_config("flux-dev")
     assert [(c["num_layers"], c["num_single_layers"]) for c in (with_depth(flux, n) for n in (1, 2, 3, 30, 57))] == [

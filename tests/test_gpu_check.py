@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -18,7 +19,6 @@ OFFLINE = {"HF_HUB_OFFLINE": "1"}
 
 
 def run_gpu_check(*args: str) -> subprocess.CompletedProcess:
-    import os
     return subprocess.run([sys.executable, "-m", "jagg_core.gpu_check", *args], cwd=ROOT, capture_output=True,
                           text=True, env={**os.environ, **OFFLINE}, timeout=1200)
 
@@ -113,3 +113,12 @@ def test_the_tables_read_without_a_gpu():
              "versions": {"torch": "2.13.0"}}]
     text = format_tables(rows, CheckOptions(), 3.0)
     assert text.startswith("GPU check (real size), 3 s: no GPU; torch 2.13.0")
+
+
+def test_the_script_runs_the_check_into_its_folder(tmp_path):
+    done = subprocess.run(["bash", "scripts/gpu_check.sh", str(tmp_path / "out"), "--reduced", "--only", "device"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHON": sys.executable})
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["gpu_check.json", "gpu_check.log", "gpu_check.md"]
+    assert "1 rows, 0 failed" in done.stdout
