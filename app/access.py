@@ -2,8 +2,8 @@
 
 Locally (no ``SPACE_ID`` in the environment) everyone who can open the page may. On a Hugging Face
 Space only the signed-in Space owner (``SPACE_AUTHOR_NAME``, else the namespace of ``SPACE_ID``) and
-the users listed in ``JAGG_ALLOWED_USERS`` (comma-separated) may start, stop, resume or push;
-everyone else, signed in or not, can watch. The signed-in user comes from Gradio's OAuth session
+the users listed in ``JAGG_ALLOWED_USERS`` (comma-separated) may start, stop, resume, push or delete runs and
+generate with an adapter; everyone else, signed in or not, can watch. The signed-in user comes from Gradio's OAuth session
 (``hf_oauth: true`` in the README's Space metadata).
 """
 
@@ -30,5 +30,5 @@ def refusal(username: str | None) -> str | None:
     if allowed is None or username in allowed:
         return None
     who = f"you are signed in as {username}" if username else "you are not signed in"
-    return (f"only the Space's owner and the users in {ALLOWED_USERS_ENV} can start, stop, resume or push runs "
-            f"({who}); anyone can watch")
+    return (f"only the Space's owner and the users in {ALLOWED_USERS_ENV} can start, stop, resume, push, "
+            f"delete or generate ({who}); anyone can watch")

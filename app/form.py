@@ -10,6 +10,8 @@ reward/prompt checks of :func:`jagg_core.preflight.check_references`. Any proble
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +46,8 @@ class Knob:
     choices: tuple[tuple[str, str], ...] = ()  # (shown label, config value)
     on: Any = True
     off: Any = False
-    optional: bool = False  # an empty field means null (the schema's default)
+    optional: bool = False  # an empty field means null (the schema's default); so does 0, which the page's
+    # number box sends for an empty field once it has been shown
 
     @property
     def info(self) -> str:
@@ -60,7 +63,7 @@ class Knob:
             return self.on if value else self.off
         if self.kind == "multi":
             return list(value or [])
-        if value is None or value == "":
+        if value is None or value == "" or (self.optional and value == 0):
             if self.optional:
                 return None
             raise UserError(f"'{self.label}' needs a value")
@@ -140,6 +143,7 @@ class Form:
     prompt_set: str = ""
     prompt_file: str | None = None
     prompt_text: str = ""
+    eval_text: str = ""  # the eval prompts, one per line; empty: held out from the prompt set
     knobs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -159,15 +163,73 @@ def model_choices() -> list[str]:
     return names
 
 
+def preset_config(preset: str) -> RunConfig:
+    """A preset's validated config."""
+    return validate_config(yaml.safe_load(preset_path(preset).read_text()))
+
+
 def preset_form(preset: str) -> Form:
     """The form a preset fills in."""
-    config = validate_config(yaml.safe_load(preset_path(preset).read_text()))
+    return config_form(preset_config(preset), preset)
+
+
+def config_form(config: RunConfig, preset: str, run_dir: Path | None = None) -> Form:
+    """The form that means ``config`` (started from ``preset``); prompts written into the run ``run_dir`` come back
+    as typed prompts."""
     data = config.model_dump(mode="json")
-    rewards = [spec.name for spec in config.rewards]
-    return Form(preset=preset, name=config.name, model=config.model.name, rewards=rewards,
-                weights=[[spec.name, spec.weight] for spec in config.rewards], prompt_mode=PROMPTS_BUILTIN,
-                prompt_set=config.prompts.source,
+
+    def typed(source: str | None) -> str | None:
+        """The prompts the user typed, when ``source`` is the file they were saved to in the run."""
+        path = Path(source or "")
+        written = run_dir is not None and path.suffix == ".txt" and path.is_file() and _inside(path, run_dir)
+        return path.read_text() if written else None
+
+    prompt_text = typed(config.prompts.source)
+    return Form(preset=preset, name=config.name, model=config.model.name, rewards=[s.name for s in config.rewards],
+                weights=[[spec.name, spec.weight] for spec in config.rewards],
+                prompt_mode=PROMPTS_BUILTIN if prompt_text is None else PROMPTS_TEXT,
+                prompt_set=config.prompts.source if prompt_text is None else "", prompt_text=prompt_text or "",
+                eval_text=typed(config.prompts.eval_source) or "",
                 knobs={knob.key: knob.from_config(_get(data, knob.key)) for knob in KNOBS})
+
+
+#: config keys the form shows under another name, beside the knobs' labels
+FIELD_LABELS = {"model.name": "Base model", "prompts.source": "Prompt set", "prompts.eval_source": "Eval prompts of my own",
+                **{knob.key: knob.label for knob in KNOBS}}
+
+
+def with_labels(message: str) -> str:
+    """``message`` with the config keys it names replaced by the form's field labels."""
+    for key in sorted(FIELD_LABELS, key=len, reverse=True):  # train.lr_warmup_steps before a shorter key in it
+        message = re.sub(rf"'?(?<![\w.]){re.escape(key)}(?![\w])'?", f"'{FIELD_LABELS[key]}'", message)
+    return message
+
+
+def _yaml_value(value: Any) -> str:
+    """A config value as one line of YAML, as ``--set KEY=VALUE`` reads it back."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=float("inf")).strip()
+    return text.removesuffix("...").strip()
+
+
+def _leaves(data: dict, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (lists and empty mappings are leaves)."""
+    flat = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            flat.update(_leaves(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def cli_command(config: RunConfig, preset: str) -> str:
+    """The ``python -m jagg_core.run`` command line that resolves to ``config``: ``preset`` and a ``--set`` for each
+    value that differs from it."""
+    base = _leaves(preset_config(preset).model_dump(mode="json"))
+    wanted = _leaves(config.model_dump(mode="json"))
+    sets = [f"--set {shlex.quote(f'{key}={_yaml_value(value)}')}" for key, value in wanted.items()
+            if key not in base or base[key] != value]
+    return " ".join(["python -m jagg_core.run", f"--preset {shlex.quote(preset)}", *sets])
 
 
 def weight_rows(rewards: list[str], rows: list[list] | None) -> list[list]:
@@ -247,11 +309,18 @@ def build_config(form: Form, run_dir: Path) -> RunConfig:
     data["rewards"] = [{"name": reward, "weight": _weight(weights.get(reward, 1.0), reward),
                         "options": options.get(reward, {})} for reward in form.rewards]
     apply_override(data, ["prompts", "source"], _prompt_source(form, run_dir))
+    if form.eval_text.strip():
+        eval_file = run_dir / "eval_prompts.txt"
+        eval_file.write_text(form.eval_text.strip() + "\n")
+        apply_override(data, ["prompts", "eval_source"], str(eval_file))
     for knob in KNOBS:
         if knob.key in form.knobs:
             apply_override(data, knob.key.split("."), knob.to_config(form.knobs[knob.key]))
-    config = validate_config(data)
-    check_references(config)
+    try:
+        config = validate_config(data)
+        check_references(config)
+    except UserError as err:
+        raise UserError(with_labels(str(err))) from None
     return config
 
 

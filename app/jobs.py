@@ -49,7 +49,8 @@ def launch_command(run_dir: Path, mixed_precision: str, resume: bool) -> list[st
     import torch
 
     command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
-               "--mixed_precision", mixed_precision, "--dynamo_backend", "no"]
+               "--mixed_precision", mixed_precision, "--dynamo_backend", "no",
+               "--quiet"]  # a failed run's log ends with its one-line error, not the launcher's traceback
     if not torch.cuda.is_available():  # the thread count accelerate picks; given, it keeps a warning out of the log
         command += ["--cpu", "--num_cpu_threads_per_process", str(psutil.cpu_count(logical=False) or 1)]
     command += ["-m", "jagg_core.run", "--config", str(RunDirectory(run_dir).config_file), "--output-dir", str(run_dir)]

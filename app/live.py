@@ -19,12 +19,14 @@ from jagg_core.tracking import dashboard_hints
 
 LOG_TAIL_BYTES = 64 * 1024
 ETA_WINDOW = 5  # iterations averaged for the ETA
+STARTING_PHASES = ("loading", "base eval")  # the trainer's status phases before its first iteration
 
 
 @dataclass(frozen=True)
 class Progress:
     """Where a run stands. ``state`` is the trainer's (running, finished, failed, stopped), or ``starting``
-    (launched, model still loading), ``interrupted`` (says running but no process is left) or ``none``."""
+    (launched: loading the model, sampling the base model), ``interrupted`` (says running but no process is left)
+    or ``none``. ``message`` is the trainer's word on what it is doing (``base eval 16/64``) or why it ended."""
 
     state: str
     message: str
@@ -39,10 +41,11 @@ def progress(run_dir: Path, job_started_at: float | None = None) -> Progress:
     no process is running it). A status older than the launch is the previous job's."""
     run = RunDirectory(run_dir)
     status = run.read_status()
-    state = status.get("state")
+    state, message = status.get("state"), str(status.get("message") or "")
     if job_started_at is not None:
         current = status.get("updated_at", 0) >= job_started_at
-        if not current or (state == "running" and status.get("message") == "loading"):
+        message = message if current else ""  # the previous job's
+        if not current or (state == "running" and status.get("phase") in STARTING_PHASES):
             state = "starting"
     elif state == "running" and not run.trainer_alive():
         state = "interrupted"  # no live process holds the run's lock (a process started elsewhere would)
@@ -62,7 +65,7 @@ def progress(run_dir: Path, job_started_at: float | None = None) -> Progress:
         times = [metrics.seconds(r) for r in rows]
         if times:
             eta = max(0.0, (total - iteration) * sum(times) / len(times))
-    return Progress(state, str(status.get("message") or ""), iteration, total, elapsed, eta)
+    return Progress(state, message, iteration, total, elapsed, eta)
 
 
 def duration(seconds: float | None) -> str:
@@ -79,7 +82,7 @@ def duration(seconds: float | None) -> str:
 
 STATE_WORDS = {
     "none": "**Not started.**",
-    "starting": "**Starting:** loading the model and sampling it before training…",
+    "starting": "**Starting…**",
     "running": "**Training…**",
     "finished": "**Finished.** The adapter is ready to push.",
     "stopped": "**Stopped.** Resume continues from the last checkpoint.",
@@ -93,6 +96,8 @@ def status_words(run_dir: Path | None, prog: Progress | None) -> str:
     if run_dir is None or prog is None:
         return "**No run yet.** Set up a run and press **Start**."
     words = f"{STATE_WORDS.get(prog.state, prog.state)}  \nRun `{run_dir.name}`"
+    if prog.state in ("starting", "running"):
+        words += f"  \nNow: {prog.message or 'launching the training process'}"
     if prog.state == "failed" and prog.message:
         words += f"  \n**Reason:** {prog.message}"
     run = RunDirectory(run_dir)
@@ -157,6 +162,26 @@ def eval_samples(run_dir: Path) -> tuple[int | None, list, int | None, list]:
     first, last = found[0], found[-1]
     latest = captioned(run.samples(last)) if last != first else []
     return first, captioned(run.samples(first)), (last if last != first else None), latest
+
+
+def eval_grids(run_dir: Path) -> list[tuple[str, str]]:
+    """``(grid png, caption)`` of every eval that has a captioned grid, oldest first: the run's timeline."""
+    run = RunDirectory(run_dir)
+    rewards = {row[metrics.ITERATION]: row[metrics.EVAL_REWARD_MEAN] for row in run.read_metrics()
+               if isinstance(row.get(metrics.EVAL_REWARD_MEAN), (int, float))}
+    timeline = []
+    for iteration in run.sample_iterations():
+        if run.grid_file(iteration).is_file():
+            caption = "base model" if iteration == 0 else f"iteration {iteration}"
+            reward = f" · eval reward {rewards[iteration]:.3f}" if iteration in rewards else ""
+            timeline.append((str(run.grid_file(iteration)), caption + reward))
+    return timeline
+
+
+def progress_bar(iteration: int, total: int) -> str:
+    """The run's progress as a read-only HTML bar with ``iteration / total``."""
+    return (f'<div class="run-progress"><progress value="{iteration}" max="{max(total, 1)}"></progress>'
+            f"<span>{iteration} / {total} iterations</span></div>")
 
 
 def log_tail(run_dir: Path, lines: int = 40) -> str:

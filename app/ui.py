@@ -8,10 +8,13 @@ Stable API endpoints (``gradio_client``):
     /status   run name ("" = the active run, else the newest) -> dict (see :meth:`Studio.status`)
     /push     run, checkpoint, repo id, visibility, token -> message with the repo link
     /load_preset  preset -> the form's fields
+    /export   the set-up form's fields -> (the run config YAML file, the equivalent ``python -m jagg_core.run`` command)
+    /delete   run name -> (message, run name)  deletes a run that is not training
+    /generate run, adapter, prompt, seed -> (image, message)  the base model beside the adapter for one's own prompt
 
-On a Hugging Face Space only the owner and the users in ``JAGG_ALLOWED_USERS`` may start, stop, resume or push
-(:mod:`app.access`); everyone can watch. The handlers only launch and signal processes (:mod:`app.jobs`) and read
-run directories (:mod:`app.live`); the form is turned into a run config by :mod:`app.form`.
+On a Hugging Face Space only the owner and the users in ``JAGG_ALLOWED_USERS`` may start, stop, resume, push, delete
+or generate (:mod:`app.access`); everyone can watch. The handlers only launch and signal processes (:mod:`app.jobs`)
+and read run directories (:mod:`app.live`); the form is turned into a run config by :mod:`app.form`.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import importlib.util
 import inspect
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -27,7 +32,7 @@ from typing import Any
 import gradio as gr
 
 from jagg_core import hub
-from jagg_core.config import DEFAULT_PRESET, list_presets
+from jagg_core.config import DEFAULT_PRESET, list_presets, validate_config
 from jagg_core.errors import UserError
 from jagg_core.prompts import builtin_prompt_sets
 from jagg_core.rewards import available_rewards
@@ -35,15 +40,20 @@ from jagg_core.rundir import RunDirectory
 
 from . import access, live
 from .form import (ADVANCED_KNOBS, KNOBS, MAIN_KNOBS, PROMPT_MODES, PROMPTS_BUILTIN, PROMPTS_TEXT, PROMPTS_UPLOAD,
-                   Form, Knob, build_config, model_choices, preset_form, prompt_preview, weight_rows)
+                   Form, Knob, build_config, cli_command, config_form, model_choices, preset_form, prompt_preview,
+                   weight_rows)
 from .jobs import JobControl, runs_root
+from .system import hardware_words
 
 REFRESH_S = 1.5
+HARDWARE_REFRESH_S = 5.0
 SERIES_COLORS = ("#2563eb", "#f97316")
 LATEST_ADAPTER = "latest adapter"
 PRIVATE, PUBLIC = "private", "public"
 FORM_FIELDS = ("preset", "name", "model", "rewards", "weights", "prompt_mode", "prompt_set", "prompt_file",
-               "prompt_text")
+               "prompt_text", "eval_text")
+#: the fields a reloaded page fills from the active run's config (then the knobs)
+RESTORED_FIELDS = ("name", "model", "rewards", "weights", "prompt_mode", "prompt_set", "prompt_text", "eval_text")
 # /start's parameters: the form fields, then each knob named by its config key (``train.iterations`` ->
 # ``train_iterations``), so that API clients can pass ``train_iterations=3`` and leave the rest at the defaults.
 START_PARAMS = FORM_FIELDS + tuple(k.key.replace(".", "_") for k in KNOBS)
@@ -51,8 +61,13 @@ START_PARAMS = FORM_FIELDS + tuple(k.key.replace(".", "_") for k in KNOBS)
 OPTIONAL_PARAMS = {k.key.replace(".", "_") for k in KNOBS if k.optional}
 CSS = """
 #title h1 {margin-bottom: 0}
-#form-message, #push-result {min-height: 1.5em}
+#form-message, #push-result, #run-message, #try-message {min-height: 1.5em}
+.run-progress {display: flex; align-items: center; gap: 0.75em}
+.run-progress progress {flex: 1; height: 0.9em}
 """
+# a finished run's log opens at its end, as a live one follows it
+SCROLL_LOG_TO_END = "() => { const box = document.querySelector('#log textarea'); if (box) box.scrollTop = box.scrollHeight; }"
+CONFIRM_DELETE = "(run) => (run && confirm(`Delete the run ${run} and all its files?`)) ? run : null"
 
 
 def _knob_component(knob: Knob, value: Any) -> gr.components.Component:
@@ -116,6 +131,7 @@ def _form(values) -> Form:
                 rewards=list(fields["rewards"] or []), weights=fields["weights"] or [],
                 prompt_mode=fields["prompt_mode"], prompt_set=fields["prompt_set"] or "",
                 prompt_file=fields["prompt_file"], prompt_text=fields["prompt_text"] or "",
+                eval_text=fields["eval_text"] or "",
                 knobs={k.key: value for k, value in zip(KNOBS, values[len(FORM_FIELDS):])})
 
 
@@ -206,6 +222,71 @@ class Studio:
         where = "" if gpu_free_gb() is not None else " (no CUDA GPU here: compare with your card)"
         return f"**{verdict}**{where}\n\n```\n{memory.table()}\n```"
 
+    @staticmethod
+    def export(*values) -> tuple[str | None, str]:
+        """The form's run config (``values`` as for :meth:`start`) as a YAML file for ``--config``, and the
+        ``python -m jagg_core.run --preset ... --set ...`` command that resolves to the same config."""
+        form = _form(values)
+        folder = Path(tempfile.mkdtemp(prefix="jagg-export-"))  # also holds typed prompts, which the YAML names
+        try:
+            config = build_config(form, folder)
+        except UserError as err:
+            return None, f"# cannot export: {err}"
+        path = folder / f"{config.name.replace('/', '-') or 'run'}.yaml"
+        path.write_text(config.to_yaml())
+        return str(path), cli_command(config, form.preset)
+
+    def active_form(self) -> tuple:
+        """The form of the active run's config, so a reloaded page shows what is training (else nothing changes)."""
+        job = self.jobs.active()
+        skip = [gr.skip()] * (len(RESTORED_FIELDS) + len(KNOBS))
+        if job is None:
+            return tuple(skip)
+        try:
+            config = validate_config(RunDirectory(job.run_dir).read_config())
+        except UserError:
+            return tuple(skip)
+        form = config_form(config, preset="", run_dir=job.run_dir)
+        return (form.name, form.model, form.rewards, form.weights, form.prompt_mode, form.prompt_set,
+                form.prompt_text, form.eval_text, *(form.knobs[k.key] for k in KNOBS))
+
+    def delete(self, name: str | None, profile: gr.OAuthProfile | None = None) -> tuple[str, Any]:
+        """Delete a run's folder, unless a process is training it."""
+        if refused := _refusal(profile):
+            return f"**Not deleted:** {refused}", gr.skip()
+        run_dir = self.jobs.run_dir(name) if name else None
+        if run_dir is None:
+            return "**Not deleted:** choose a run.", gr.skip()
+        job = self.jobs.active()
+        if (job is not None and job.run_dir == run_dir) or RunDirectory(run_dir).trainer_alive():
+            return f"**Not deleted:** `{run_dir.name}` is training; stop it first.", gr.skip()
+        shutil.rmtree(run_dir)
+        names = self._run_names()
+        return f"Deleted `{run_dir.name}`.", gr.update(choices=names, value=names[0] if names else None)
+
+    def generate(self, run: str, checkpoint: str, prompt: str, seed: float | None,
+                 profile: gr.OAuthProfile | None = None) -> tuple[str | None, str]:
+        """The base model's and the adapter's sample of ``prompt``, side by side, made by ``python -m
+        jagg_core.generate`` in its own process (the app holds no model)."""
+        if refused := _refusal(profile):
+            return None, f"**Not generated:** {refused}"
+        run_dir = self._run_dir(run)
+        if run_dir is None:
+            return None, "**Not generated:** choose a run first."
+        if not (prompt or "").strip():
+            return None, "**Not generated:** type a prompt."
+        out = Path(tempfile.mkdtemp(prefix="jagg-generate-")) / "generated.png"
+        command = [sys.executable, "-m", "jagg_core.generate", str(run_dir), prompt.strip(), "--out", str(out),
+                   "--seed", str(int(seed or 0))]
+        if checkpoint not in (None, "", LATEST_ADAPTER):
+            command += ["--checkpoint", checkpoint]
+        result = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        if result.returncode != 0 or not out.is_file():
+            errors = [line for line in result.stderr.splitlines() if line.startswith("jagg_core.generate: error:")]
+            why = errors[-1].split("error:", 1)[1].strip() if errors else f"exit code {result.returncode}"
+            return None, f"**Not generated:** {why}"
+        return str(out), f"`{run_dir.name}`, {checkpoint or LATEST_ADAPTER}: the base model (left) and the adapter"
+
     def stop(self, profile: gr.OAuthProfile | None = None) -> str:
         """Stop the active job (SIGTERM to its process group, SIGKILL after a grace period)."""
         if refused := _refusal(profile):
@@ -292,6 +373,7 @@ class Studio:
         resumable = job is None and prog is not None and prog.state in ("stopped", "failed", "interrupted")
         status, timing = live.status_words(run_dir, prog), live.timing_words(prog)
         bar = (prog.iteration, prog.total) if prog else (0, 0)
+        adapter = run.lora_file if run and run.lora_file.is_file() else None
         log = live.log_tail(run_dir) if run_dir else ""
         ckpts = tuple(live.checkpoints(run_dir)) if run_dir else ()
         buttons = (job is None, job is not None, resumable)
@@ -299,13 +381,17 @@ class Studio:
             *changed("runs", (tuple(names), selected), lambda: gr.update(choices=names, value=selected)),
             *changed("status", status, lambda: status),
             *changed("timing", timing, lambda: timing),
-            *changed("bar", bar, lambda: gr.update(value=bar[0], maximum=max(bar[1], 1))),
+            *changed("bar", bar, lambda: live.progress_bar(*bar)),
             *changed("metrics", (selected, mtime(run and run.metrics_file)),
                      lambda: live.curves(run_dir) if run_dir else (None, None, None), count=3),
             *changed("samples", (selected, tuple(sample_iterations), mtime(last_samples)), samples, count=2),
+            *changed("grids", (selected, tuple(sample_iterations), mtime(last_samples)),
+                     lambda: live.eval_grids(run_dir) if run_dir else []),
             *changed("rollouts", (selected, mtime(run and run.rollouts_dir)),
                      lambda: live.captioned(run.rollouts()) if run else []),
             *changed("log", log, lambda: log),
+            *changed("download", (selected, mtime(adapter)),
+                     lambda: gr.update(value=str(adapter) if adapter else None, interactive=adapter is not None)),
             *changed("checkpoints", ckpts, lambda: gr.update(choices=[LATEST_ADAPTER, *ckpts], value=LATEST_ADAPTER)),
             *changed("buttons", buttons, lambda: [gr.update(interactive=b) for b in buttons], count=3),
         ]
@@ -327,11 +413,9 @@ class Studio:
         run_dir = self._run_dir(run)
         if run_dir is None:
             return "**Not pushed:** choose a run first."
-        if not (repo_id or "").strip():
-            return "**Not pushed:** enter a repo id, e.g. `your-name/my-lora`."
         token = (token or "").strip() or (oauth_token.token if oauth_token else None)
         try:
-            url = hub.push_run(run_dir, repo_id.strip(), private=visibility == PRIVATE,
+            url = hub.push_run(run_dir, (repo_id or "").strip(), private=visibility == PRIVATE,
                                checkpoint=None if checkpoint in (None, "", LATEST_ADAPTER) else checkpoint,
                                token=token)
         except UserError as err:
@@ -351,6 +435,7 @@ def build_app(root: Path | None = None) -> gr.Blocks:
             # ----- 1. set-up ---------------------------------------------------------------
             with gr.Column(scale=2, min_width=380):
                 gr.Markdown("## 1 · Set up")
+                hardware = gr.Markdown(hardware_words(), elem_id="hardware")
                 preset = gr.Dropdown(list(presets), value=DEFAULT_PRESET, label="Preset", elem_id="preset",
                                      info="fills every field below")
                 preset_info = gr.Markdown(presets.get(DEFAULT_PRESET, ""), elem_id="preset-info")
@@ -374,6 +459,9 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                                       elem_id="prompt-file")
                 prompt_text = gr.Textbox("", lines=8, max_lines=16, label="Prompts, one per line", visible=False,
                                          elem_id="prompt-text")
+                eval_text = gr.Textbox("", lines=3, max_lines=12, label="Eval prompts of my own, one per line (optional)",
+                                       info="the fixed-seed eval samples' prompts, kept out of training; empty: "
+                                            "'Eval prompts' of the set are held out", elem_id="eval-text")
                 knobs = _grid(MAIN_KNOBS, defaults.knobs, per_row=3)
                 with gr.Accordion("Advanced", open=False, elem_id="advanced"):
                     knobs += _grid(ADVANCED_KNOBS, defaults.knobs, per_row=3)
@@ -384,6 +472,13 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                     resume = gr.Button("Resume", elem_id="resume-btn", interactive=False)
                 form_message = gr.Markdown(elem_id="form-message")
                 memory_plan = gr.Markdown(elem_id="memory-plan")
+                with gr.Accordion("Export the set-up: YAML for --config, or the command line", open=False,
+                                  elem_id="export"):
+                    export = gr.Button("Export", elem_id="export-btn")
+                    export_yaml = gr.File(label="Run config (python -m jagg_core.run --config FILE)",
+                                          elem_id="export-yaml", interactive=False)
+                    export_cli = gr.Textbox(label="The same run from the command line", lines=3, interactive=False,
+                                            buttons=["copy"], elem_id="export-cli")
 
             # ----- 2. live view and 3. push ------------------------------------------------------
             with gr.Column(scale=3, min_width=480):
@@ -393,8 +488,12 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                                              allow_custom_value=True,
                                              info="the active run, or any past run", scale=2)
                     run_status = gr.Markdown(live.status_words(None, None), elem_id="run-status")
-                progress_bar = gr.Slider(0, 1, value=0, step=1, label="Progress (iterations)", interactive=False,
-                                         elem_id="progress")
+                with gr.Row():
+                    download = gr.DownloadButton("Download adapter", elem_id="download-btn", interactive=False,
+                                                 size="sm")
+                    delete = gr.Button("Delete run", variant="stop", elem_id="delete-btn", size="sm")
+                run_message = gr.Markdown(elem_id="run-message")
+                progress_bar = gr.HTML(live.progress_bar(0, 0), elem_id="progress")
                 timing = gr.Markdown(elem_id="timing")
                 with gr.Row():
                     reward_plot = gr.LinePlot(x="iteration", y="value", color="series", title="Reward", height=240,
@@ -410,6 +509,9 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                                               object_fit="contain", elem_id="base-samples")
                     latest_samples = gr.Gallery(label="Latest", columns=2, height=380, object_fit="contain",
                                                 elem_id="latest-samples")
+                eval_grids = gr.Gallery(label="Every eval, one captioned grid each (base model first): click to "
+                                              "compare iterations", columns=4, height=300, object_fit="contain",
+                                        elem_id="eval-grids")
                 rollouts = gr.Gallery(label="Latest rollouts (training images, captioned with their reward)",
                                       columns=6, height=280, object_fit="contain", elem_id="rollouts")
                 log = gr.Textbox(label="Log", lines=10, max_lines=10, autoscroll=True, interactive=False,
@@ -431,10 +533,21 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                     push = gr.Button("Push to the Hub", variant="primary", elem_id="push-btn")
                 push_result = gr.Markdown(elem_id="push-result")
 
+                gr.Markdown("## 4 · Try it\nA prompt of your own, with the adapter chosen above, beside the base model "
+                            "(same seed, the run's sampler and size).")
+                with gr.Row():
+                    try_prompt = gr.Textbox(label="Prompt", placeholder="a red circle on a blue background, top left",
+                                            scale=3, elem_id="try-prompt")
+                    try_seed = gr.Number(0, label="Seed", precision=0, scale=1, elem_id="try-seed")
+                generate = gr.Button("Generate", elem_id="generate-btn")
+                try_message = gr.Markdown(elem_id="try-message")
+                try_image = gr.Image(label="Base model | adapter", type="filepath", interactive=False,
+                                     elem_id="try-image")
+
         # ----- events ----------------------------------------------------------------------------
         form_inputs = [preset, name, model, rewards, weights, prompt_mode, prompt_set, prompt_file, prompt_text,
-                       *knobs]
-        preset.change(studio.load_preset, preset,
+                       eval_text, *knobs]
+        preset.input(studio.load_preset, preset,
                       [preset_info, name, model, rewards, weights, prompt_mode, prompt_set, *knobs],
                       api_name="load_preset")
         rewards.change(weight_rows, [rewards, weights], weights, api_visibility="private")
@@ -442,20 +555,31 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                            [prompt_set, prompt_file, prompt_text], api_visibility="private")
         start.click(_named(studio.start, START_PARAMS), form_inputs, [form_message, run_select], api_name="start")
         plan.click(studio.plan, form_inputs, memory_plan, api_name="plan")
+        export.click(studio.export, form_inputs, [export_yaml, export_cli], api_name="export")
+        delete.click(studio.delete, run_select, [run_message, run_select], js=CONFIRM_DELETE, api_name="delete")
         stop.click(studio.stop, None, form_message, api_name="stop")
         resume.click(studio.resume, run_select, [form_message, run_select], api_name="resume")
         push.click(studio.push, [run_select, checkpoint, repo_id, visibility, token], push_result, api_name="push")
+        generate.click(studio.generate, [run_select, checkpoint, try_prompt, try_seed], [try_image, try_message],
+                       api_name="generate")
         gr.api(studio.status, api_name="status")
 
         seen = gr.State({})
         live_outputs = [run_select, run_status, timing, progress_bar, reward_plot, loss_plot, fidelity_plot,
-                        base_samples, latest_samples, rollouts, log, checkpoint, start, stop, resume, seen]
+                        base_samples, latest_samples, eval_grids, rollouts, log, download, checkpoint, start, stop,
+                        resume, seen]
         timer = gr.Timer(REFRESH_S)
         for trigger in (timer.tick, demo.load):
             trigger(studio.refresh, [run_select, seen], live_outputs, show_progress="hidden",
                     api_visibility="private")
         run_select.input(lambda: {}, None, seen, api_visibility="private").then(
             studio.refresh, [run_select, seen], live_outputs, show_progress="hidden", api_visibility="private")
+        demo.load(studio.active_form, None,
+                  [name, model, rewards, weights, prompt_mode, prompt_set, prompt_text, eval_text, *knobs],
+                  api_visibility="private")
+        log.change(None, None, None, js=SCROLL_LOG_TO_END, api_visibility="private")
+        gr.Timer(HARDWARE_REFRESH_S).tick(hardware_words, None, hardware, show_progress="hidden",
+                                          api_visibility="private")
     return demo
 
 

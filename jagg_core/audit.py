@@ -16,8 +16,8 @@ endpoint passes carrying its interpolated steps)::
     jagg/grad_rel_err   = |g_jagg - g_exact| / |g_exact|
     jagg/window_cosines = [cos(c_k, e_k) for every window k]
 
-A window without interpolated steps (routed to the exact backward by ``backward.frac``, or of at most two
-steps) is backpropagated exactly by JAGG as well: its ``c_k`` is ``e_k``, taken without another pass, and its
+A window without interpolated steps (routed to the exact backward by ``backward.frac`` or ``backward.min_fidelity``,
+or of at most two steps) is backpropagated exactly by JAGG as well: its ``c_k`` is ``e_k``, taken without another pass, and its
 cosine is 1. A plan that interpolates no step (``backward.mode: exact``, W <= 2, ``frac: 0``) has nothing to
 audit. The cost is ``T`` exact passes plus two per interpolated window, on the audited samples only, in
 micro-batches no larger than the training's and stacked as the plan says, so the audit's transformer passes
@@ -75,7 +75,7 @@ def measure_fidelity(plan: BackwardPlan, gradient_of: Callable[[BackwardPlan], t
     samples under the partial plan ``part`` (:func:`~jagg_core.jagg.window_plan`)."""
     exact_of_window = [0] * len(plan.windows)
     exact = counted_twice = 0
-    for j in range(plan.trained_steps):
+    for j in sorted({j for win in plan.windows for j in win.steps}):
         step = gradient_of(window_plan(plan, Window(j, j), interpolate=False))
         holders = [k for k, win in enumerate(plan.windows) if j in win.steps]
         exact = exact + step

@@ -2,6 +2,8 @@
 
     python -m jagg_core.bench [--quick] [--json OUT.json] [--table OUT.md] [--plot OUT.png] [--models A,B]
     python -m jagg_core.bench --arch NAME --random-weights [--layers N] [--resolution R] [--quantize nf4|int8]
+    python -m jagg_core.bench --fidelity ROLLOUTS ...     (adds section 5)
+    python -m jagg_core.bench --training [--models M] [--json|--table|--plot OUT]
 
 Every comparison runs in one process on the same model, the same rollout batch and the same seeds,
 through the project's own code: :class:`~jagg_core.trainer.Trainer` (set-up, rollout, iterations),
@@ -24,6 +26,10 @@ through the project's own code: :class:`~jagg_core.trainer.Trainer` (set-up, rol
    against an iteration's.
 4. **Routing**: the linearity score of every window (``linearity`` in each row) and rows with
    ``frac < 1`` (section ``routing``).
+5. **Fidelity** (``--fidelity``, :mod:`jagg_core.fidelity_bench`): each window's audited gradient cosine along the
+   trajectory, and how well the routing predictors rank it (section ``fidelity``).
+
+``--training`` runs instead whole trainings, exact against JAGG over three seeds (:mod:`jagg_core.training_bench`).
 
 Every train-phase row also has the seconds of one rollout of the same batch (``rollout_s``, timed once per
 repeat among the variants), so ``iteration_s = rollout_s + train_s`` and ``iteration_speedup`` compare whole
@@ -60,9 +66,11 @@ from .archs import RANDOM_PREFIX, arch_names, hub_id, parse_random_model
 from .audit import flat_gradient, gradient_agreement
 from .config import BackwardConfig, RunConfig, list_presets, load_config
 from .errors import UserError, exit_on_user_error
-from .grpo import group_advantages
+from .fidelity_bench import fidelity_rows, format_fidelity
+from .training_bench import format_training, plot_training, training_rows
 from .jagg import BackwardPlan
 from .models import embedded_models
+from .report import markdown_table, plot_curves
 from .quiet import quiet_libraries
 from .trainer import Trainer
 
@@ -95,7 +103,7 @@ class Variant:
         """The backward section of this variant, with other keys of it (``audit_every`` ...) from ``settings``."""
         if self.mode == "exact":
             return BackwardConfig(mode="exact", **settings)
-        return BackwardConfig(mode="jagg", window=self.window, joint=self.joint, frac=self.frac,
+        return BackwardConfig(mode="jagg", window=self.window, joint=self.joint, frac=self.frac, route_by="linearity",
                               velocities="forward" if self.mode == "forward" else "cached",
                               shared_knots=self.mode == "cached_shared", **settings)
 
@@ -134,6 +142,8 @@ class BenchOptions:
     memory: bool = True
     iterations: int = 20
     seeds: tuple[int, ...] = (0, 1)
+    #: rollouts of the fidelity section (:mod:`jagg_core.fidelity_bench`, on the first model); 0 = skip
+    fidelity_rollouts: int = 0
     #: config overrides (``key=value``) of every run the bench makes, after the model's own
     overrides: tuple[str, ...] = ()
 
@@ -215,11 +225,10 @@ class Workload:
         self.model_name, self.overrides = model, tuple(overrides)
         self.trainer = Trainer(bench_config(model, self.overrides), run_dir)
         self.trainer.setup()
-        cfg = self.trainer.config
         self.device = self.trainer.accelerator.device
         rollout = self.trainer.rollout(1)
-        self.traj, self.cond = rollout.trajectory, rollout.cond
-        self.advantages = group_advantages(rollout.rewards, cfg.grpo.num_generations, cfg.grpo.adv_clip).to(self.device)
+        self.traj, self.cond, self.spans = rollout.trajectory, rollout.cond, rollout.spans
+        self.advantages = self.trainer.advantages(rollout)
         self.params_m = base_params_m(self.trainer)
 
     def rollout(self) -> float:
@@ -235,7 +244,7 @@ class Workload:
         (:meth:`Trainer.accumulate_gradients`, as in training before the optimizer step)."""
         for param in self.trainer.params:
             param.grad = None
-        plan = self.trainer.plan_backward(self.traj, variant.backward_config())
+        plan = self.trainer.plan_backward(self.traj, self.spans, variant.backward_config())
         self.trainer.accumulate_gradients(self.traj, self.cond, self.advantages, plan, on_policy=True)
         synchronize(self.device)
         return plan
@@ -365,7 +374,7 @@ def train_phase_rows(work: Workload, variants: list[Variant], seconds, gradients
         row = {"section": "routing" if variant.frac < 1 else "train_phase", "model": work.model_name,
                "params_m": work.params_m, "mode": variant.mode, "window": variant.window, "joint": variant.joint,
                "frac": variant.frac, "routed_frac": plan.routed_frac, "passes": len(plan.pass_steps),
-               "linearity": [round(s, 5) for s in plan.scores] if variant.mode != "exact" else None,
+               "linearity": [round(s, 5) for s in plan.linearity] if variant.mode != "exact" else None,
                "seconds": min(seconds[variant]), "seconds_median": statistics.median(seconds[variant]),
                "repeats": len(seconds[variant]), "speedup": exact_seconds / min(seconds[variant]),
                "train_s": min(seconds[variant]), "rollout_s": rollout_s,
@@ -458,6 +467,11 @@ def run_bench(options: BenchOptions, threads: int = 2, log=print) -> list[dict]:
     if options.iterations and options.seeds:
         log(f"[bench] {options.models[0]}: {options.iterations} iterations x {len(options.seeds)} seeds, exact vs JAGG")
         rows += bench_iterations(options.models[0], options)
+    if options.fidelity_rollouts:
+        log(f"[bench] {options.models[0]}: fidelity along the trajectory, {options.fidelity_rollouts} rollouts")
+        rows += [{**dict.fromkeys(ROW_KEYS), **row}
+                 for row in fidelity_rows(bench_config(options.models[0], options.overrides),
+                                             options.fidelity_rollouts)]
     return rows
 
 
@@ -466,18 +480,13 @@ def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def _markdown(header: list[str], lines: list[list[str]]) -> str:
-    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    return "\n".join(out + ["| " + " | ".join(line) + " |" for line in lines])
-
-
 def format_tables(rows: list[dict]) -> str:
     """Markdown tables: train phase and routing, linearity per window, the train phase's rows as whole iterations
     (with the rollout), short trainings."""
     parts = []
     phase = [r for r in rows if r["section"] in ("train_phase", "routing")]
     if phase:
-        parts.append(_markdown(
+        parts.append(markdown_table(
             ["model", "params (M)", "mode", "W", "endpoints", "frac", "passes", "seconds", "speed-up",
              "peak mem (MB over base)", "mem ratio", "grad cosine", "grad rel err"],
             [[r["model"], f"{r['params_m']:g}", r["mode"], str(r["window"]), "joint" if r["joint"] else "seq",
@@ -489,14 +498,14 @@ def format_tables(rows: list[dict]) -> str:
         for r in phase:
             if r["mode"] in ("cached", "cached_shared") and r["frac"] == 1 and r["joint"]:
                 linearity.setdefault((r["model"], r["mode"], r["window"]), r["linearity"])
-        parts.append("Linearity score per window, along the trajectory (noise -> data):\n\n" + _markdown(
+        parts.append("Linearity score per window, along the trajectory (noise -> data):\n\n" + markdown_table(
             ["model", "windows", "W", "scores"],
             [[m, "shared knots" if mode == "cached_shared" else "disjoint", str(w), " ".join(f"{s:.3f}" for s in sc)]
              for (m, mode, w), sc in linearity.items()]))
     timed = [r for r in phase if r.get("rollout_s") is not None]
     if timed:
         parts.append("Whole iterations on the same rollout batch (rollout + train phase; peak memory absolute):\n\n"
-                     + _markdown(
+                     + markdown_table(
                          ["model", "mode", "W", "endpoints", "rollout s", "train s", "iteration s", "speed-up",
                           "rollout peak MB", "train peak MB"],
                          [[r["model"], r["mode"], str(r["window"]), "joint" if r["joint"] else "seq",
@@ -505,7 +514,7 @@ def format_tables(rows: list[dict]) -> str:
                            _fmt(r["peak_mem_mb"], ".0f")] for r in timed]))
     iteration = [r for r in rows if r["section"] == "iteration"]
     if iteration:
-        parts.append(_markdown(
+        parts.append(markdown_table(
             ["model", "backward", "rollout s", "train s", "iteration s", "speed-up", "iteration s (median)",
              "final reward (mean of seeds)", "audit s", "audit / iteration", "audit cosine"],
             [[r["model"], "exact" if r["mode"] == "exact" else f"{r['mode']} W={r['window']}", f"{r['rollout_s']:.3f}",
@@ -513,33 +522,21 @@ def format_tables(rows: list[dict]) -> str:
               f"{r['reward_final']:.4f}", _fmt(r.get("audit_s"), ".3f"), _fmt(r.get("audit_ratio"), ".1%"),
               _fmt(r.get("audit_cosine"), ".4f")]
              for r in iteration]))
+    fidelity = [r for r in rows if r["section"] == "fidelity"]
+    if fidelity:
+        parts.append("Fidelity along the trajectory (every step trained) and its predictors:\n\n"
+                     + format_fidelity(fidelity).strip())
     return "\n\n".join(parts) + "\n"
 
 
 def plot_rewards(rows: list[dict], path: str | Path) -> None:
     """Reward against wall-clock seconds of every seed's training, exact and JAGG."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     iteration = [r for r in rows if r["section"] == "iteration"]
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    styles = ["-", "--", ":", "-."]
-    for r, colour in zip(iteration, ("tab:gray", "tab:blue")):
-        name = "exact" if r["mode"] == "exact" else f"JAGG {r['mode']} W={r['window']}"
-        for k, (seed, curve) in enumerate(r["curves"].items()):
-            xs, ys = zip(*curve)
-            ax.plot(xs, ys, styles[k % len(styles)], marker="o", markersize=3, color=colour,
-                    label=f"{name} (seed {seed})")
-    if iteration:
-        ax.set_title(f"{iteration[0]['model']}: rollout reward vs wall-clock ({iteration[0]['iterations']} iterations)")
-    ax.set_xlabel("cumulative seconds (rollout + train)")
-    ax.set_ylabel("mean rollout reward")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    series = [("exact" if r["mode"] == "exact" else f"JAGG {r['mode']} W={r['window']}", r["curves"])
+              for r in iteration]
+    title = (f"{iteration[0]['model']}: rollout reward vs wall-clock ({iteration[0]['iterations']} iterations)"
+             if iteration else "")
+    plot_curves(series, title, "cumulative seconds (rollout + train)", "mean rollout reward", path)
 
 
 def write_outputs(rows: list[dict], json_path=None, table_path=None, plot_path=None) -> str:
@@ -568,6 +565,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, help="timed repeats per variant")
     parser.add_argument("--iterations", type=int, help="iterations of each short training (0: skip)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurements")
+    parser.add_argument("--training", action="store_true", help="instead: full-length trainings of the first model's "
+                        "task (default: the default preset) with the exact and its JAGG backward, same seeds 0, 1, 2: "
+                        "held-out gain, wall clock and gain per minute with their spread (jagg_core.training_bench)")
+    parser.add_argument("--fidelity", type=int, metavar="ROLLOUTS", help="also the per-window fidelity along the "
+                        "trajectory and the Spearman correlation of the routing predictors with it, over ROLLOUTS "
+                        "rollouts of the first model at noise levels 0.7 and 1.2 (jagg_core.fidelity_bench)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="config override of every run of the bench (repeatable), "
@@ -591,14 +594,31 @@ def main(argv: list[str] | None = None) -> None:
         memory_worker(args.memory_worker)
         return
     with exit_on_user_error(parser.prog):
+        if args.training:
+            run_training(args)
+            return
         options = bench_options(args)
         run_and_report(options, args)
 
 
+def run_training(args: argparse.Namespace) -> None:
+    """``--training``: the trainings of :mod:`jagg_core.training_bench`, written to ``--json``/``--table``/``--plot``
+    and printed."""
+    model = args.models.split(",")[0] if args.models else EMBEDDED_MODEL
+    rows = training_rows(bench_config(model, args.overrides))
+    table = format_training(rows)
+    for path, write in ((args.json, lambda p: p.write_text(json.dumps(rows, indent=1))),
+                        (args.table, lambda p: p.write_text(table)), (args.plot, lambda p: plot_training(rows, p))):
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            write(Path(path))
+    print(table)
+
+
 def bench_options(args: argparse.Namespace) -> BenchOptions:
     """The :class:`BenchOptions` of the command line."""
-    changes = {key: value for key, value in (("repeats", args.repeats), ("iterations", args.iterations))
-               if value is not None}
+    changes = {key: value for key, value in (("repeats", args.repeats), ("iterations", args.iterations),
+                                             ("fidelity_rollouts", args.fidelity)) if value is not None}
     if args.no_memory:
         changes["memory"] = False
     if args.arch or args.random_weights:

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic.fields import FieldInfo
 
 from .errors import UserError, exit_on_user_error
+from .placement import trained_count
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"
 DEFAULT_PRESET = "shapes"
@@ -113,14 +114,34 @@ class GrpoConfig(_Section):
                                        "a rollout batch holds prompts_per_iteration x num_generations images")
     clip_range: float = Field(1e-4, gt=0.0, description="PPO ratio clip eps: the ratio exp(logp - logp_old) is "
                               "clipped to [1 - eps, 1 + eps]")
-    adv_clip: float = Field(5.0, gt=0.0, description="advantages (r - mean_group) / (std_group + 1e-4) are clamped "
-                            "to [-adv_clip, adv_clip]")
-    kl_beta: float = Field(0.0, ge=0.0, description="weight of the KL to the base model (adapter disabled), "
-                           "KL = ||mean_theta - mean_ref||^2 / (2 std^2) per step; 0 = off (no reference forwards)")
-    timestep_fraction: float = Field(1.0, gt=0.0, le=1.0, description="fraction of the rollout steps trained: the "
-                                     "first ceil(num_steps x fraction), from the noise end")
-    ode_after_trained: bool = Field(False, description="rollouts take the ODE step after the trained steps, so "
-                                                       "only trained steps inject noise (Flow-GRPO-Fast)")
+    adv_clip: float = Field(5.0, gt=0.0, description="advantages (r - mean_group) / (std + 1e-4) are clamped to "
+                            "[-adv_clip, adv_clip]")
+    group_by: Literal["draw", "prompt"] = Field("draw", description="the group an advantage is relative to: draw = "
+                                                "the num_generations samples of one prompt draw; prompt = every "
+                                                "sample of the process's rollout batch with the same prompt text "
+                                                "(Flow-GRPO's per-prompt statistics, there over all processes)")
+    global_std: bool = Field(False, description="divide the advantages by the standard deviation of the process's "
+                             "whole rollout batch instead of the group's (Flow-GRPO's global_std, there over all "
+                             "processes)")
+    kl_beta: float = Field(0.0, ge=0.0, description="weight of the KL to the base model (adapter disabled) in the "
+                           "form grpo.kl_form; 0 = off (no reference forwards)")
+    kl_form: Literal["step", "flow_grpo"] = Field(
+        "step", description="the per-step KL, mean over the latent's elements: step = the Gaussian KL of the step, "
+        "(mean_theta - mean_ref)^2 / (2 std_t^2 |dt|); flow_grpo = Flow-GRPO's, (mean_theta - mean_ref)^2 / "
+        "(2 std_t^2), |dt| times smaller (15-100x on 10-40 steps), so Flow-GRPO's kl_beta goes with this form")
+    timestep_fraction: float = Field(1.0, gt=0.0, le=1.0, description="fraction of the rollout steps trained: "
+                                     "T = ceil(num_steps x fraction) steps (Flow-GRPO floors), placed by "
+                                     "grpo.window_placement")
+    window_placement: Literal["range", "random"] = Field(
+        "range", description="where the trained steps lie: range = the T consecutive steps from grpo.trained_start; "
+        "random = each iteration, ceil(T / W) of the blocks of W = backward.window steps that cut the schedule "
+        "([0, W-1], [W, 2W-1], ...), drawn from (train.seed, iteration), the same on every process and on a resume "
+        "(DanceGRPO)")
+    trained_start: int = Field(0, ge=0, description="first trained step of the range placement (0 = from the noise "
+                               "end); trained_start + T must not exceed sampling.num_steps")
+    ode_after_trained: bool = Field(False, description="rollouts take the ODE step at every step that is not trained "
+                                    "(before and after a range, between random blocks), so only trained steps inject "
+                                    "noise (Flow-GRPO-Fast, MixGRPO)")
     inner_epochs: int = Field(1, ge=1, description="optimizer steps on each rollout batch; the first is on-policy, "
                               "the later ones reuse the rollout's log-probs as logp_old")
 
@@ -136,8 +157,18 @@ class BackwardConfig(_Section):
     velocities: Literal["cached", "forward"] = Field(
         "cached", description="velocities of a window's intermediate steps: cached = the rollout's with a first-order "
         "endpoint correction (no extra forward), forward = a no-grad forward per intermediate step")
-    frac: float = Field(1.0, ge=0.0, le=1.0, description="fraction of windows, highest linearity score first, that "
-                        "use JAGG; the rest take the exact backward")
+    frac: float = Field(1.0, ge=0.0, le=1.0, description="fraction of the windows with interior steps, highest "
+                        "linearity score first, that use JAGG; the rest take the exact backward (a window of at most "
+                        "2 steps is exact either way and not counted)")
+    min_fidelity: float | None = Field(None, ge=-1.0, le=1.0, description="windows whose routing score "
+                                       "(backward.route_by) is below this take the exact backward, after "
+                                       "backward.frac; null = no threshold")
+    route_by: Literal["audit", "linearity"] = Field(
+        "audit", description="the score that routes windows (backward.frac, backward.min_fidelity): audit = the "
+        "window's gradient cosine in the latest fidelity audit, which then measures every window under JAGG (a window "
+        "not audited yet scores 1: JAGG until the first audit; needs backward.audit_every > 0 to route); linearity = "
+        "the mean cosine between the rollout's intermediate velocities and their interpolation from the endpoints, "
+        "fresh every iteration but a weaker predictor (README: Where JAGG is exact)")
     joint: bool = Field(True, description="run the JAGG backward's transformer passes two at a time as one stacked "
                         "batch: faster, about 2x the peak memory; false = one at a time, the exact backward's peak")
     shared_knots: bool = Field(False, description="adjacent windows share an endpoint, so K windows cost K+1 passes "
@@ -174,6 +205,9 @@ class PromptsConfig(_Section):
                             "samples")
     split_seed: int = Field(0, ge=0, lt=SEED_BOUND, description="seed of the random choice of the held-out eval "
                             "prompts among the distinct prompts")
+    eval_source: str | None = Field(None, description="the eval prompts themselves, a prompt set as source is "
+                                    "(taken out of training; eval_count and split_seed then unused); null: "
+                                    "eval_count prompts held out from source")
 
 
 class TrainConfig(_Section):
@@ -259,6 +293,14 @@ class RunConfig(_Section):
             raise ValueError("at least one reward is needed")
         if self.hub.push and not self.hub.repo_id:
             raise ValueError("hub.push is true but hub.repo_id is not set")
+        routed = self.backward.frac < 1 or self.backward.min_fidelity is not None
+        if self.backward.route_by == "audit" and routed and self.backward.audit_every == 0:
+            raise ValueError("backward.route_by audit routes by the fidelity audit: set backward.audit_every > 0 "
+                             "or route_by linearity")
+        count = trained_count(self.sampling.num_steps, self.grpo.timestep_fraction)
+        if self.grpo.window_placement == "range" and self.grpo.trained_start + count > self.sampling.num_steps:
+            raise ValueError(f"grpo.trained_start {self.grpo.trained_start} + {count} trained steps exceeds "
+                             f"sampling.num_steps {self.sampling.num_steps}")
         return self
 
     def to_yaml(self) -> str:

@@ -12,12 +12,23 @@ import torch
 from .sampler import Trajectory, gaussian_log_prob, sde_step_mean, step_std
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, clip: float) -> torch.Tensor:
-    """``A = (r - mean_prompt(r)) / (std_prompt(r) + 1e-4)``, clamped to ``[-clip, clip]``."""
-    groups = rewards.float().view(-1, group_size)
-    mean = groups.mean(dim=1, keepdim=True)
-    std = groups.std(dim=1, unbiased=False, keepdim=True)
-    return ((groups - mean) / (std + 1e-4)).clamp(-clip, clip).flatten()
+def group_advantages(rewards: torch.Tensor, group_size: int, clip: float, prompts: list[str] | None = None,
+                     global_std: bool = False) -> torch.Tensor:
+    """``A = (r - mean_g(r)) / (std + 1e-4)``, clamped to ``[-clip, clip]``, where g is the sample's group: its
+    ``group_size`` consecutive samples (one prompt draw), or with ``prompts`` every sample of the batch whose prompt
+    has the same text (Flow-GRPO's per-prompt statistics: a prompt drawn twice is one group); and ``std`` is the
+    group's (population) standard deviation, or with ``global_std`` the whole batch's (Flow-GRPO's global_std)."""
+    r = rewards.float()
+    keys = prompts if prompts is not None else [k // group_size for k in range(len(r))]
+    members: dict = {}
+    for k, key in enumerate(keys):
+        members.setdefault(key, []).append(k)
+    mean, std = torch.empty_like(r), torch.empty_like(r)
+    for index in map(torch.tensor, members.values()):
+        mean[index], std[index] = r[index].mean(), r[index].std(unbiased=False)
+    if global_std:
+        std = r.std(unbiased=False).expand_as(r)
+    return ((r - mean) / (std + 1e-4)).clamp(-clip, clip)
 
 
 @dataclass(frozen=True)
@@ -25,6 +36,7 @@ class LossSettings:
     clip_range: float
     kl_beta: float
     scale: float = 1.0   # multiplies every step loss: see loss_scale
+    kl_form: str = "step"  # grpo.kl_form: see step_loss
 
 
 def loss_scale(micro_batch: int, batch: int, trained_steps: int) -> float:
@@ -43,10 +55,17 @@ def step_loss(v: torch.Tensor, step: int, batch: Trajectory, advantages: torch.T
     """Loss of step ``i`` as a function of the velocity ``v`` used there::
 
         ratio = exp(log p_theta(z_{i+1} | z_i) - log p_old)
-        L_i   = mean_samples max(-A ratio, -A clip(ratio, 1 - eps, 1 + eps))
-                + beta * mean_samples ||mean_theta - mean_ref||^2 / (2 std^2)
+        L_i   = mean_samples max(-A ratio, -A clip(ratio, 1 - eps, 1 + eps)) + beta * KL_i
 
-    multiplied by ``settings.scale``. Returns the scalar loss and detached statistics.
+    multiplied by ``settings.scale``, with the KL to the base model's step in one of two forms
+    (``settings.kl_form``), ``mean_k`` over the latent's elements::
+
+        step:      KL_i = mean_samples mean_k (mean_theta - mean_ref)^2 / (2 std_t^2 |dt|)
+                   the Gaussian KL of the step's transition (its std is std_t sqrt(|dt|))
+        flow_grpo: KL_i = mean_samples mean_k (mean_theta - mean_ref)^2 / (2 std_t^2)
+                   Flow-GRPO's, |dt| times the step form: on a 10-40 step schedule 15-100x smaller
+
+    Returns the scalar loss and detached statistics.
     """
     s, s_next, sd = float(batch.sigmas[step]), float(batch.sigmas[step + 1]), float(batch.std_t[step])
     z, z_next = batch.latents[step], batch.latents[step + 1]
@@ -60,8 +79,9 @@ def step_loss(v: torch.Tensor, step: int, batch: Trajectory, advantages: torch.T
     loss = policy_loss
     kl = torch.zeros((), device=v.device)
     if settings.kl_beta > 0:
-        ref_mean = sde_step_mean(z, batch.ref_velocities[step], s, s_next, sd)
-        kl = (((mean - ref_mean) ** 2).flatten(1).mean(dim=1) / (2 * std ** 2)).mean()
+        ref_mean = sde_step_mean(z, batch.reference_velocity(step), s, s_next, sd)
+        variance = std ** 2 if settings.kl_form == "step" else sd ** 2
+        kl = (((mean - ref_mean) ** 2).flatten(1).mean(dim=1) / (2 * variance)).mean()
         loss = loss + settings.kl_beta * kl
     stats = {"kl": kl.detach(), "ratio": ratio.detach().mean(),
              "clip_frac": ((ratio - 1).abs() > settings.clip_range).float().mean().detach()}

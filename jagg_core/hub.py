@@ -61,18 +61,20 @@ def push_run(run_dir: str | Path, repo_id: str, *, private: bool = False, checkp
     applies when the repo is created. ``checkpoint`` (``iter_N``) publishes that checkpoint instead of the latest
     adapter. Raises :class:`UserError` for anything the user can fix.
     """
+    snap = read_run(run_dir, checkpoint)  # what the user can fix first: there is an adapter, the id is well formed
+    if not repo_id:
+        raise UserError("enter a repo id, e.g. your-name/my-lora")
+    if not is_repo_id(repo_id if "/" in repo_id else f"user/{repo_id}"):
+        raise UserError(f"'{repo_id}' is not a valid Hub repo id; use USER/NAME with letters, digits, '-', '_', "
+                        "'.'")
     token = resolve_token(token)
     if not token:
         raise UserError("no Hugging Face token: set HF_TOKEN, run `hf auth login`, or enter a token "
                         f"with write access (create one at {TOKENS_URL})")
-    snap = read_run(run_dir, checkpoint)
     api = HfApi(token=token)
     me = _whoami(api)
     if "/" not in repo_id:
         repo_id = f"{me['name']}/{repo_id}"
-    if not is_repo_id(repo_id):
-        raise UserError(f"'{repo_id}' is not a valid Hub repo id; use USER/NAME with letters, digits, '-', '_', "
-                        "'.'")
 
     operations = [CommitOperationAdd(path_in_repo=path, path_or_fileobj=content)
                   for path, content in publish_files(snap, repo_id).items()]

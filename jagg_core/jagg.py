@@ -23,9 +23,13 @@ Intermediate velocities ``v_j`` (needed for ``s_j``) come from a no-grad forward
 
 exact on-policy (then ``v_a = v_a_old``) at no extra forward.
 
-Routing (``frac``): a window's linearity score is the mean cosine similarity between the rollout
-velocities ``v_j`` and their interpolation ``(1 - alpha_j) v_a + alpha_j v_b``; the top ``frac`` of
-windows by score use JAGG, the others the exact backward.
+Routing (``frac``, ``min_fidelity``) ranks windows by a score that predicts their fidelity: the linearity score,
+the mean cosine similarity between the rollout velocities ``v_j`` and their interpolation
+``(1 - alpha_j) v_a + alpha_j v_b`` (``route_by: linearity``), or the window's gradient cosine in the latest
+fidelity audit (``route_by: audit``, :mod:`jagg_core.audit`). A window without
+interior steps (at most two steps) is exact under either backward and takes no part in routing; of the
+``K'`` others, the top ``round(frac K')`` by score use JAGG unless their score is below ``min_fidelity``,
+and the rest take the exact backward.
 
 Routing across processes: each process scores the windows on its own rollout batch, so with
 ``frac < 1`` processes can route differently, and windows of different lengths (the last one,
@@ -44,7 +48,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
-from typing import Callable, Literal
+from typing import Callable, Literal, Mapping
 
 import torch
 
@@ -70,20 +74,21 @@ class Window:
         return range(self.start + 1, self.end)
 
 
-def plan_windows(num_steps: int, window: int, shared_knots: bool) -> list[Window]:
-    """Cover steps ``0..num_steps-1`` with windows of ``window`` steps; the last may be shorter.
+def plan_windows(num_steps: int, window: int, shared_knots: bool, first: int = 0) -> list[Window]:
+    """Cover steps ``first..first+num_steps-1`` with windows of ``window`` steps; the last may be shorter.
 
-    Without shared knots the windows are disjoint (``[0, W-1], [W, 2W-1], ...``). With shared knots
-    consecutive windows share an endpoint (``[0, W-1], [W-1, 2W-2], ...``).
+    Without shared knots the windows are disjoint (``[0, W-1], [W, 2W-1], ...`` from ``first = 0``). With
+    shared knots consecutive windows share an endpoint (``[0, W-1], [W-1, 2W-2], ...``).
     """
+    last = first + num_steps - 1
     if window <= 1 or num_steps <= 1:
-        return [Window(i, i) for i in range(num_steps)]
+        return [Window(i, i) for i in range(first, last + 1)]
     stride = window - 1 if shared_knots else window
-    windows, start = [], 0
-    while start < num_steps:
-        end = min(start + window - 1, num_steps - 1)
+    windows, start = [], first
+    while start <= last:
+        end = min(start + window - 1, last)
         windows.append(Window(start, end))
-        if end == num_steps - 1:
+        if end == last:
             break
         start += stride
     return windows
@@ -110,12 +115,16 @@ def linearity_score(velocities: torch.Tensor, sigmas: torch.Tensor, win: Window)
     return float(torch.stack(cosines).mean())
 
 
-def route_windows(scores: list[float], frac: float) -> list[bool]:
-    """JAGG for the ``round(frac * K)`` windows with the highest score (ties: earlier first)."""
-    count = int(frac * len(scores) + 0.5)
-    ranked = sorted(range(len(scores)), key=lambda k: (-scores[k], k))
-    chosen = set(ranked[:count])
-    return [k in chosen for k in range(len(scores))]
+def route_windows(windows: list[Window], scores: list[float], frac: float,
+                  min_fidelity: float | None = None) -> list[bool]:
+    """Which windows use JAGG. Only the ``K'`` windows with interior steps can (the others are exact anyway and
+    count for nothing): the ``round(frac * K')`` of them with the highest score (ties: earlier first), less
+    those whose score is below ``min_fidelity`` (None: no threshold)."""
+    interior = [k for k, win in enumerate(windows) if len(win.intermediates) > 0]
+    count = int(frac * len(interior) + 0.5)
+    ranked = sorted(interior, key=lambda k: (-scores[k], k))
+    chosen = {k for k in ranked[:count] if min_fidelity is None or scores[k] >= min_fidelity}
+    return [k in chosen for k in range(len(windows))]
 
 
 @dataclass
@@ -126,10 +135,11 @@ class BackwardPlan:
 
     windows: list[Window]
     use_jagg: list[bool]
-    scores: list[float]
+    scores: list[float]               # each window's routing score (backward.route_by)
+    linearity: list[float]            # each window's linearity score on this rollout batch (1: no interior step)
     loss: LossSettings
     batch_size: int                   # samples in the rollout batch
-    trained_steps: int                # T: steps 0..T-1 are trained
+    trained_steps: int                # T: the number of trained steps (the windows' steps), the loss's normalizer
     joint: bool = False               # pass steps two at a time, stacked in one forward
     velocities: Literal["cached", "forward"] = "cached"
     pass_steps: list[int] = field(default_factory=list)
@@ -137,32 +147,40 @@ class BackwardPlan:
 
     @property
     def routed_frac(self) -> float:
-        return sum(self.use_jagg) / max(len(self.windows), 1)
+        """The fraction of the windows with interior steps (the only ones routing decides) that use JAGG."""
+        return sum(self.use_jagg) / max(sum(len(win.intermediates) > 0 for win in self.windows), 1)
 
     @property
     def linearity_mean(self) -> float:
-        return sum(self.scores) / max(len(self.scores), 1)
+        return sum(self.linearity) / max(len(self.linearity), 1)
 
 
-def make_plan(config: BackwardConfig, batch: Trajectory, trained_steps: int, loss: LossSettings,
-              agree: Callable[[list[float]], list[float]] | None = None) -> BackwardPlan:
-    """Plan the backward of steps ``0..trained_steps-1`` of the rollout batch ``batch`` under ``config``,
-    with the step loss ``loss`` (its ``scale`` is set per micro-batch by :func:`run_backward`).
+def make_plan(config: BackwardConfig, batch: Trajectory, trained: int | list[range], loss: LossSettings,
+              agree: Callable[[list[float]], list[float]] | None = None,
+              audited: Mapping[Window, float] | None = None) -> BackwardPlan:
+    """Plan the backward of the trained steps of the rollout batch ``batch`` under ``config``: ``trained`` = the
+    spans of consecutive trained steps (:mod:`jagg_core.placement`; windows never cross a span's end), an int
+    ``T`` = the one span ``0..T-1``. ``loss`` is the step loss (its ``scale`` is set per micro-batch by
+    :func:`run_backward`).
 
-    ``agree`` maps this process's window scores to scores every process shares (e.g. their mean over
-    the processes) before routing, so that all processes plan the same passes (see the module's
-    "Routing across processes"); None routes on the local scores."""
-    common = {"loss": loss, "batch_size": batch.batch_size, "trained_steps": trained_steps}
+    The windows' routing scores are their linearity scores (``backward.route_by: linearity``), or their cosines
+    in the latest fidelity audit, ``audited`` (``route_by: audit``; a window not audited yet scores 1).
+    ``agree`` maps this process's window scores to scores every process shares (e.g. their mean over the
+    processes) before routing, so that all processes plan the same passes (see the module's "Routing across
+    processes"); None routes on the local scores."""
+    spans = [range(trained)] if isinstance(trained, int) else trained
+    common = {"loss": loss, "batch_size": batch.batch_size, "trained_steps": sum(len(span) for span in spans)}
+    window = 1 if config.mode == "exact" else config.window
+    windows = [win for span in spans for win in plan_windows(len(span), window, config.shared_knots, span.start)]
     if config.mode == "exact":
-        windows = plan_windows(trained_steps, 1, False)
-        plan = BackwardPlan(windows, [False] * len(windows), [1.0] * len(windows), **common)
+        plan = BackwardPlan(windows, [False] * len(windows), [1.0] * len(windows), [1.0] * len(windows), **common)
     else:
-        windows = plan_windows(trained_steps, config.window, config.shared_knots)
-        scores = [linearity_score(batch.velocities, batch.sigmas, w) for w in windows]
+        linearity = [linearity_score(batch.velocities, batch.sigmas, w) for w in windows]
+        scores = [(audited or {}).get(w, 1.0) for w in windows] if config.route_by == "audit" else linearity
         if agree is not None:
             scores = [float(score) for score in agree(scores)]
-        plan = BackwardPlan(windows, route_windows(scores, config.frac), scores, joint=config.joint,
-                            velocities=config.velocities, **common)
+        plan = BackwardPlan(windows, route_windows(windows, scores, config.frac, config.min_fidelity), scores,
+                            linearity, joint=config.joint, velocities=config.velocities, **common)
     passes: set[int] = set()
     for win, jagg in zip(plan.windows, plan.use_jagg):
         if jagg:
@@ -182,9 +200,10 @@ def window_plan(plan: BackwardPlan, win: Window, interpolate: bool) -> BackwardP
     otherwise one pass per step, the exact backward of those steps. Used by :mod:`jagg_core.audit`."""
     interpolated = {j: plan.interpolated[j] for j in win.intermediates} if interpolate else {}
     passes = sorted({win.start, win.end}) if interpolate else list(win.steps)
-    score = plan.scores[plan.windows.index(win)] if win in plan.windows else 1.0
-    return replace(plan, windows=[win], use_jagg=[interpolate], scores=[score], pass_steps=passes,
-                   interpolated=interpolated)
+    k = plan.windows.index(win) if win in plan.windows else None
+    score, linearity = (plan.scores[k], plan.linearity[k]) if k is not None else (1.0, 1.0)
+    return replace(plan, windows=[win], use_jagg=[interpolate], scores=[score], linearity=[linearity],
+                   pass_steps=passes, interpolated=interpolated)
 
 
 @dataclass

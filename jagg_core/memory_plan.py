@@ -48,6 +48,7 @@ from .models.base import ENCODE_BATCH, NEGATIVE
 from .models.quantize import transformer_dtype
 from .models.random_weights import build_random_model_pipeline
 from .models.tiny import TINY_BUILDERS
+from .placement import most_trained_steps
 from .rewards.catalog import reward_entry
 from .sampler import EVAL_BATCH
 
@@ -385,7 +386,7 @@ def plan_memory(config: RunConfig) -> MemoryPlan:
     latent = model.latent_shape(cfg.sampling.resolution)
     latent_numel = math.prod(latent)
     steps = cfg.sampling.num_steps
-    trained = max(1, math.ceil(steps * cfg.grpo.timestep_fraction))
+    trained = most_trained_steps(steps, cfg.grpo.timestep_fraction, cfg.grpo.window_placement, cfg.backward.window)
     noisy = trained if cfg.grpo.ode_after_trained else steps
     reference = noisy if cfg.grpo.kl_beta > 0 else 0
     trajectory = samples * latent_numel * 4 * ((steps + 1) + steps + reference)

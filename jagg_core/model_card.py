@@ -11,6 +11,8 @@ Files in the published repo::
     images/reward_curve.png            training reward (mean +- std) and held-out eval reward per iteration
     images/before_after.png            eval samples of the base model (top) and of the adapter (bottom)
     samples/NNN.png                    the adapter's eval samples (also the card's widget)
+    images/eval_grid_iter_NNNNNN.png   every eval sample of the base model and of the adapter, captioned with its
+                                       prompt and reward (the run's ``samples/iter_N/grid.png``)
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from huggingface_hub import ModelCard, ModelCardData
 
 from . import metrics
 from .errors import UserError
+from .rundir import GRID_FILE as GRID_NAME
 from .rundir import LORA_FILE, ImageSet, RunDirectory, iteration_dirname
 
 CURVE_FILE = "images/reward_curve.png"
@@ -247,6 +250,10 @@ def build_model_card(snap: RunSnapshot, repo_id: str) -> ModelCard:
         parts.append(f"![Eval samples before and after training]({GRID_FILE})\n\n"
                      f"*Top: the base model. Bottom: this adapter at iteration {snap.after.iteration}. "
                      f"Same held-out prompts and seeds.*\n")
+    grids = eval_grids(snap)
+    if grids:
+        parts.append("## Eval samples\n\nEvery held-out prompt (fixed seeds) with its reward, the base model first:\n\n"
+                     + "\n\n".join(f"![Captioned eval samples]({path})" for path in grids) + "\n")
     parts.append(f"""## Use it
 
 ```python
@@ -270,6 +277,15 @@ image = pipe({json.dumps(prompt)}).images[0]
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(parts))
 
 
+def eval_grids(snap: RunSnapshot) -> dict[str, Path]:
+    """The captioned eval grids of the base model and of the adapter, by their path in the published repo."""
+    grids = {}
+    for samples in (snap.before, snap.after):
+        if samples is not None and (samples.folder / GRID_NAME).is_file():
+            grids[f"images/eval_grid_{iteration_dirname(samples.iteration)}.png"] = samples.folder / GRID_NAME
+    return grids
+
+
 def publish_files(snap: RunSnapshot, repo_id: str) -> dict[str, bytes | Path]:
     """Every file of the published repo: path in the repo -> bytes, or a local path for the adapter."""
     files: dict[str, bytes | Path] = {
@@ -281,6 +297,7 @@ def publish_files(snap: RunSnapshot, repo_id: str) -> dict[str, bytes | Path]:
         files[CURVE_FILE] = reward_curve_png(snap.metrics)
     if snap.before and snap.after:
         files[GRID_FILE] = sample_grid_png(snap.before, snap.after)
+    files.update(eval_grids(snap))
     if snap.after:
         for i, path in enumerate(snap.after.images):
             files[f"{SAMPLES_DIR}/{i:03d}.png"] = path

@@ -132,6 +132,20 @@ def _load_hub_column(spec: str, source: str) -> list:
     return list(dataset[column])
 
 
+def run_prompts(config) -> tuple[list[str], list[str]]:
+    """``(train, eval)`` of a run's :class:`~jagg_core.config.PromptsConfig`: the prompts of ``eval_source`` (taken
+    out of training) when given, else ``eval_count`` prompts held out from ``source`` (:func:`split_prompts`)."""
+    prompts = load_prompts(config.source)
+    if config.eval_source is None:
+        return split_prompts(prompts, config.eval_count, config.split_seed)
+    held_out = list(dict.fromkeys(load_prompts(config.eval_source)))
+    excluded = set(held_out)
+    train = [p for p in prompts if p not in excluded]
+    if not train:
+        raise UserError("every training prompt is also an eval prompt; the eval prompts must leave some for training")
+    return train, held_out
+
+
 def split_prompts(prompts: list[str], eval_count: int, seed: int) -> tuple[list[str], list[str]]:
     """``(train, eval)``: ``eval_count`` distinct prompts held out for the fixed-seed eval samples.
 

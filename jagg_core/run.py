@@ -113,6 +113,10 @@ def train(config: RunConfig, run_dir: Path, resume: bool) -> int:
         run.acquire_trainer_lock()
     trainer = None
     try:
+        if is_main:  # what the run does from its first second: the page and the log say it
+            loading = f"loading the model {config.model.name}"
+            run.write_status("running", pid=os.getpid(), phase="loading", message=loading)
+            print(f"{PROG}: {loading}", flush=True)
         from .quiet import quiet_libraries
         quiet_libraries()
         from .trainer import Trainer

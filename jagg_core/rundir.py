@@ -3,14 +3,16 @@
     RUN/config.yaml            resolved config (no secrets)
     RUN/run_info.json          {"family", "base_model", "hardware"}
     RUN/metrics.jsonl          one JSON object per iteration (keys: :mod:`jagg_core.metrics`)
-    RUN/samples/iter_NNNNNN/   fixed-seed eval samples: 000.png ... + prompts.json + info.json
+    RUN/samples/iter_NNNNNN/   fixed-seed eval samples: 000.png ... + prompts.json + info.json + grid.png (all of
+                               them in one picture, each captioned with its prompt and reward)
     RUN/rollouts/latest/       the latest rollout images + prompts.json + info.json
     RUN/checkpoints/iter_NNNNNN/  LoRA (the EMA weights when on) + optimizer.pt + training_state.pt (schedule,
                                EMA, raw LoRA) + trainer_state.json (written atomically)
     RUN/tracking/              experiment trackers' files (TensorBoard events, W&B)
     RUN/text_embeddings.safetensors  every prompt's text-encoder output (model.cache_text_embeddings)
     RUN/lora/pytorch_lora_weights.safetensors   latest adapter, diffusers format
-    RUN/status.json            {"state": running|finished|failed|stopped, "pid", "iteration", ...}
+    RUN/status.json            {"state": running|finished|failed|stopped, "phase": loading|base eval|training,
+                               "message" (what it is doing, e.g. "base eval 16/64"), "pid", "iteration", ...}
     RUN/train.log              the trainer's log lines
     RUN/stdout.log             the output of a job the app launched
     RUN/.trainer.lock          held (flock) by the live trainer; the OS releases it when the process dies
@@ -42,6 +44,7 @@ LORA_FILE = "pytorch_lora_weights.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 TRAINING_STATE_FILE = "training_state.pt"
 STATE_FILE = "trainer_state.json"
+GRID_FILE = "grid.png"  # an eval's samples in one captioned picture
 ITERATION_NAME = re.compile(r"iter_(\d+)")
 
 
@@ -276,14 +279,17 @@ class RunDirectory:
         atomic_write_text(self.metrics_file, "".join(json.dumps(r) + "\n" for r in rows))
 
     # ----- images ----------------------------------------------------------------------
-    def write_images(self, folder: Path, images: list, prompts: list[str], **info) -> None:
+    def write_images(self, folder: Path, images: list, prompts: list[str], grid=None, **info) -> None:
         """Write PIL ``images`` as ``000.png ...`` with ``prompts.json`` (and ``info.json`` holding ``info``,
-        e.g. rewards and iteration) into ``folder``, replacing it atomically."""
+        e.g. rewards and iteration, and ``grid.png``, the PIL image ``grid`` of them all) into ``folder``, replacing
+        it atomically."""
         tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         for i, image in enumerate(images):
             image.save(tmp / f"{i:03d}.png")
+        if grid is not None:
+            grid.save(tmp / GRID_FILE)
         (tmp / "prompts.json").write_text(json.dumps(prompts, indent=1))
         if info:
             (tmp / "info.json").write_text(json.dumps(info, indent=1))
@@ -312,6 +318,10 @@ class RunDirectory:
         """Iterations that have fixed-seed eval samples, oldest first (0 is the base model)."""
         found = (parse_iteration(p.name) for p in self.samples_root.glob("iter_*") if (p / "prompts.json").is_file())
         return sorted(i for i in found if i is not None)
+
+    def grid_file(self, iteration: int) -> Path:
+        """The captioned grid of an eval's samples (runs from before grids were written have none)."""
+        return self.samples_dir(iteration) / GRID_FILE
 
     def samples(self, iteration: int) -> ImageSet | None:
         return self.read_images(self.samples_dir(iteration))

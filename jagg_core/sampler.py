@@ -10,14 +10,16 @@ Step i goes from sigma ``s = sigma_i`` to ``s' = sigma_{i+1}``, ``dt = s' - s < 
 ``log p(z' | z)`` is the Gaussian log-density averaged over elements, in fp32. ``a = 0`` is the
 Euler ODE step ``z' = z + v dt``.
 
-A rollout may inject noise only in its first ``sde_steps`` steps and take the ODE step after them
-(as Flow-GRPO-Fast): then every difference between the samples of a group comes from the steps that
-are trained, and the group's rewards carry less noise from steps whose policy is not updated.
+A rollout may inject noise only at the steps ``sde_steps`` and take the ODE step at the others (as
+Flow-GRPO-Fast and MixGRPO, with the trained steps): then every difference between the samples of a
+group comes from the steps that are trained, and the group's rewards carry less noise from steps whose
+policy is not updated.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -67,7 +69,7 @@ class Trajectory:
     log_probs: torch.Tensor        # [T, B] fp32
     sigmas: torch.Tensor           # [T + 1]
     std_t: torch.Tensor            # [T]
-    ref_velocities: torch.Tensor | None = None  # [S, B, *latent] for the S noisy steps, adapters disabled (KL)
+    ref_velocities: torch.Tensor | None = None  # [S, B, *latent] for the S noisy steps in order, adapters disabled (KL)
 
     @property
     def num_steps(self) -> int:
@@ -76,6 +78,10 @@ class Trajectory:
     @property
     def batch_size(self) -> int:
         return self.latents.shape[1]
+
+    def reference_velocity(self, step: int) -> torch.Tensor:
+        """The reference velocity of the noisy step ``step``: row ``#{noisy steps before it}`` of ``ref_velocities``."""
+        return self.ref_velocities[int((self.std_t[:step] > 0).sum())]
 
     def select(self, index: torch.Tensor | slice) -> "Trajectory":
         """The sub-batch of samples ``index``."""
@@ -97,20 +103,20 @@ def select_conditioning(cond: Conditioning, index: torch.Tensor | slice) -> Cond
 @torch.no_grad()
 def sde_rollout(model: FlowModel, cond: Conditioning, sigmas: torch.Tensor, noise_level: float,
                 z0: torch.Tensor, generator: torch.Generator, with_reference: bool = False,
-                sde_steps: int | None = None, chunk_size: int | None = None) -> Trajectory:
-    """Sample ``z_0 -> z_T`` recording latents, velocities and log-probs: the SDE step for the first
-    ``sde_steps`` steps (default: all), the Euler ODE step after them.
+                sde_steps: Sequence[int] | None = None, chunk_size: int | None = None) -> Trajectory:
+    """Sample ``z_0 -> z_T`` recording latents, velocities and log-probs: the SDE step at the steps
+    ``sde_steps`` (default: all), the Euler ODE step at the others.
 
     The noise of every SDE step is drawn first, step by step for the whole batch (the order of drawing
     one batch step by step), then the batch is denoised ``chunk_size`` samples at a time (default: all
     at once): a rollout in chunks holds the activations of one chunk and samples exactly what one batch
     would."""
     num_steps = len(sigmas) - 1
-    sde_steps = num_steps if sde_steps is None else sde_steps
-    std_t = step_noise_std(sigmas, noise_level)
-    std_t[sde_steps:] = 0.0
-    noise = torch.empty((sde_steps, *z0.shape))
-    for i in range(sde_steps):
+    noisy = torch.zeros(num_steps, dtype=torch.bool)
+    noisy[list(range(num_steps) if sde_steps is None else sde_steps)] = True
+    std_t = step_noise_std(sigmas, noise_level) * noisy
+    noise = torch.zeros((num_steps, *z0.shape))
+    for i in noisy.nonzero().flatten().tolist():
         noise[i] = torch.randn(z0.shape, generator=generator, dtype=torch.float32)
     chunks = torch.arange(z0.shape[0]).split(chunk_size or z0.shape[0])
     parts = [_rollout_chunk(model, select_conditioning(cond, index), sigmas, std_t, z0[index], noise[:, index],
@@ -124,15 +130,15 @@ def sde_rollout(model: FlowModel, cond: Conditioning, sigmas: torch.Tensor, nois
 
 def _rollout_chunk(model: FlowModel, cond: Conditioning, sigmas: torch.Tensor, std_t: torch.Tensor, z0: torch.Tensor,
                    noise: torch.Tensor, with_reference: bool) -> Trajectory:
-    """The rollout of one chunk of samples, given the noise ``noise[i]`` of each SDE step ``i``."""
-    sde_steps = noise.shape[0]
+    """The rollout of one chunk of samples, given the noise ``noise[i]`` of each step ``i`` (the SDE steps are those
+    with ``std_t > 0``)."""
     latents, velocities, log_probs, refs = [z0.float()], [], [], []
     z = z0.float()
     for i in range(len(sigmas) - 1):
         s, s_next, sd = float(sigmas[i]), float(sigmas[i + 1]), float(std_t[i])
         v = model.velocity(z, sigmas[i].to(z.device), cond).float()
         velocities.append(v)
-        if i >= sde_steps:
+        if sd == 0:
             z = z + v * (s_next - s)
             latents.append(z)
             log_probs.append(torch.zeros(z.shape[0], device=z.device))

@@ -4,7 +4,8 @@ audit of the JAGG backward (:mod:`jagg_core.audit`) before the step every ``back
 Runs alone or under ``accelerate launch`` (data parallel: each process draws its own prompts, the
 LoRA gradients are averaged across processes before every optimizer step, so all ranks keep
 identical adapters). All randomness of iteration ``k`` on rank ``r`` comes from generators seeded
-by ``(seed, k, r)``, so a resumed run repeats exactly what an uninterrupted one would have done.
+by ``(seed, k, r)`` (the trained steps of a random placement by ``(seed, k)``, the same on every rank), so a
+resumed run repeats exactly what an uninterrupted one would have done.
 """
 
 from __future__ import annotations
@@ -32,12 +33,13 @@ from .config import BackwardConfig, RunConfig
 from .errors import UserError
 from .grpo import LossSettings, group_advantages
 from .hubclient import resolve_lora
-from .images import grid, to_pil
-from .jagg import BackwardPlan, BackwardResult, make_plan, run_backward
+from .images import captioned_grid, to_pil
+from .jagg import BackwardPlan, BackwardResult, Window, make_plan, run_backward
 from .models import load_flow_model
 from .models.base import Conditioning, FlowModel
 from .models.text_embeddings import load_embeddings, save_embeddings
-from .prompts import load_prompts, split_prompts
+from .placement import trained_spans, trained_steps
+from .prompts import run_prompts
 from .rewards import build_rewards
 from .rundir import OPTIMIZER_FILE, TRAINING_STATE_FILE, RunDirectory
 from .sampler import EVAL_BATCH, Trajectory, initial_noise, ode_sample, sde_rollout
@@ -80,6 +82,7 @@ class Rollout:
     cond: Conditioning
     prompts: list[str]                       # the prompt of each sample
     images: torch.Tensor                     # [N, 3, H, W] in [0, 1]
+    spans: list[range]                       # the trained steps (jagg_core.placement)
     rewards: torch.Tensor                    # [N] combined reward
     reward_parts: dict[str, torch.Tensor]    # each reward term, [N]
 
@@ -95,6 +98,7 @@ class Trainer:
         self.start_iteration = 1
         self.resume = resume
         self.non_finite_streak = 0  # iterations in a row whose reward had a NaN/inf (updates skipped)
+        self.audited_cosines: dict[Window, float] = {}  # each window's cosine in its latest audit (route_by: audit)
 
     # ----- set-up ----------------------------------------------------------------------
     def setup(self) -> None:
@@ -102,8 +106,7 @@ class Trainer:
         if self.is_main:
             self.run.create()
         torch.manual_seed(cfg.train.seed)
-        prompts = load_prompts(cfg.prompts.source)
-        self.train_prompts, self.eval_prompts = split_prompts(prompts, cfg.prompts.eval_count, cfg.prompts.split_seed)
+        self.train_prompts, self.eval_prompts = run_prompts(cfg.prompts)
         self.model = self._load_model()
         if cfg.train.gradient_checkpointing:
             self.model.transformer.enable_gradient_checkpointing()
@@ -122,7 +125,6 @@ class Trainer:
         self.sigmas = self.model.sigmas(cfg.sampling.num_steps, cfg.sampling.resolution)
         self.eval_sigmas = self.model.sigmas(cfg.sampling.eval_num_steps or cfg.sampling.num_steps,
                                              cfg.sampling.resolution)
-        self.trained_steps = max(1, math.ceil(cfg.sampling.num_steps * cfg.grpo.timestep_fraction))
         if self.resume:
             self._load_checkpoint()
         if self.is_main:
@@ -188,8 +190,10 @@ class Trainer:
 
     def _training_state(self) -> dict:
         """What a checkpoint needs beyond the adapter file and the optimizer: the schedule, the EMA and the LoRA
-        weights being trained (the adapter file holds the average when EMA is on)."""
+        weights being trained (the adapter file holds the average when EMA is on), and the audited window cosines
+        that route windows."""
         return {"lr_scheduler": self.lr_scheduler.state_dict(),
+                "audited_cosines": [[win.start, win.end, cosine] for win, cosine in self.audited_cosines.items()],
                 "ema": self.ema.state_dict() if self.ema is not None else None,
                 "lora": [param.detach().cpu() for param in self.params]}
 
@@ -200,6 +204,7 @@ class Trainer:
             return
         state = torch.load(path, map_location="cpu", weights_only=False)
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.audited_cosines = {Window(start, end): cosine for start, end, cosine in state.get("audited_cosines", [])}
         if self.ema is not None and state["ema"] is not None:
             self.ema.load_state_dict(state["ema"])
         with torch.no_grad():
@@ -226,9 +231,23 @@ class Trainer:
             tqdm.write(line)
             self.run.log(line)
 
+    def _phase(self, phase: str, message: str) -> None:
+        """Say what the run is doing (``status.json``'s ``phase`` and ``message``, the log) before a long step."""
+        if self.is_main:
+            self.run.write_status("running", phase=phase, message=message)
+            self._log(message)
+
     # ----- one iteration -------------------------------------------------------------------
+    def trained_spans(self, iteration: int) -> list[range]:
+        """The steps iteration ``iteration`` trains (``grpo.window_placement``), the same on every process."""
+        cfg = self.config
+        return trained_spans(cfg.sampling.num_steps, cfg.grpo.timestep_fraction, cfg.grpo.window_placement,
+                             cfg.grpo.trained_start, cfg.backward.window,
+                             seed=iteration_seed(cfg.train.seed, iteration, 0, 2))
+
     def rollout(self, iteration: int) -> Rollout:
         cfg = self.config
+        spans = self.trained_spans(iteration)
         group = cfg.grpo.num_generations
         picker = random.Random(iteration_seed(cfg.train.seed, iteration, self.rank, 0))
         prompts = [picker.choice(self.train_prompts) for _ in range(cfg.grpo.prompts_per_iteration)]
@@ -239,19 +258,30 @@ class Trainer:
         with self.accelerator.autocast():
             traj = sde_rollout(self.model, cond, self.sigmas, cfg.sampling.noise_level, z0, generator,
                                with_reference=cfg.grpo.kl_beta > 0,
-                               sde_steps=self.trained_steps if cfg.grpo.ode_after_trained else None,
+                               sde_steps=trained_steps(spans) if cfg.grpo.ode_after_trained else None,
                                chunk_size=cfg.sampling.rollout_batch_size)
             with torch.no_grad():
                 images = self.model.decode(traj.latents[-1])
         rewards, parts = self.reward(images, sample_prompts)
-        return Rollout(traj, cond, sample_prompts, images, rewards, parts)
+        return Rollout(traj, cond, sample_prompts, images, spans, rewards, parts)
 
-    def plan_backward(self, traj: Trajectory, backward: BackwardConfig) -> BackwardPlan:
-        """The backward plan of one rollout batch under ``backward``, with this run's loss settings."""
-        loss = LossSettings(self.config.grpo.clip_range, self.config.grpo.kl_beta)
+    def advantages(self, rollout: Rollout) -> torch.Tensor:
+        """The rollout's advantages (:func:`~jagg_core.grpo.group_advantages` under the ``grpo`` section), on the
+        device."""
+        grpo = self.config.grpo
+        prompts = rollout.prompts if grpo.group_by == "prompt" else None
+        return group_advantages(rollout.rewards, grpo.num_generations, grpo.adv_clip, prompts=prompts,
+                                global_std=grpo.global_std).to(self.accelerator.device)
+
+    def plan_backward(self, traj: Trajectory, spans: list[range], backward: BackwardConfig) -> BackwardPlan:
+        """The backward plan of the trained steps ``spans`` of one rollout batch under ``backward``, with this run's
+        loss settings."""
+        grpo = self.config.grpo
+        loss = LossSettings(grpo.clip_range, grpo.kl_beta, kl_form=grpo.kl_form)
         if not self.sharding.enabled:
-            return make_plan(backward, traj, self.trained_steps, loss)
-        plan = make_plan(backward, traj, self.trained_steps, loss, agree=self.sharding.agree)  # same routing everywhere
+            return make_plan(backward, traj, spans, loss, audited=self.audited_cosines)
+        plan = make_plan(backward, traj, spans, loss, agree=self.sharding.agree,  # same routing everywhere
+                         audited=self.audited_cosines)
         self.sharding.check_same_plan(plan)
         return plan
 
@@ -271,12 +301,19 @@ class Trainer:
 
     def train_on(self, rollout: Rollout, audit: bool = False) -> dict:
         """``grpo.inner_epochs`` optimizer steps on one rollout batch, all following one backward plan; the
-        first is on-policy. ``audit``: the fidelity audit (:meth:`audit`) first, when the plan interpolates a step."""
+        first is on-policy. ``audit``: the fidelity audit (:meth:`audit`) first, when the plan interpolates a step:
+        of that plan, or under ``backward.route_by: audit`` of every window under JAGG (so a window routed exact is
+        measured again), before routing, so this iteration already routes by it."""
         cfg = self.config
-        advantages = group_advantages(rollout.rewards, cfg.grpo.num_generations, cfg.grpo.adv_clip).to(
-            self.accelerator.device)
-        plan = self.plan_backward(rollout.trajectory, cfg.backward)
-        audited = self.audit(rollout, advantages, plan) if audit and plan.interpolated else {}
+        advantages = self.advantages(rollout)
+        audited = {}
+        if audit and cfg.backward.route_by == "audit":
+            unrouted = cfg.backward.model_copy(update={"frac": 1.0, "min_fidelity": None})
+            candidate = self.plan_backward(rollout.trajectory, rollout.spans, unrouted)
+            audited = self.audit(rollout, advantages, candidate) if candidate.interpolated else {}
+        plan = self.plan_backward(rollout.trajectory, rollout.spans, cfg.backward)
+        if audit and cfg.backward.route_by == "linearity" and plan.interpolated:
+            audited = self.audit(rollout, advantages, plan)
         results, grad_norms, skipped = [], [], False
         for epoch in range(cfg.grpo.inner_epochs):
             results += self.accumulate_gradients(rollout.trajectory, rollout.cond, advantages, plan,
@@ -296,7 +333,8 @@ class Trainer:
 
     def audit(self, rollout: Rollout, advantages: torch.Tensor, plan: BackwardPlan) -> dict:
         """The fidelity audit of ``plan`` on ``backward.audit_samples`` samples of the rollout (:mod:`jagg_core.audit`),
-        on-policy, before the update and leaving it as it would be; its metrics and seconds."""
+        on-policy, before the update and leaving it as it would be; its metrics and seconds. The cosine of each
+        interpolated window is kept for routing (``audited_cosines``)."""
         began = time.perf_counter()
         samples = audit_indices(len(rollout.prompts), self.config.backward.audit_samples)
 
@@ -305,6 +343,8 @@ class Trainer:
                                       samples=samples)
 
         fidelity = run_audit(self.params, plan, backward_of, self.accelerator.device)
+        self.audited_cosines.update({win: cosine for win, cosine, jagg in
+                                     zip(plan.windows, fidelity.window_cosines, plan.use_jagg) if jagg})
         return {metrics.JAGG_GRAD_COSINE: fidelity.cosine, metrics.JAGG_GRAD_REL_ERR: fidelity.rel_err,
                 metrics.JAGG_WINDOW_COSINES: fidelity.window_cosines, metrics.TIME_AUDIT: time.perf_counter() - began}
 
@@ -353,14 +393,20 @@ class Trainer:
                 part = slice(first, first + chunk)
                 z = ode_sample(self.model, self.model.conditioning(self.eval_prompts[part]), self.eval_sigmas, z0[part])
                 images.append(self.model.decode(z))
+                if iteration == 0:
+                    done = min(first + chunk, len(self.eval_prompts))
+                    self._phase("base eval", f"sampling the base model: base eval {done}/{len(self.eval_prompts)}")
         images = torch.cat(images)
         if not self.is_main:  # a sharded transformer samples on every process; rank 0 scores and writes
             return {}
         rewards, parts = self.reward(images, self.eval_prompts)
         pictures = to_pil(images)
-        self.run.write_images(self.run.samples_dir(iteration), pictures, self.eval_prompts,
+        what = "base model" if iteration == 0 else f"iteration {iteration}"
+        sheet = captioned_grid(pictures, [f"{p} · {r:.2f}" for p, r in zip(self.eval_prompts, rewards.tolist())],
+                               title=f"{what} · eval reward {float(rewards.mean()):.3f}")
+        self.run.write_images(self.run.samples_dir(iteration), pictures, self.eval_prompts, grid=sheet,
                               rewards=rewards.tolist(), iteration=iteration)
-        log_eval_grid(self.accelerator, grid(pictures), iteration)
+        log_eval_grid(self.accelerator, sheet, iteration)
         return {metrics.EVAL_REWARD_MEAN: float(rewards.mean()),
                 **{metrics.eval_reward_part(name): float(v.mean()) for name, v in parts.items()},
                 metrics.TIME_EVAL: time.perf_counter() - began}
@@ -385,7 +431,9 @@ class Trainer:
         checkpoint_every = effective_interval(cfg.train.checkpoint_every, total)
         if self.is_main:
             self.run.write_status("running", pid=os.getpid(), iteration=self.start_iteration - 1, total_iterations=total,
-                                  message="loading", started_at=time.time())
+                                  started_at=time.time())
+        if self.start_iteration == 1:
+            self._phase("base eval", f"sampling the base model: base eval 0/{len(self.eval_prompts)}")
         if self.sharding.enabled:
             self._log(self.sharding.describe_line())
             if self.start_iteration == 1 and not self.is_main:
@@ -395,6 +443,7 @@ class Trainer:
             self.run.append_metrics(base)
             log_row(self.accelerator, base)
             self._log(f"iter 0/{total}  base eval reward {base[metrics.EVAL_REWARD_MEAN]:.4f}")
+        self._phase("training", f"training iteration {self.start_iteration}/{total}")
         bar = tqdm(range(self.start_iteration, total + 1), initial=self.start_iteration - 1, total=total,
                    desc="GRPO", disable=not self.is_main, dynamic_ncols=True)
         for iteration in bar:
@@ -406,7 +455,8 @@ class Trainer:
                     log_row(self.accelerator, row)
                     if iteration % checkpoint_every == 0 or iteration == total or stopping:
                         self.save_checkpoint(iteration)
-                    self.run.write_status("running", iteration=iteration, message=f"iteration {iteration}/{total}")
+                    self.run.write_status("running", iteration=iteration, phase="training",
+                                          message=f"iteration {iteration}/{total} done")
                     bar.set_postfix(reward=f"{row[metrics.REWARD_MEAN]:.3f}")
                 self.accelerator.wait_for_everyone()
             if stopping:
@@ -468,6 +518,6 @@ class Trainer:
                 self.evaluate(iteration)  # every process takes part in a sharded transformer's forwards
         eval_part = f"  eval {row[metrics.EVAL_REWARD_MEAN]:.4f}" if metrics.EVAL_REWARD_MEAN in row else ""
         self._log(f"iter {iteration}/{cfg.train.iterations}  reward {row[metrics.REWARD_MEAN]:.4f} "
-                  f"± {row[metrics.REWARD_STD]:.3f}  loss {row.get(metrics.LOSS, float('nan')):+.5f}{eval_part}"
+                  f"± {row[metrics.REWARD_STD]:.3f}  loss {row.get(metrics.LOSS, float('nan')):+.3e}{eval_part}"
                   f"  rollout {time_rollout:.1f}s  train {time_train:.1f}s")
         return row

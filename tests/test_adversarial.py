@@ -282,6 +282,10 @@ def test_strangers_on_a_space_can_watch_but_not_control(tmp_path):
         assert "only the Space's owner" in resumed
         pushed = client.predict("any", "latest adapter", "a/b", "private", "", api_name="/push")
         assert pushed.startswith("**Not pushed:** only the Space's owner")
+        deleted, _ = client.predict("any", api_name="/delete")
+        assert deleted.startswith("**Not deleted:** only the Space's owner")
+        _, generated = client.predict("any", "latest adapter", "a cat", 0, api_name="/generate")
+        assert generated.startswith("**Not generated:** only the Space's owner")
         assert client.predict("", api_name="/status")["state"] == "none"  # watching works
 
 

@@ -121,11 +121,12 @@ def served(tmp_path_factory, fake_hub):
 # --- served: refusals ----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fields, reason", [
-    ({"grpo_num_generations": 1}, "bad value 1 for 'grpo.num_generations': Input should be greater than or equal to 2"),
+    ({"grpo_num_generations": 1}, "bad value 1 for 'Group size': Input should be greater than or equal to 2"),
     ({"sampling_resolution": 30}, "resolution must be a multiple of 16, got 30"),
     ({"rewards": []}, "choose at least one reward"),
     ({"model": "./no/such/folder"}, "the model folder './no/such/folder' does not exist"),
-    ({"prompt_mode": PROMPTS_TEXT, "prompt_text": "a cat\na dog"}, "prompts.eval_count"),
+    ({"prompt_mode": PROMPTS_TEXT, "prompt_text": "a cat\na dog"}, "'Eval prompts' is 2 but"),
+    ({"model": "nobody/no-such-model"}, "cannot load model 'nobody/no-such-model'"),
     ({"train_learning_rate": None}, "'Learning rate' needs a value"),
 ])
 def test_invalid_input_is_refused_with_the_reason_and_nothing_starts(served, fields, reason):
@@ -258,3 +259,24 @@ def test_new_run_dirs_are_unique_and_listed_newest_first(tmp_path):
 
 def test_duration_words():
     assert [live.duration(s) for s in (None, 5, 75, 3725)] == ["–", "5 s", "1 min 15 s", "1 h 02 min"]
+
+
+def test_the_status_names_the_trainers_phase_and_a_resumed_run_trains_from_its_first_iteration(tmp_path):
+    run = RunDirectory(tmp_path / "r-20250101-000000")
+    run.write_config("name: r\ntrain: {iterations: 10}\n")
+    launched = time.time()
+    assert live.progress(run.path, launched).state == "starting"  # the previous job's status, or none yet
+    run.write_status("running", phase="loading", message="loading the model jagg-shapes")
+    assert "Now: loading the model jagg-shapes" in live.status_words(run.path, live.progress(run.path, launched))
+    run.write_status("running", phase="base eval", message="sampling the base model: base eval 16/64")
+    assert live.progress(run.path, launched).state == "starting"
+    run.write_status("running", iteration=5, phase="training", message="training iteration 6/10")  # resumed
+    prog = live.progress(run.path, launched)
+    assert (prog.state, prog.iteration) == ("running", 5)
+    assert "**Training…**" in live.status_words(run.path, prog) and "iteration 6/10" in live.status_words(run.path, prog)
+
+
+def test_a_failed_job_logs_its_one_line_error_without_the_launchers_traceback(tmp_path):
+    from app.jobs import launch_command
+
+    assert "--quiet" in launch_command(tmp_path, "no", resume=False)

@@ -45,7 +45,7 @@ def test_start_a_run_in_the_browser_and_see_samples(tmp_path):
             expect(page.locator("#base-samples img").first).to_be_visible(timeout=150_000)
             expect(page.locator("#run-status")).to_contain_text("Finished", timeout=150_000)
             expect(page.locator("#latest-samples img").first).to_be_visible(timeout=30_000)
-            expect(page.locator("#progress input[type=number]")).to_have_value("2", timeout=10_000)
+            expect(page.locator("#progress progress")).to_have_attribute("value", "2", timeout=10_000)
             expect(page.locator("#start-btn")).to_be_enabled(timeout=30_000)  # the job's processes have exited
             page.wait_for_timeout(3000)  # let the plots draw
             shot = tmp_path / "screenshot.png"

@@ -23,7 +23,7 @@ from test_jagg import SETTINGS, AffineJacobianModel, backward_gradient, exact_gr
 
 BACKWARDS = {"W=5": BackwardConfig(window=5), "W=4 shared knots": BackwardConfig(window=4, shared_knots=True),
              "W=3 forward, sequential": BackwardConfig(window=3, velocities="forward", joint=False),
-             "W=5 frac=0.5": BackwardConfig(window=5, frac=0.5)}
+             "W=5 frac=0.5": BackwardConfig(window=5, frac=0.5, route_by="linearity")}
 
 
 def audit(model, config):
@@ -93,7 +93,8 @@ def test_audited_samples_are_spread_over_the_batch():
 def test_measure_fidelity_asks_one_pass_per_step_and_one_part_per_interpolated_window():
     model = AffineJacobianModel()
     traj, _, _ = rollout(model)
-    plan = make_plan(BackwardConfig(window=4, frac=0.5), traj, traj.num_steps, SETTINGS)  # windows 0-3, 4-7, 8-9
+    config = BackwardConfig(window=4, frac=0.5, route_by="linearity")
+    plan = make_plan(config, traj, traj.num_steps, SETTINGS)  # windows 0-3, 4-7, 8-9
     parts = []
     measure_fidelity(plan, lambda part: parts.append(part) or torch.ones(3))
     jagg_windows = [w for w, jagg in zip(plan.windows, plan.use_jagg) if jagg and len(w.intermediates) > 0]
@@ -175,3 +176,20 @@ def test_the_app_plots_the_audited_cosine(runs):
     assert fidelity[["iteration", "value"]].values.tolist() == [
         [r[metrics.ITERATION], r[metrics.JAGG_GRAD_COSINE]] for r in rows if metrics.JAGG_GRAD_COSINE in r]
     assert live.curves(runs["plain"])[2].dropna().empty
+
+
+def test_audit_routing_keeps_jagg_until_the_first_audit_then_routes_by_its_cosines(tmp_path, offline):
+    """min_fidelity 1: every window the audit saw below 1 takes the exact backward from the audit's iteration on;
+    the audit measures every window under JAGG, and the cosines are kept in the checkpoint."""
+    config = tiny_config(train__iterations=3, backward__audit_every=2, backward__audit_samples=2,
+                         backward__min_fidelity=1.0, backward__route_by="audit")
+    trainer = Trainer(config, tmp_path)
+    trainer.setup()
+    trainer.fit()
+    rows = {r[metrics.ITERATION]: r for r in RunDirectory(tmp_path).read_metrics()}
+    assert rows[1][metrics.JAGG_ROUTED_FRAC] == 1.0 and metrics.JAGG_GRAD_COSINE not in rows[1]
+    cosines = rows[2][metrics.JAGG_WINDOW_COSINES]
+    assert len(cosines) == 2 and all(c < 1 for c in cosines)
+    assert rows[2][metrics.JAGG_ROUTED_FRAC] == rows[3][metrics.JAGG_ROUTED_FRAC] == 0.0
+    state = torch.load(RunDirectory(tmp_path).checkpoint_dir(3) / TRAINING_STATE_FILE, weights_only=False)
+    assert [c for _, _, c in state["audited_cosines"]] == pytest.approx(cosines)

@@ -176,5 +176,5 @@ def test_the_default_preset_runs_with_no_arguments_but_a_short_length(tmp_path):
     rows = run.read_metrics()
     assert [r["iteration"] for r in rows] == [0, 1, 2]
     assert 0.4 <= rows[0][metrics.EVAL_REWARD_MEAN] <= 0.85, "the base model's held-out reward leaves room for RL"
-    assert len(list(run.samples_dir(2).glob("*.png"))) == config["prompts"]["eval_count"]
+    assert len(run.samples(2).images) == config["prompts"]["eval_count"] and run.grid_file(2).is_file()
     assert run.read_status()["state"] == "finished"

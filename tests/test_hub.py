@@ -289,6 +289,28 @@ def test_push_errors_are_one_line_and_leave_the_run_intact(case, message, fake_h
         assert set(fake_hub.repos["alice/shapes-lora"].files) == EXPECTED_FILES
 
 
+def test_push_says_first_what_the_user_can_fix_here_no_adapter_then_a_malformed_id_then_no_token(
+        run_dir, fake_hub, monkeypatch, tmp_path):
+    _point_client_at(monkeypatch, f"http://127.0.0.1:{_free_port()}", tmp_path)  # and the Hub is unreachable
+    with pytest.raises(UserError, match="'not a repo id!' is not a valid Hub repo id"):
+        push_run(run_dir, "not a repo id!")
+    with pytest.raises(UserError, match="no Hugging Face token"):
+        push_run(run_dir, "alice/fine")
+    (run_dir / "lora" / "pytorch_lora_weights.safetensors").unlink()
+    with pytest.raises(UserError, match="has no adapter yet"):
+        push_run(run_dir, "not a repo id!")
+
+
+def test_the_card_shows_the_captioned_eval_grids_of_the_base_model_and_the_adapter(run_dir, fake_hub):
+    for iteration in (0, 4):
+        _png(run_dir / "samples" / f"iter_{iteration:06d}" / "grid.png", "white")
+    push_run(run_dir, "alice/grids", token=TOKEN)
+    files = fake_hub.repos["alice/grids"].files
+    assert {"images/eval_grid_iter_000000.png", "images/eval_grid_iter_000004.png"} <= set(files)
+    card = files["README.md"].decode()
+    assert card.index("images/eval_grid_iter_000000.png") < card.index("images/eval_grid_iter_000004.png")
+
+
 @pytest.mark.parametrize("source, message", [
     ("alice/missing", "cannot download the LoRA alice/missing: no such Hub repo, or it is private"),
     ("alice/not-a-lora", "the repo has no pytorch_lora_weights.safetensors"),

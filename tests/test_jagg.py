@@ -219,6 +219,7 @@ def test_plan_windows_cover_steps_and_share_knots():
     assert plan_windows(10, 5, True) == [Window(0, 4), Window(4, 8), Window(8, 9)]
     assert plan_windows(9, 5, True) == [Window(0, 4), Window(4, 8)]
     assert plan_windows(3, 1, False) == [Window(0, 0), Window(1, 1), Window(2, 2)]
+    assert plan_windows(5, 3, True, first=4) == [Window(4, 6), Window(6, 8)]
 
 
 def test_pass_counts_two_per_window_or_k_plus_one_with_shared_knots():
@@ -239,10 +240,13 @@ def test_interpolation_weights_run_from_zero_to_one():
     assert alpha[1] == pytest.approx(0.2 / 0.6) and alpha[2] == pytest.approx(0.5 / 0.6)
 
 
+FOUR = plan_windows(12, 3, False)  # four windows of 3 steps, each with one interior step
+
+
 def test_routing_picks_the_most_linear_windows():
-    assert route_windows([0.9, 0.2, 0.99, 0.5], 0.5) == [True, False, True, False]
-    assert route_windows([0.9, 0.2, 0.99, 0.5], 0.0) == [False] * 4
-    assert route_windows([0.9, 0.2, 0.99, 0.5], 1.0) == [True] * 4
+    assert route_windows(FOUR, [0.9, 0.2, 0.99, 0.5], 0.5) == [True, False, True, False]
+    assert route_windows(FOUR, [0.9, 0.2, 0.99, 0.5], 0.0) == [False] * 4
+    assert route_windows(FOUR, [0.9, 0.2, 0.99, 0.5], 1.0) == [True] * 4
     velocities = torch.zeros(6, 2, 3)
     velocities[0:3] = torch.tensor([1.0, 0.0, 0.0])       # window 0: constant -> perfectly linear
     velocities[3:6] = torch.tensor([1.0, 0.0, 0.0])
@@ -250,7 +254,7 @@ def test_routing_picks_the_most_linear_windows():
     sigmas = torch.linspace(1, 0, 7)
     scores = [linearity_score(velocities, sigmas, w) for w in (Window(0, 2), Window(3, 5))]
     assert scores[0] == pytest.approx(1.0) and scores[1] == pytest.approx(0.0, abs=1e-6)
-    config = BackwardConfig(mode="jagg", window=3, frac=0.5)
+    config = BackwardConfig(mode="jagg", window=3, frac=0.5, route_by="linearity")
 
     class Batch:
         pass
@@ -259,3 +263,59 @@ def test_routing_picks_the_most_linear_windows():
     plan = make_plan(config, batch, 6, SETTINGS)
     assert plan.use_jagg == [True, False]
     assert plan.pass_steps == [0, 2, 3, 4, 5] and list(plan.interpolated) == [1]
+
+
+def test_zero_interior_windows_are_exact_and_do_not_consume_frac():
+    windows = [Window(0, 3), Window(4, 5), Window(6, 9), Window(10, 10)]  # two of them without interior steps
+    scores = [0.5, 1.0, 0.9, 1.0]
+    assert route_windows(windows, scores, 0.5) == [False, False, True, False]  # round(0.5 x 2) = 1 interior window
+    assert route_windows(windows, scores, 1.0) == [True, False, True, False]
+
+
+def test_the_threshold_routes_by_score():
+    scores = [0.9, 0.2, 0.99, 0.5]
+    assert route_windows(FOUR, scores, 1.0, min_fidelity=0.6) == [True, False, True, False]
+    assert route_windows(FOUR, scores, 1.0, min_fidelity=0.95) == [False, False, True, False]
+    assert route_windows(FOUR, scores, 0.25, min_fidelity=0.0) == [False, False, True, False]  # frac first
+    model = AffineJacobianModel(curvature=True)
+    traj, _, _ = rollout(model)
+    free = make_plan(BackwardConfig(mode="jagg", window=3, route_by="linearity"), traj, 9, SETTINGS)
+    cut = sorted(free.scores)[1]
+    plan = make_plan(BackwardConfig(mode="jagg", window=3, min_fidelity=cut, route_by="linearity"), traj, 9, SETTINGS)
+    assert plan.use_jagg == [score >= cut for score in free.scores] and sum(plan.use_jagg) == 2
+
+
+def test_audit_routing_uses_the_latest_audited_cosines_and_jagg_before_any():
+    model = AffineJacobianModel(curvature=True)
+    traj, _, _ = rollout(model)
+    config = BackwardConfig(mode="jagg", window=3, min_fidelity=0.9, route_by="audit")
+    assert make_plan(config, traj, 9, SETTINGS).use_jagg == [True, True, True]  # nothing audited yet
+    audited = {Window(0, 2): 0.95, Window(3, 5): 0.5}  # window 6-8 not audited: scores 1
+    plan = make_plan(config, traj, 9, SETTINGS, audited=audited)
+    assert plan.scores == [0.95, 0.5, 1.0] and plan.use_jagg == [True, False, True]
+    assert plan.pass_steps == [0, 2, 3, 4, 5, 6, 8]
+
+
+@pytest.mark.parametrize("window", [1, 3])
+def test_a_placement_other_than_the_prefix_trains_exactly_its_steps(window):
+    """The LoRA gradient of spans (3..6 and 8..9, windows never crossing a span's end) is the exact per-step
+    gradient of exactly those steps, with the loss normalized by their count; the others get nothing."""
+    model = AffineJacobianModel()
+    traj, cond, adv = rollout(model)
+    spans = [range(3, 7), range(8, 10)]
+    steps = [3, 4, 5, 6, 8, 9]
+    for p in params_of(model):
+        p.grad = None
+    settings = LossSettings(0.2, 0.0, scale=1.0 / len(steps))
+    sum(step_loss(model.velocity(traj.latents[j], traj.sigmas[j], cond), j, traj, adv, settings)[0]
+        for j in steps).backward()
+    expected = torch.cat([p.grad.flatten().clone() for p in params_of(model)])
+    config = BackwardConfig(mode="jagg" if window > 1 else "exact", window=window)
+    plan = make_plan(config, traj, spans, LossSettings(0.2, 0.0))
+    assert sorted({j for win in plan.windows for j in win.steps}) == steps and plan.trained_steps == len(steps)
+    assert all(win.start in steps and win.end in steps and win.end - win.start < window for win in plan.windows)
+    for p in params_of(model):
+        p.grad = None
+    run_backward(model, plan, traj, cond, adv, on_policy=True)
+    got = torch.cat([p.grad.flatten() for p in params_of(model)])
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)

@@ -72,7 +72,7 @@ def test_rollouts_in_chunks_sample_the_same_trajectory_as_one_batch(model_name, 
     def rollout(chunk):
         generator = torch.Generator().manual_seed(3)
         z0 = initial_noise(model, 6, 32, generator)
-        return sde_rollout(model, cond, sigmas, 0.7, z0, generator, with_reference=True, sde_steps=4,
+        return sde_rollout(model, cond, sigmas, 0.7, z0, generator, with_reference=True, sde_steps=range(4),
                            chunk_size=chunk)
 
     whole = rollout(None)

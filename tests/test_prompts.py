@@ -8,8 +8,9 @@ import types
 import pytest
 
 from jagg_core import prompts as prompts_module
+from jagg_core.config import PromptsConfig
 from jagg_core.errors import UserError
-from jagg_core.prompts import builtin_prompt_sets, load_prompts, split_prompts
+from jagg_core.prompts import builtin_prompt_sets, load_prompts, run_prompts, split_prompts
 
 
 @pytest.mark.parametrize("name", ["general", "text_rendering", "compositional"])
@@ -122,3 +123,14 @@ def test_split_is_deterministic_disjoint_and_order_free():
 def test_split_needs_prompts_left_for_training():
     with pytest.raises(UserError, match="only 3 distinct prompts"):
         split_prompts(["a", "b", "c", "a"], 3, seed=0)
+
+
+def test_eval_prompts_of_ones_own_are_the_eval_set_and_leave_training(tmp_path):
+    typed = tmp_path / "eval.txt"
+    typed.write_text("a red circle on a blue background, top left\na red circle on a blue background, top left\nnew\n")
+    train, held_out = run_prompts(PromptsConfig(source="shapes", eval_source=str(typed)))
+    assert held_out == ["a red circle on a blue background, top left", "new"]
+    assert "a red circle on a blue background, top left" not in train and len(train) > 100
+    assert run_prompts(PromptsConfig(source="shapes", eval_count=8)) == split_prompts(load_prompts("shapes"), 8, 0)
+    with pytest.raises(UserError, match="every training prompt is also an eval prompt"):
+        run_prompts(PromptsConfig(source=str(typed), eval_source=str(typed)))

@@ -123,7 +123,7 @@ def test_rollout_with_sde_steps_takes_the_ode_step_after_them():
     sigmas = torch.linspace(1, 0, 7)
     z0 = torch.randn(3, 8, generator=gen)
     state = gen.get_state()
-    traj = sde_rollout(LinearVelocity(), {}, sigmas, 0.7, z0, gen, sde_steps=2)
+    traj = sde_rollout(LinearVelocity(), {}, sigmas, 0.7, z0, gen, sde_steps=range(2))
     full = sde_rollout(LinearVelocity(), {}, sigmas, 0.7, z0, torch.Generator().set_state(state))
     assert (traj.std_t[:2] > 0).all() and (traj.std_t[2:] == 0).all() and (full.std_t > 0).all()
     torch.testing.assert_close(traj.latents[:3], full.latents[:3])  # the same SDE steps first

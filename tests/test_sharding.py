@@ -49,7 +49,8 @@ def launch(run_dir, *launcher_args: str, extra: tuple[str, ...] = ()) -> subproc
 def test_fsdp_launch_shards_the_transformer_and_keeps_the_lora_whole_and_identical(tmp_path):
     run_dir = tmp_path / "fsdp"
     result = launch(run_dir, "--config_file", str(FSDP_CONFIG),
-                    extra=("--set", "backward.frac=0.5", "--set", "backward.audit_every=1"))
+                    extra=("--set", "backward.frac=0.5", "--set", "backward.route_by=linearity",
+                           "--set", "backward.audit_every=1"))
     assert result.returncode == 0, result.stderr[-3000:]
     run = RunDirectory(run_dir)
     status = run.read_status()
@@ -137,7 +138,7 @@ def rollout_batch(linear_window: int):
 
 
 SETTINGS = LossSettings(clip_range=0.2, kl_beta=0.0)
-CONFIG = BackwardConfig(mode="jagg", window=4, frac=0.5)
+CONFIG = BackwardConfig(mode="jagg", window=4, frac=0.5, route_by="linearity")
 
 
 def test_routing_on_agreed_scores_gives_every_process_the_same_passes():

@@ -6,17 +6,17 @@ The family is read from the pipeline's ``model_index.json`` (``_class_name``).
 
 from __future__ import annotations
 
-import json
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
 import torch
 
-from ..archs import RANDOM_PREFIX, arch_names, is_random_model
+from ..archs import is_random_model
 from ..config import ModelConfig
 from ..errors import UserError
-from ..hubclient import download, hub_offline
+from ..hubclient import hub_offline
+from ..model_index import ASSETS_DIR, embedded_models, model_source, read_model_index  # noqa: F401 (re-exported)
 from .base import TEXT_ENCODERS, FlowModel, drop_text_encoders
 from .flux import FluxModel
 from .quantize import (check_quantization, pipeline_quantization, quantize_in_memory, transformer_dtype,
@@ -26,15 +26,9 @@ from .random_weights import build_random_model_pipeline
 from .sd3 import SD3Model
 from .tiny import TINY_BUILDERS, build_tiny_pipeline
 
-ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 FAMILIES: dict[str, type[FlowModel]] = {"StableDiffusion3Pipeline": SD3Model, "FluxPipeline": FluxModel,
                                          "QwenImagePipeline": QwenImageModel}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def embedded_models() -> list[str]:
-    """Names of the pipeline folders shipped in ``jagg_core/assets``."""
-    return sorted(p.name for p in ASSETS_DIR.glob("*") if (p / "model_index.json").is_file())
 
 
 def _family_for(pipeline_class: str, name: str) -> type[FlowModel]:
@@ -42,31 +36,6 @@ def _family_for(pipeline_class: str, name: str) -> type[FlowModel]:
         supported = ", ".join(sorted(FAMILIES))
         raise UserError(f"model '{name}' is a {pipeline_class}; supported pipelines: {supported}")
     return FAMILIES[pipeline_class]
-
-
-def _read_model_index(name: str, revision: str | None) -> dict:
-    local = Path(name).expanduser()
-    if local.is_dir():
-        index = local / "model_index.json"
-        if not index.is_file():
-            raise UserError(f"'{name}' is a folder without model_index.json; point model.name at a diffusers pipeline folder")
-        return _parse_model_index(index)
-    if local.suffix or name.startswith((".", "/", "~")) or name.count("/") != 1:
-        raise UserError(f"model '{name}' is neither a local pipeline folder nor a Hub id (owner/name); "
-                        f"tiny models: {', '.join(TINY_BUILDERS)}; embedded: {', '.join(embedded_models()) or 'none'}"
-                        f"; random weights: {RANDOM_PREFIX}<arch>[@<layers>], arch one of {', '.join(arch_names())}")
-    return _parse_model_index(download(name, "model_index.json", f"load model '{name}'", revision=revision))
-
-
-def _parse_model_index(path: Path) -> dict:
-    """The pipeline index as a dict; anything else is a one-line error."""
-    try:
-        index = json.loads(path.read_text())
-    except (UnicodeDecodeError, ValueError):
-        raise UserError(f"{path} is not valid JSON; a diffusers pipeline folder needs its model_index.json") from None
-    if not isinstance(index, dict) or not isinstance(index.get("_class_name"), str):
-        raise UserError(f"{path} is not a diffusers model_index.json (an object with a _class_name)")
-    return index
 
 
 def load_flow_model(config: ModelConfig, device: torch.device | str = "cpu", seed: int = 0, *,
@@ -91,8 +60,8 @@ def load_flow_model(config: ModelConfig, device: torch.device | str = "cpu", see
             drop_text_encoders(pipe)
         prepare = partial(quantize_in_memory, pipe, config.quantize, device, dtype)
     else:
-        source = str(ASSETS_DIR / config.name) if config.name in embedded_models() else config.name
-        index = _read_model_index(source, config.revision)
+        source = model_source(config.name)
+        index = read_model_index(source, config.revision)
         later = defer and config.quantize != "none"  # a quantizer places the weights while loading them
         pipe = _load_pipeline(config, source, index, dtype, text_encoders, transformer=not later)
         prepare = partial(_load_quantized_transformer, pipe, config, source, index["transformer"]) if later else None

@@ -1,0 +1,48 @@
+"""Which denoising steps an iteration trains (``grpo.window_placement``).
+
+``T = ceil(num_steps * grpo.timestep_fraction)`` steps are trained (at least one), as *spans* of consecutive
+steps; the backward plans its windows inside each span (:func:`~jagg_core.jagg.make_plan`)::
+
+    range:  one span, steps  s .. s + T - 1        with s = grpo.trained_start (0: from the noise end)
+    random: the schedule is cut into blocks of W = backward.window steps, [0, W-1], [W, 2W-1], ... (the last
+            may be shorter); each iteration trains ceil(T / W) of them, drawn without replacement
+
+The random draw of iteration ``k`` is seeded by ``(train.seed, k)`` alone, so every process draws the same
+blocks (their transformer calls and gradient collectives match) and a resumed run draws them again, as
+DanceGRPO draws its trained timesteps per iteration. Steps outside the spans get no loss and no gradient;
+with ``grpo.ode_after_trained`` they take the ODE step in the rollout (Flow-GRPO-Fast, MixGRPO).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+
+def trained_count(num_steps: int, fraction: float) -> int:
+    """``T = max(1, ceil(num_steps * fraction))``."""
+    return max(1, math.ceil(num_steps * fraction))
+
+
+def trained_spans(num_steps: int, fraction: float, placement: str, start: int, block: int,
+                  seed: int) -> list[range]:
+    """The spans of trained steps, in step order, under ``placement`` (see the module's formulas); ``seed``
+    draws the blocks of ``random``."""
+    count = trained_count(num_steps, fraction)
+    if placement == "range":
+        return [range(start, start + count)]
+    block = max(block, 1)
+    blocks = [range(first, min(first + block, num_steps)) for first in range(0, num_steps, block)]
+    chosen = random.Random(seed).sample(range(len(blocks)), min(math.ceil(count / block), len(blocks)))
+    return [blocks[k] for k in sorted(chosen)]
+
+
+def most_trained_steps(num_steps: int, fraction: float, placement: str, block: int) -> int:
+    """The most steps an iteration can train: ``T`` (range), ``min(num_steps, ceil(T / W) W)`` (random)."""
+    count = trained_count(num_steps, fraction)
+    return count if placement == "range" else min(num_steps, math.ceil(count / max(block, 1)) * max(block, 1))
+
+
+def trained_steps(spans: list[range]) -> list[int]:
+    """Every step of the spans, in order."""
+    return [step for span in spans for step in span]

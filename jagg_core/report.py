@@ -1,0 +1,37 @@
+"""The bench's outputs: Markdown tables, and curves of several runs on one chart (reward against wall clock)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+STYLES = ["-", "--", ":", "-."]
+
+
+def markdown_table(header: list[str], lines: list[list[str]]) -> str:
+    """A Markdown table of ``lines`` under ``header`` (no trailing newline)."""
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return "\n".join(out + ["| " + " | ".join(line) + " |" for line in lines])
+
+
+def plot_curves(series: list[tuple[str, dict[str, list]]], title: str, xlabel: str, ylabel: str,
+                path: str | Path) -> None:
+    """One colour per ``(name, {seed: [[x, y], ...]})`` of ``series`` (grey, then blue, ...), one line style per
+    seed; written as a PNG to ``path``."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    for (name, curves), colour in zip(series, ("tab:gray", "tab:blue", "tab:orange", "tab:green")):
+        for k, (seed, curve) in enumerate(curves.items()):
+            xs, ys = zip(*curve)
+            ax.plot(xs, ys, STYLES[k % len(STYLES)], marker="o", markersize=3, color=colour,
+                    label=f"{name} (seed {seed})")
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,228 @@
+"""What a first-time user does on the page, in a real headless Chromium (as :mod:`tests.test_app_browser`): one
+served app and one short training run, shared by the tests below in file order.
+
+Before the run: a wrong model id and a field's bad value are refused before anything launches, in the field's
+label; the set-up exports as YAML and as a command line that ``--dry-run`` resolves to the same config. During it:
+the status says what is happening from the start (loading the model, the base eval's n/N), and a reloaded page
+shows the active run's settings. After it: a captioned eval grid per eval, on disk and in the timeline, a read-only
+progress bar, the log at its end, the adapter downloaded, a prompt of one's own generated with it, Publish's checks in the order a user can fix them,
+the machine's GPU or CPU, and a run deleted. It saves ``docs/screenshot-finished.png`` for the README."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from jagg_core.rundir import RunDirectory
+from tests.fake_hub_server import FakeHub
+from tests.test_app import REPO, serve_app
+from tests.test_app_browser import CHROMIUM, CHROMIUM_ARGS
+
+pytestmark = pytest.mark.skipif(not CHROMIUM.is_file(), reason="needs Debian's chromium at /usr/bin/chromium "
+                                                               "(apt-get install chromium); CI installs it")
+
+RUN_NAME = "ux-run"
+EVAL_PROMPTS = ["a red circle on a blue background, top left", "a green square on a yellow background, center",
+                "a blue triangle on a white background, bottom right"]
+# a run of a few seconds per iteration (elem ids of the knobs)
+FIELDS = {"knob-train-iterations": "3", "knob-sampling-num-steps": "6", "knob-grpo-num-generations": "4",
+          "knob-sampling-resolution": "32", "knob-prompts-eval-count": "16", "knob-train-sample-every": "1"}
+WAIT_MS = 240_000  # a state the run reaches on a loaded 2-core machine; the waits end on the state itself
+
+
+@pytest.fixture(scope="module")
+def studio(tmp_path_factory):
+    """(page, runs dir) of a served app whose Hub is a fake one, with no token, in one browser page."""
+    from playwright.sync_api import sync_playwright
+
+    runs = tmp_path_factory.mktemp("ux") / "runs"
+    runs.mkdir()
+    with FakeHub() as hub, serve_app(runs, HF_ENDPOINT=hub.url, HF_HOME=str(runs.parent / "hf-home"),
+                                     HF_TOKEN="") as url, sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1440, "height": 900}, accept_downloads=True)
+            page.goto(url)
+            yield page, runs
+        finally:
+            browser.close()
+
+
+def _fill(page, elem_id: str, value: str) -> None:
+    field = page.locator(f"#{elem_id} :is(input, textarea)").first
+    field.fill(value)
+    field.blur()
+
+
+def _open(page, accordion: str) -> None:
+    page.locator(f"#{accordion} .label-wrap").first.click()
+
+
+def _fill_form(page) -> None:
+    _open(page, "advanced")  # some of the fields
+    _fill(page, "run-name", RUN_NAME)
+    for elem_id, value in FIELDS.items():
+        _fill(page, elem_id, value)
+
+
+def test_a_wrong_model_and_a_bad_value_are_refused_before_launch_in_the_fields_words(studio):
+    from playwright.sync_api import expect
+
+    page, runs = studio
+    expect(page.locator("#run-status")).to_contain_text("No run yet", timeout=30_000)
+    _fill_form(page)
+    _fill(page, "model", "nobody/no-such-model")
+    page.locator("#start-btn").click()
+    message = page.locator("#form-message")
+    expect(message).to_contain_text("Not started", timeout=60_000)
+    expect(message).to_contain_text("nobody/no-such-model")
+    assert not [p for p in runs.iterdir() if p.is_dir()], "a refused start must leave no run behind"
+
+    _fill(page, "model", "jagg-shapes")
+    _fill(page, "knob-prompts-eval-count", "100000")
+    page.locator("#start-btn").click()
+    expect(message).to_contain_text("'Eval prompts' is 100000", timeout=60_000)
+    expect(message).not_to_contain_text("prompts.eval_count")
+    _fill(page, "knob-prompts-eval-count", FIELDS["knob-prompts-eval-count"])
+
+
+def test_the_setup_exports_as_yaml_and_a_command_that_resolve_to_the_same_config(studio):
+    from playwright.sync_api import expect
+
+    page, runs = studio
+    _open(page, "export")
+    page.locator("#export-btn").click()
+    command = page.locator("#export-cli textarea")
+    expect(command).to_have_value(re.compile("^python -m jagg_core.run --preset shapes"), timeout=60_000)
+    with page.expect_download() as download:
+        page.locator("#export-yaml a").first.click()
+    yaml_file = runs.parent / "exported.yaml"  # the started run's config.yaml is compared with it below
+    download.value.save_as(yaml_file)
+
+    def dry_run(*args: str) -> str:
+        result = subprocess.run([sys.executable, "-m", "jagg_core.run", *args, "--dry-run"], cwd=REPO,
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr[-2000:]
+        return result.stdout
+
+    from_yaml = dry_run("--config", str(yaml_file))
+    assert from_yaml == dry_run(*shlex.split(command.input_value())[3:])
+    assert f"name: {RUN_NAME}" in from_yaml and "iterations: 3" in from_yaml
+
+
+def test_the_status_says_what_happens_from_the_start_and_a_reload_shows_the_active_runs_settings(studio):
+    from playwright.sync_api import expect
+
+    page, runs = studio
+    _fill(page, "eval-text", "\n".join(EVAL_PROMPTS))
+    page.locator("#start-btn").click()
+    expect(page.locator("#form-message")).to_contain_text("Started", timeout=60_000)
+    status = page.locator("#run-status")
+    expect(status).to_contain_text(re.compile(r"launching the training process|loading the model|base eval \d+/3"),
+                                   timeout=30_000)
+    page.reload()
+    expect(page.locator("#run-name textarea")).to_have_value(RUN_NAME, timeout=30_000)
+    expect(page.locator("#knob-train-iterations input")).to_have_value("3")
+    expect(page.locator("#knob-sampling-resolution input")).to_have_value("32")
+    expect(page.locator("#eval-text textarea")).to_have_value("\n".join(EVAL_PROMPTS) + "\n")
+    expect(page.locator("#log textarea")).to_have_value(re.compile(r"base eval 3/3"), timeout=WAIT_MS)
+    expect(page.locator("#log textarea")).to_have_value(re.compile(r"loading the model jagg-shapes"))
+    expect(status).to_contain_text("Finished", timeout=WAIT_MS)
+    run_dir = next(p for p in runs.iterdir() if p.name.startswith(RUN_NAME))
+    started = yaml.safe_load(RunDirectory(run_dir).config_file.read_text())
+    assert started["prompts"]["eval_source"] == str(run_dir / "eval_prompts.txt")  # typed after the export
+    started["prompts"]["eval_source"] = None
+    assert started == yaml.safe_load((runs.parent / "exported.yaml").read_text())
+    assert re.search(r"loss [+-]\d\.\d{3}e[+-]\d\d", RunDirectory(run_dir).log_file.read_text())
+
+
+def test_every_eval_has_a_captioned_grid_on_disk_and_in_the_timeline(studio):
+    from playwright.sync_api import expect
+
+    page, runs = studio
+    run = RunDirectory(next(p for p in runs.iterdir() if p.name.startswith(RUN_NAME)))
+    assert run.sample_iterations() == [0, 1, 2, 3]
+    assert all(run.grid_file(i).stat().st_size > 1000 for i in run.sample_iterations())
+    assert run.samples(0).prompts == EVAL_PROMPTS  # the eval prompts typed in the form
+    expect(page.locator("#eval-grids img")).to_have_count(4, timeout=30_000)
+    expect(page.locator("#eval-grids")).to_contain_text("base model")
+
+
+def test_a_finished_run_reads_at_its_end_with_a_read_only_progress_bar(studio):
+    from playwright.sync_api import expect
+
+    page, _ = studio
+    page.reload()
+    expect(page.locator("#progress progress")).to_have_attribute("value", "3", timeout=30_000)
+    assert page.locator("#progress input").count() == 0
+    log = page.locator("#log textarea")
+    expect(log).to_have_value(re.compile("finished: adapter at"), timeout=30_000)
+    page.wait_for_function("() => { const t = document.querySelector('#log textarea');"
+                           " return t.scrollHeight > t.clientHeight && t.scrollTop + t.clientHeight >= t.scrollHeight - 2; }",
+                           timeout=10_000)
+
+
+def test_the_download_button_serves_the_adapter(studio, tmp_path):
+    from playwright.sync_api import expect
+
+    page, runs = studio
+    run = RunDirectory(next(p for p in runs.iterdir() if p.name.startswith(RUN_NAME)))
+    expect(page.locator("#download-btn")).to_be_enabled(timeout=30_000)
+    with page.expect_download() as download:
+        page.locator("#download-btn").click()
+    saved = tmp_path / "adapter.safetensors"
+    download.value.save_as(saved)
+    assert saved.read_bytes() == run.lora_file.read_bytes()
+
+
+def test_a_prompt_of_ones_own_is_generated_with_the_adapter(studio):
+    from playwright.sync_api import expect
+
+    page, _ = studio
+    _fill(page, "try-prompt", "a purple triangle on a white background, bottom right")
+    page.locator("#generate-btn").click()
+    expect(page.locator("#try-message")).to_contain_text("the base model (left) and the adapter", timeout=WAIT_MS)
+    expect(page.locator("#try-image img")).to_be_visible()
+    page.wait_for_timeout(2000)  # let the plots draw
+    page.screenshot(path=str(REPO / "docs" / "screenshot-finished.png"), full_page=True)  # the README's second
+
+
+def test_publish_checks_the_adapter_then_the_repo_id_then_the_token(studio):
+    from playwright.sync_api import expect
+
+    page, runs = studio
+    finished = next(p for p in runs.iterdir() if p.name.startswith(RUN_NAME))
+    empty = runs / "no-adapter-20250101-000000"  # a run stopped before its first checkpoint
+    empty.mkdir()
+    RunDirectory(empty).write_config(RunDirectory(finished).config_file.read_text())
+    result = page.locator("#push-result")
+
+    def push(run: str, repo_id: str, expected: str) -> None:
+        _fill(page, "run-select", run)
+        page.locator("#run-select input").press("Enter")
+        _fill(page, "push-repo", repo_id)
+        page.locator("#push-btn").click()
+        expect(result).to_contain_text(expected, timeout=30_000)
+
+    push(empty.name, "not a repo id!", "has no adapter yet")
+    push(finished.name, "not a repo id!", "'not a repo id!' is not a valid Hub repo id")
+    push(finished.name, "alice/ux-lora", "no Hugging Face token")
+
+
+def test_the_page_shows_the_machine_and_deletes_a_run(studio):
+    from playwright.sync_api import expect
+
+    page, runs = studio
+    expect(page.locator("#hardware")).to_contain_text(re.compile(r"No CUDA GPU|GPU 0:"))
+    empty = runs / "no-adapter-20250101-000000"
+    _fill(page, "run-select", empty.name)
+    page.locator("#run-select input").press("Enter")
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.locator("#delete-btn").click()
+    expect(page.locator("#run-message")).to_contain_text(f"Deleted {empty.name}", timeout=30_000)
+    assert not empty.exists() and any(p.name.startswith(RUN_NAME) for p in runs.iterdir())

@@ -1,0 +1,64 @@
+"""Window placement: which steps an iteration trains, the same on every process and on a resume."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jagg_core import metrics
+from jagg_core.errors import UserError
+from jagg_core.placement import most_trained_steps, trained_spans, trained_steps
+from jagg_core.rundir import RunDirectory
+from jagg_core.trainer import Trainer
+
+from conftest import tiny_config
+
+
+def test_range_placement_is_the_t_steps_from_the_start():
+    assert trained_spans(10, 0.5, "range", 0, 5, seed=1) == [range(0, 5)]
+    assert trained_spans(10, 0.3, "range", 4, 5, seed=1) == [range(4, 7)]
+
+
+def test_random_placement_draws_whole_blocks_by_seed():
+    draws = {tuple(map(tuple, trained_spans(10, 0.4, "random", 0, 2, seed=s))) for s in range(20)}
+    assert len(draws) > 1, "different iterations draw different blocks"
+    for seed in range(20):
+        spans = trained_spans(10, 0.4, "random", 0, 2, seed=seed)
+        assert spans == trained_spans(10, 0.4, "random", 0, 2, seed=seed)  # every process, and a resume
+        assert len(spans) == 2 and all(span.start % 2 == 0 and len(span) == 2 for span in spans)
+    assert trained_spans(10, 0.5, "random", 0, 3, seed=0)[-1] != range(9, 12)  # the last block is [9, 9]
+    assert most_trained_steps(10, 0.5, "random", 3) == 6 and most_trained_steps(10, 0.5, "range", 3) == 5
+
+
+def test_a_range_past_the_schedule_is_refused():
+    with pytest.raises(UserError, match="trained_start"):
+        tiny_config(grpo__timestep_fraction=0.5, grpo__trained_start=4)
+
+
+@pytest.mark.parametrize("placement, start", [("range", 2), ("random", 0)])
+def test_rollouts_are_noisy_only_at_the_trained_steps(placement, start, tmp_path, offline):
+    config = tiny_config(grpo__timestep_fraction=0.5, grpo__window_placement=placement, grpo__trained_start=start,
+                         grpo__ode_after_trained=True, grpo__kl_beta=0.1)
+    trainer = Trainer(config, tmp_path)
+    trainer.setup()
+    rollout = trainer.rollout(3)
+    assert rollout.spans == trainer.trained_spans(3)
+    steps = trained_steps(rollout.spans)
+    if placement == "range":
+        assert steps == [2, 3, 4]
+    noisy = (rollout.trajectory.std_t > 0).nonzero().flatten().tolist()
+    assert noisy == steps and rollout.trajectory.ref_velocities.shape[0] == len(steps)
+    plan = trainer.plan_backward(rollout.trajectory, rollout.spans, config.backward)
+    assert sorted({j for win in plan.windows for j in win.steps}) == steps
+    torch.testing.assert_close(rollout.trajectory.reference_velocity(steps[-1]), rollout.trajectory.ref_velocities[-1])
+
+
+def test_a_random_placement_trains_end_to_end(tmp_path, offline):
+    config = tiny_config(grpo__timestep_fraction=0.5, grpo__window_placement="random", grpo__ode_after_trained=True,
+                         grpo__kl_beta=0.1, backward__audit_every=1, backward__audit_samples=2)
+    trainer = Trainer(config, tmp_path)
+    trainer.setup()
+    trainer.fit()
+    rows = [r for r in RunDirectory(tmp_path).read_metrics() if r["iteration"] > 0]
+    assert len(rows) == 2 and all(r["train/grad_norm"] > 0 and r["train/kl"] >= 0 for r in rows)
+    assert all(r[metrics.JAGG_WINDOWS] == 1 and r[metrics.BACKWARD_PASSES] == 2 for r in rows)  # one block of W = 3
