@@ -40,6 +40,7 @@ def test_training_comparison_reports_gain_time_and_spread(tmp_path, offline):
         for run in row["runs"].values():
             assert [point[1] for point in run["curve"]][-1] - run["curve"][0][1] == pytest.approx(run["gain"])
             assert run["gain_per_minute"] == pytest.approx(run["gain"] / run["minutes"])
-    assert "gain per minute" in format_training(rows)
+            assert 0 < run["train_minutes"] < run["minutes"]
+    assert "train-phase minutes" in format_training(rows)
     plot_training(rows, tmp_path / "training.png")
     assert (tmp_path / "training.png").stat().st_size > 0
