@@ -70,7 +70,7 @@ from .fidelity_bench import fidelity_rows, format_fidelity
 from .training_bench import format_training, plot_training, training_rows
 from .jagg import BackwardPlan
 from .models import embedded_models
-from .report import markdown_table, plot_curves
+from .report import cell, markdown_table, plot_curves
 from .quiet import quiet_libraries
 from .trainer import Trainer
 
@@ -476,10 +476,6 @@ def run_bench(options: BenchOptions, threads: int = 2, log=print) -> list[dict]:
 
 
 # ----- output ---------------------------------------------------------------------------------
-def _fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def format_tables(rows: list[dict]) -> str:
     """Markdown tables: train phase and routing, linearity per window, the train phase's rows as whole iterations
     (with the rollout), short trainings."""
@@ -491,8 +487,8 @@ def format_tables(rows: list[dict]) -> str:
              "peak mem (MB over base)", "mem ratio", "grad cosine", "grad rel err"],
             [[r["model"], f"{r['params_m']:g}", r["mode"], str(r["window"]), "joint" if r["joint"] else "seq",
               f"{r['frac']:g}", str(r["passes"]), f"{r['seconds']:.3f}", f"{r['speedup']:.2f}x",
-              _fmt(r["peak_mem_mb"] - r["base_mem_mb"] if r["peak_mem_mb"] is not None else None, ".1f"),
-              _fmt(r["peak_mem_ratio"], ".2f"), f"{r['grad_cosine']:.4f}", f"{r['grad_rel_err']:.4f}"]
+              cell(r["peak_mem_mb"] - r["base_mem_mb"] if r["peak_mem_mb"] is not None else None, ".1f"),
+              cell(r["peak_mem_ratio"], ".2f"), f"{r['grad_cosine']:.4f}", f"{r['grad_rel_err']:.4f}"]
              for r in phase]))
         linearity = {}
         for r in phase:
@@ -510,8 +506,8 @@ def format_tables(rows: list[dict]) -> str:
                           "rollout peak MB", "train peak MB"],
                          [[r["model"], r["mode"], str(r["window"]), "joint" if r["joint"] else "seq",
                            f"{r['rollout_s']:.3f}", f"{r['train_s']:.3f}", f"{r['iteration_s']:.3f}",
-                           f"{r['iteration_speedup']:.2f}x", _fmt(r.get("rollout_peak_mem_mb"), ".0f"),
-                           _fmt(r["peak_mem_mb"], ".0f")] for r in timed]))
+                           f"{r['iteration_speedup']:.2f}x", cell(r.get("rollout_peak_mem_mb"), ".0f"),
+                           cell(r["peak_mem_mb"], ".0f")] for r in timed]))
     iteration = [r for r in rows if r["section"] == "iteration"]
     if iteration:
         parts.append(markdown_table(
@@ -519,8 +515,8 @@ def format_tables(rows: list[dict]) -> str:
              "final reward (mean of seeds)", "audit s", "audit / iteration", "audit cosine"],
             [[r["model"], "exact" if r["mode"] == "exact" else f"{r['mode']} W={r['window']}", f"{r['rollout_s']:.3f}",
               f"{r['train_s']:.3f}", f"{r['seconds']:.3f}", f"{r['speedup']:.2f}x", f"{r['seconds_median']:.3f}",
-              f"{r['reward_final']:.4f}", _fmt(r.get("audit_s"), ".3f"), _fmt(r.get("audit_ratio"), ".1%"),
-              _fmt(r.get("audit_cosine"), ".4f")]
+              f"{r['reward_final']:.4f}", cell(r.get("audit_s"), ".3f"), cell(r.get("audit_ratio"), ".1%"),
+              cell(r.get("audit_cosine"), ".4f")]
              for r in iteration]))
     fidelity = [r for r in rows if r["section"] == "fidelity"]
     if fidelity:

@@ -46,6 +46,8 @@ import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .report import cell, markdown_table
+
 #: one check on one 80-140 GB GPU fits in 8 minutes
 DEFAULT_BUDGET_S = 480
 #: a step is not started with less time left than this
@@ -320,12 +322,7 @@ def run_check(out: Path, options: CheckOptions, budget_s: float = DEFAULT_BUDGET
 
 # ----- output ---------------------------------------------------------------------------------------
 def _f(value, spec: str = ".2f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def _table(header: list[str], lines: list[list[str]]) -> str:
-    return "\n".join(["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|",
-                      *("| " + " | ".join(line) + " |" for line in lines)])
+    return cell(value, spec)
 
 
 def _status(row: dict) -> str:
@@ -341,14 +338,14 @@ def format_tables(rows: list[dict], options: CheckOptions, seconds: float) -> st
              + (f"; torch {device['versions']['torch']}" if device.get("versions") else "")]
     tiny = [r for r in rows if r["step"] in TINY_MODELS]
     if tiny:
-        parts.append(_table(["model", "base (bf16, 8-bit AdamW)", "status", "loss", "reward", "eval reward", "s",
-                             "peak GB"],
+        parts.append(markdown_table(["model", "base (bf16, 8-bit AdamW)", "status", "loss", "reward", "eval reward",
+                                     "s", "peak GB"],
                             [[r["step"], r.get("recipe", "-"), _status(r), _f(r.get("loss"), "+.5f"),
                               _f(r.get("reward"), ".3f"), _f(r.get("eval_reward"), ".3f"), _f(r.get("seconds"), ".1f"),
                               _f(r.get("peak_gb"))] for r in tiny]))
     bench = [r for r in rows if r["step"].startswith("bench-")]
     if bench:
-        parts.append(_table(["arch (random weights)", "px", "backward", "status", "rollout s", "train s",
+        parts.append(markdown_table(["arch (random weights)", "px", "backward", "status", "rollout s", "train s",
                              "train speed-up", "iteration speed-up", "grad cosine", "peak GB"],
                             [[r.get("model", r["step"]), _f(r.get("resolution"), "d"), _backward(r), _status(r),
                               _f(r.get("rollout_s")), _f(r.get("train_s")), _f(r.get("speedup")),
@@ -357,7 +354,7 @@ def format_tables(rows: list[dict], options: CheckOptions, seconds: float) -> st
                              for r in bench]))
     memory = [r for r in rows if r["step"].startswith("memory-")]
     if memory:
-        parts.append(_table(["preset recipe (random weights)", "status", "set-up planned / measured GB",
+        parts.append(markdown_table(["preset recipe (random weights)", "status", "set-up planned / measured GB",
                              "training planned / measured GB", "planned / measured", "preset's plan GB"],
                             [[r.get("preset", r["step"]), _status(r),
                               f"{_f(r.get('planned_setup_gb'))} / {_f(r.get('measured_setup_gb'))}",

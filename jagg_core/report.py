@@ -7,6 +7,11 @@ from pathlib import Path
 STYLES = ["-", "--", ":", "-."]
 
 
+def cell(value, spec: str) -> str:
+    """``value`` formatted with ``spec`` for a table cell, ``-`` where there is none."""
+    return "-" if value is None else format(value, spec)
+
+
 def markdown_table(header: list[str], lines: list[list[str]]) -> str:
     """A Markdown table of ``lines`` under ``header`` (no trailing newline)."""
     out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
