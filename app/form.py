@@ -25,7 +25,8 @@ from jagg_core.prompts import FILE_SUFFIXES, builtin_prompt_sets, load_prompts
 from jagg_core.preflight import check_references
 
 PROMPTS_BUILTIN, PROMPTS_UPLOAD, PROMPTS_TEXT = "Built-in set", "Upload a file", "Write my own"
-#: folders (``os.pathsep``-separated) whose prompt files the page may name as a prompt set; none by default
+#: folders (``os.pathsep``-separated) whose prompt files and image folders the page may name as a prompt set; none by
+#: default
 PROMPT_DIRS_ENV = "JAGG_PROMPT_DIRS"
 PROMPT_MODES = (PROMPTS_BUILTIN, PROMPTS_UPLOAD, PROMPTS_TEXT)
 
@@ -100,6 +101,14 @@ ADVANCED_KNOBS = (
     Knob("grpo.kl_beta", "KL beta", "float"),
     Knob("grpo.timestep_fraction", "Trained steps", "float"),
     Knob("grpo.ode_after_trained", "ODE after trained steps", "bool"),
+    Knob("grpo.window_placement", "Trained steps placement", "choice",
+         choices=(("a range", "range"), ("random blocks", "random"))),
+    Knob("grpo.trained_start", "First trained step", "int"),
+    Knob("grpo.slide_every", "Slide the trained steps every", "int"),
+    Knob("grpo.shared_prefix", "Shared prefix per prompt", "bool"),
+    Knob("grpo.kl_reference", "KL reference", "choice", choices=(("training pass", "train"), ("rollout", "rollout"))),
+    Knob("grpo.kl_form", "KL form", "choice", choices=(("Gaussian step KL", "step"), ("Flow-GRPO's", "flow_grpo"))),
+    Knob("backward.audit_every", "Fidelity audit every", "int"),
     Knob("model.guidance_scale", "CFG scale", "float"),
     Knob("grpo.prompts_per_iteration", "Prompts per iteration", "int"),
     Knob("lora.alpha", "LoRA alpha", "float"),
@@ -123,6 +132,9 @@ ADVANCED_KNOBS = (
     Knob("prompts.eval_count", "Eval prompts", "int"),
     Knob("train.sample_every", "Sample every", "int"),
     Knob("train.checkpoint_every", "Checkpoint every", "int"),
+    Knob("sampling.num_frames", "Video frames", "int"),
+    Knob("sampling.fps", "Video fps", "int"),
+    Knob("sampling.reward_frames", "Frames an image reward scores", "int"),
     Knob("sampling.rollout_batch_size", "Rollout chunk", "int", optional=True),  # optional knobs last (API defaults)
 )
 
@@ -251,9 +263,10 @@ def _inside(path: Path, folder: Path) -> bool:
 
 
 def _in_prompt_dirs(source: str) -> bool:
-    """Whether ``source`` is a file in one of the folders of ``$JAGG_PROMPT_DIRS``."""
+    """Whether ``source`` is a file, or an image folder (an editing prompt set), in one of the folders of
+    ``$JAGG_PROMPT_DIRS``."""
     folders = [Path(f) for f in os.environ.get(PROMPT_DIRS_ENV, "").split(os.pathsep) if f]
-    return Path(source).is_file() and any(_inside(Path(source), folder) for folder in folders)
+    return Path(source).exists() and any(_inside(Path(source), folder) for folder in folders)
 
 
 def _prompt_source(form: Form, run_dir: Path) -> str:
@@ -264,7 +277,7 @@ def _prompt_source(form: Form, run_dir: Path) -> str:
             raise UserError(f"choose a prompt set: {', '.join(builtin_prompt_sets())}")
         if source not in builtin_prompt_sets() and not source.startswith("hf://") and not _in_prompt_dirs(source):
             raise UserError(f"the prompt set must be one of {', '.join(builtin_prompt_sets())}, an hf://DATASET, or a "
-                            f"file in a folder listed in ${PROMPT_DIRS_ENV}; got '{source[:80]}'")
+                            f"file or image folder in a folder listed in ${PROMPT_DIRS_ENV}; got '{source[:80]}'")
         return source
     if form.prompt_mode == PROMPTS_UPLOAD:
         if not form.prompt_file:

@@ -34,6 +34,7 @@ class Progress:
     total: int
     elapsed_s: float | None
     eta_s: float | None
+    phase_s: dict[str, float] | None = None  # mean seconds of each phase of time/* where it ran (eval: per eval)
 
 
 def progress(run_dir: Path, job_started_at: float | None = None) -> Progress:
@@ -60,12 +61,22 @@ def progress(run_dir: Path, job_started_at: float | None = None) -> Progress:
     elif started:
         elapsed = (updated or started) - started
     eta = None
+    trained = [r for r in run.read_metrics() if r[metrics.ITERATION] > 0]
     if state == "running":
-        rows = [r for r in run.read_metrics() if r[metrics.ITERATION] > 0][-ETA_WINDOW:]
-        times = [metrics.seconds(r) for r in rows]
+        times = [metrics.seconds(r) for r in trained[-ETA_WINDOW:]]
         if times:
             eta = max(0.0, (total - iteration) * sum(times) / len(times))
-    return Progress(state, message, iteration, total, elapsed, eta)
+    return Progress(state, message, iteration, total, elapsed, eta, phase_seconds(trained))
+
+
+def phase_seconds(rows: list[dict]) -> dict[str, float]:
+    """Mean seconds of each phase (``time/rollout_s`` ...) over the rows where it ran, by phase name."""
+    means = {}
+    for key in metrics.PHASE_TIMES:
+        values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+        if values:
+            means[key.removeprefix("time/").removesuffix("_s")] = sum(values) / len(values)
+    return means
 
 
 def duration(seconds: float | None) -> str:
@@ -109,13 +120,19 @@ def status_words(run_dir: Path | None, prog: Progress | None) -> str:
 
 
 def timing_words(prog: Progress | None) -> str:
-    """``Iteration 3 / 10 · elapsed 1 min 02 s · about 2 min left``."""
+    """``Iteration 3 / 10 · elapsed 1 min 02 s · about 2 min left``, and below it the mean seconds of each phase
+    of an iteration (``rollout 0.81 s, train 0.22 s, eval 4.10 s (each eval)``)."""
     if prog is None:
         return ""
     parts = [f"Iteration **{prog.iteration} / {prog.total}**", f"elapsed {duration(prog.elapsed_s)}"]
     if prog.eta_s is not None:
         parts.append(f"about {duration(prog.eta_s)} left")
-    return " · ".join(parts)
+    words = " · ".join(parts)
+    if prog.phase_s:
+        phases = [f"{name} {seconds:.2f} s" + (" (each eval)" if name == "eval" else "")
+                  for name, seconds in prog.phase_s.items()]
+        words += "  \nAn iteration costs " + ", ".join(phases)
+    return words
 
 
 # metric key -> series label, for the reward plot, the loss plot and the fidelity plot (the audits' cosines)
@@ -162,6 +179,18 @@ def eval_samples(run_dir: Path) -> tuple[int | None, list, int | None, list]:
     first, last = found[0], found[-1]
     latest = captioned(run.samples(last)) if last != first else []
     return first, captioned(run.samples(first)), (last if last != first else None), latest
+
+
+def latest_video(run_dir: Path) -> tuple[str | None, str]:
+    """``(MP4 path, label)`` of the latest eval's first video (a video model's run); ``(None, label)`` for an image
+    run or before the first eval."""
+    run = RunDirectory(run_dir)
+    found = run.sample_iterations()
+    samples = run.samples(found[-1]) if found else None
+    if samples is None or not samples.videos:
+        return None, "Latest eval video (video models)"
+    what = "base model" if samples.iteration == 0 else f"iteration {samples.iteration}"
+    return str(samples.videos[0]), f"Latest eval video ({what}): {samples.prompts[0]}"
 
 
 def eval_grids(run_dir: Path) -> list[tuple[str, str]]:

@@ -367,6 +367,10 @@ class Studio:
             return (gr.update(value=first_images, label=self._sample_label(first, "base model" if first == 0 else "")),
                     gr.update(value=last_images, label=self._sample_label(last, "latest")))
 
+        def video():
+            video, label = live.latest_video(run_dir) if run_dir else (None, "")
+            return gr.update(value=video, label=label, visible=video is not None)
+
         run = RunDirectory(run_dir) if run_dir else None
         sample_iterations = run.sample_iterations() if run else []
         last_samples = run.samples_dir(sample_iterations[-1]) if sample_iterations else None
@@ -385,6 +389,7 @@ class Studio:
             *changed("metrics", (selected, mtime(run and run.metrics_file)),
                      lambda: live.curves(run_dir) if run_dir else (None, None, None), count=3),
             *changed("samples", (selected, tuple(sample_iterations), mtime(last_samples)), samples, count=2),
+            *changed("video", (selected, tuple(sample_iterations), mtime(last_samples)), video),
             *changed("grids", (selected, tuple(sample_iterations), mtime(last_samples)),
                      lambda: live.eval_grids(run_dir) if run_dir else []),
             *changed("rollouts", (selected, mtime(run and run.rollouts_dir)),
@@ -453,7 +458,8 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                                        elem_id="prompt-mode")
                 prompt_set = gr.Dropdown(builtin_prompt_sets(), value=defaults.prompt_set, allow_custom_value=True,
                                          label="Prompt set", elem_id="prompt-set",
-                                         info="built-in, or type hf://DATASET[:COLUMN]")
+                                         info="built-in, or type hf://DATASET[:COLUMN], or for an editing model "
+                                              "an image folder with prompts.csv (file, prompt) in $JAGG_PROMPT_DIRS")
                 prompt_file = gr.File(label="Prompt file (.txt one per line, .csv/.jsonl with a 'prompt' column)",
                                       file_types=[".txt", ".csv", ".jsonl"], type="filepath", visible=False,
                                       elem_id="prompt-file")
@@ -509,6 +515,8 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                                               object_fit="contain", elem_id="base-samples")
                     latest_samples = gr.Gallery(label="Latest", columns=2, height=380, object_fit="contain",
                                                 elem_id="latest-samples")
+                latest_video = gr.Video(label="Latest eval video (video models)", interactive=False, height=300,
+                                        loop=True, visible=False, elem_id="latest-video")
                 eval_grids = gr.Gallery(label="Every eval, one captioned grid each (base model first): click to "
                                               "compare iterations", columns=4, height=300, object_fit="contain",
                                         elem_id="eval-grids")
@@ -566,8 +574,8 @@ def build_app(root: Path | None = None) -> gr.Blocks:
 
         seen = gr.State({})
         live_outputs = [run_select, run_status, timing, progress_bar, reward_plot, loss_plot, fidelity_plot,
-                        base_samples, latest_samples, eval_grids, rollouts, log, download, checkpoint, start, stop,
-                        resume, seen]
+                        base_samples, latest_samples, latest_video, eval_grids, rollouts, log, download, checkpoint,
+                        start, stop, resume, seen]
         timer = gr.Timer(REFRESH_S)
         for trigger in (timer.tick, demo.load):
             trigger(studio.refresh, [run_select, seen], live_outputs, show_progress="hidden",

@@ -3,7 +3,7 @@
     python -m jagg_core.bench [--quick] [--json OUT.json] [--table OUT.md] [--plot OUT.png] [--models A,B]
     python -m jagg_core.bench --arch NAME --random-weights [--layers N] [--resolution R] [--quantize nf4|int8]
     python -m jagg_core.bench --fidelity ROLLOUTS ...     (adds section 5)
-    python -m jagg_core.bench --training [--models M] [--json|--table|--plot OUT]
+    python -m jagg_core.bench --training [--flow-grpo] [--models M] [--json|--table|--plot OUT]
 
 Every comparison runs in one process on the same model, the same rollout batch and the same seeds,
 through the project's own code: :class:`~jagg_core.trainer.Trainer` (set-up, rollout, iterations),
@@ -20,16 +20,19 @@ through the project's own code: :class:`~jagg_core.trainer.Trainer` (set-up, rol
    norm error of the flattened LoRA gradient).
 2. The same on each model of ``--models``: by default the embedded pretrained model (or tiny-sd3
    while there is none) and ``bench-sd3-31m``, a DiT large enough to be compute-bound on a CPU.
-3. **Whole iterations** (rollout + train) of a short training, exact and JAGG (cached, W = 5, joint)
-   alternating iteration by iteration, for each seed; reward against wall-clock goes to ``--plot``. The JAGG
-   training is audited at every iteration (``backward.audit_every``), timed apart: the cost of one audit
-   against an iteration's.
+3. **Whole iterations** (rollout + train) of short trainings on each model, alternating
+   iteration by iteration, for each seed: Flow-GRPO's default (every step SDE, exact backward, reference in the
+   rollout), the exact backward with the default's rollout, and the default
+   (:func:`~jagg_core.training_bench.comparison_setups`); reward
+   against wall-clock goes to ``--plot``. The default's training is audited at every iteration
+   (``backward.audit_every``), timed apart: the cost of one audit against an iteration's.
 4. **Routing**: the linearity score of every window (``linearity`` in each row) and rows with
    ``frac < 1`` (section ``routing``).
 5. **Fidelity** (``--fidelity``, :mod:`jagg_core.fidelity_bench`): each window's audited gradient cosine along the
    trajectory, and how well the routing predictors rank it (section ``fidelity``).
 
-``--training`` runs instead whole trainings, exact against JAGG over three seeds (:mod:`jagg_core.training_bench`).
+``--training`` runs instead whole trainings, the default against the exact backward (and with ``--flow-grpo``
+Flow-GRPO's default iteration) over three seeds (:mod:`jagg_core.training_bench`).
 
 Every train-phase row also has the seconds of one rollout of the same batch (``rollout_s``, timed once per
 repeat among the variants), so ``iteration_s = rollout_s + train_s`` and ``iteration_speedup`` compare whole
@@ -67,9 +70,11 @@ from .audit import flat_gradient, gradient_agreement
 from .config import BackwardConfig, RunConfig, list_presets, load_config
 from .errors import UserError, exit_on_user_error
 from .fidelity_bench import fidelity_rows, format_fidelity
-from .training_bench import format_training, plot_training, training_rows
+from .training_bench import (SETUP_LABELS, backward_label, comparison_setups, format_training, plot_training,
+                             training_rows)
 from .jagg import BackwardPlan
 from .models import embedded_models
+from .placement import trained_count
 from .report import cell, markdown_table, plot_curves
 from .quiet import quiet_libraries
 from .trainer import Trainer
@@ -79,8 +84,9 @@ LARGE_MODEL = "bench-sd3-31m"
 JAGG_MODES = ("forward", "cached", "cached_shared")
 ROW_KEYS = ("section", "model", "params_m", "mode", "window", "joint", "frac", "seconds", "speedup",
             "peak_mem_ratio", "peak_mem_basis", "grad_cosine", "grad_rel_err")
-#: The preset a model runs with when its name is not a preset's (default: tiny-sd3's), and overrides.
-MODEL_PRESETS = {EMBEDDED_MODEL: "shapes"}
+#: The preset a model runs with when its name is not a preset's (default: tiny-sd3's), and overrides: the CPU
+#: models run the default task.
+MODEL_PRESETS = {EMBEDDED_MODEL: "shapes", LARGE_MODEL: "shapes"}
 MODEL_OVERRIDES = {
     LARGE_MODEL: ["model.max_sequence_length=16"],
 }
@@ -116,8 +122,6 @@ class Variant:
 
 
 EXACT = Variant("exact")
-#: The JAGG setting of the whole-iteration comparison (the project's default backward).
-ITERATION_VARIANT = Variant("cached", window=5, joint=True)
 
 
 def variant_grid(windows, joints=(True, False), modes=JAGG_MODES, fracs=(), routing_window: int = 5) -> list[Variant]:
@@ -149,9 +153,9 @@ class BenchOptions:
 
     @classmethod
     def quick(cls, **changes) -> "BenchOptions":
-        """The ``--quick`` set: W in {2, 5} (exactness and the target window), W = 5 only on the larger
-        models, 2 repeats, 6 iterations."""
-        return cls(**{"windows": (2, 5), "other_windows": (5,), "repeats": 2, "iterations": 6, **changes})
+        """The ``--quick`` set: W in {2, 3, 5} (exactness, the default window, the widest on the default task's
+        five trained steps), W = 3 and 5 on the larger models, 2 repeats, 6 iterations."""
+        return cls(**{"windows": (2, 3, 5), "other_windows": (3, 5), "repeats": 2, "iterations": 6, **changes})
 
     def grid(self, index: int) -> list[Variant]:
         if index == 0:
@@ -401,60 +405,77 @@ def bench_train_phase(model: str, variants: list[Variant], options: BenchOptions
 
 
 def bench_iterations(model: str, options: BenchOptions) -> list[dict]:
-    """Short trainings, exact and :data:`ITERATION_VARIANT` alternating iteration by iteration, per seed.
+    """Short trainings of ``model``'s bench config (:func:`bench_config`) under each of
+    :func:`~jagg_core.training_bench.comparison_setups`,
+    alternating iteration by iteration, per seed.
 
-    One row per mode: per-iteration seconds over every iteration but the first (the warm-up, unless
+    One row per setup: per-iteration seconds over every iteration but the first (the warm-up, unless
     there is only one), as the minimum of the rollout plus the minimum of the train phase (every
     iteration does the same work, so the minimum is the figure least disturbed by other processes,
-    as in the train phase) and as the median; and each seed's reward curve as
-    ``[cumulative seconds, rollout reward mean]`` points. The JAGG training runs the fidelity audit
+    as in the train phase) and as the median; ``speedup`` = exact's seconds / the setup's (the same rollout),
+    ``whole_iteration_speedup`` = Flow-GRPO's default's / the setup's; and each seed's reward curve as
+    ``[cumulative seconds, rollout reward mean]`` points. The default setup runs the fidelity audit
     (:mod:`jagg_core.audit`) at every iteration, on the config's ``backward.audit_samples``: it changes nothing
     of the training and is timed apart, so its row also has the seconds of one audit (``audit_s``, the minimum),
     their ratio to the iteration's (``audit_ratio``) and the mean audited cosine (``audit_cosine``).
     """
-    variants = (EXACT, ITERATION_VARIANT)
-    times = {v: {"rollout": [], "train": [], "audit": []} for v in variants}
-    cosines = {v: [] for v in variants}
-    curves = {v: {} for v in variants}
+    setups = comparison_setups(bench_config(model, options.overrides))
+    times = {name: {"rollout": [], "train": [], "audit": []} for name in setups}
+    cosines = {name: [] for name in setups}
+    curves = {name: {} for name in setups}
+    configs = {}
     first = 1 if options.iterations > 1 else 0
     with tempfile.TemporaryDirectory() as root:
         for seed in options.seeds:
             trainers = {}
-            for variant in variants:
+            for name, changes in setups.items():
                 # the measured iterations neither sample nor checkpoint: both happen at iteration N + 1
                 beyond = options.iterations + 1
-                config = bench_config(model, [*options.overrides, f"train.seed={seed}",
+                config = bench_config(model, [*options.overrides, *changes, f"train.seed={seed}",
                                               f"train.iterations={beyond}", f"train.sample_every={beyond}",
-                                              f"train.checkpoint_every={beyond}"])
-                config.backward = variant.backward_config(audit_every=1, audit_samples=config.backward.audit_samples)
-                trainers[variant] = Trainer(config, Path(root) / f"{variant.mode}-{seed}")
-                trainers[variant].setup()
-                curves[variant][str(seed)] = []
+                                              f"train.checkpoint_every={beyond}",
+                                              f"backward.audit_every={int(name == 'default')}"])
+                configs[name] = config
+                trainers[name] = Trainer(config, Path(root) / f"{name}-{seed}")
+                trainers[name].setup()
+                curves[name][str(seed)] = []
             for iteration in range(1, options.iterations + 1):
-                for variant, trainer in trainers.items():
+                for name, trainer in trainers.items():
                     row = trainer.iteration(iteration)
                     elapsed = row[metrics.TIME_ROLLOUT] + row[metrics.TIME_TRAIN]
-                    curve = curves[variant][str(seed)]
+                    curve = curves[name][str(seed)]
                     curve.append([(curve[-1][0] if curve else 0.0) + elapsed, row[metrics.REWARD_MEAN]])
                     if iteration > first:
-                        times[variant]["rollout"].append(row[metrics.TIME_ROLLOUT])
-                        times[variant]["train"].append(row[metrics.TIME_TRAIN])
+                        times[name]["rollout"].append(row[metrics.TIME_ROLLOUT])
+                        times[name]["train"].append(row[metrics.TIME_TRAIN])
                         if metrics.TIME_AUDIT in row:
-                            times[variant]["audit"].append(row[metrics.TIME_AUDIT])
-                            cosines[variant].append(row[metrics.JAGG_GRAD_COSINE])
-            params_m, device = base_params_m(trainers[EXACT]), str(trainers[EXACT].accelerator.device)
-    iteration_s = {v: min(times[v]["rollout"]) + min(times[v]["train"]) for v in variants}
-    audit_s = {v: min(times[v]["audit"]) if times[v]["audit"] else None for v in variants}
-    return [{"section": "iteration", "model": model, "params_m": params_m, "mode": v.mode, "window": v.window,
-             "joint": v.joint, "frac": v.frac, "seconds": iteration_s[v],
-             "rollout_s": min(times[v]["rollout"]), "train_s": min(times[v]["train"]),
-             "seconds_median": statistics.median(r + t for r, t in zip(times[v]["rollout"], times[v]["train"])),
-             "speedup": iteration_s[EXACT] / iteration_s[v], "iterations": options.iterations,
-             "seeds": list(options.seeds), "reward_final": statistics.mean(c[-1][1] for c in curves[v].values()),
-             "curves": curves[v], "peak_mem_ratio": None, "peak_mem_basis": None, "grad_cosine": None,
-             "grad_rel_err": None, "audit_s": audit_s[v],
-             "audit_ratio": audit_s[v] / iteration_s[v] if audit_s[v] is not None else None,
-             "audit_cosine": statistics.mean(cosines[v]) if cosines[v] else None, "device": device} for v in variants]
+                            times[name]["audit"].append(row[metrics.TIME_AUDIT])
+                            cosines[name].append(row[metrics.JAGG_GRAD_COSINE])
+            params_m, device = base_params_m(trainers["exact"]), str(trainers["exact"].accelerator.device)
+    iteration_s = {name: min(times[name]["rollout"]) + min(times[name]["train"]) for name in setups}
+    audit_s = {name: min(times[name]["audit"]) if times[name]["audit"] else None for name in setups}
+    rows = []
+    for name, config in configs.items():
+        backward = config.backward
+        rows.append({
+            "section": "iteration", "setup": name, "model": model, "params_m": params_m,
+            "mode": "exact" if backward.mode == "exact" else backward_label(backward).split()[0],
+            "window": backward.window if backward.mode == "jagg" else 1, "joint": backward.joint,
+            "frac": backward.frac, "backward": backward_label(backward),
+            "trained_steps": trained_count(config.sampling.num_steps, config.grpo.timestep_fraction),
+            "sde_every_step": not config.grpo.ode_after_trained,
+            "reference": config.grpo.kl_reference if config.grpo.kl_beta > 0 else None,
+            "seconds": iteration_s[name], "rollout_s": min(times[name]["rollout"]),
+            "train_s": min(times[name]["train"]),
+            "seconds_median": statistics.median(r + t for r, t in zip(times[name]["rollout"], times[name]["train"])),
+            "speedup": iteration_s["exact"] / iteration_s[name],
+            "whole_iteration_speedup": iteration_s["flow_grpo"] / iteration_s[name],
+            "iterations": options.iterations, "seeds": list(options.seeds),
+            "reward_final": statistics.mean(c[-1][1] for c in curves[name].values()), "curves": curves[name],
+            "peak_mem_ratio": None, "peak_mem_basis": None, "grad_cosine": None, "grad_rel_err": None,
+            "audit_s": audit_s[name], "audit_ratio": audit_s[name] / iteration_s[name] if audit_s[name] else None,
+            "audit_cosine": statistics.mean(cosines[name]) if cosines[name] else None, "device": device})
+    return rows
 
 
 def run_bench(options: BenchOptions, threads: int = 2, log=print) -> list[dict]:
@@ -465,8 +486,10 @@ def run_bench(options: BenchOptions, threads: int = 2, log=print) -> list[dict]:
         log(f"[bench] {model}: train phase, {len(variants)} variants x {options.repeats} repeats")
         rows += bench_train_phase(model, variants, options, threads)
     if options.iterations and options.seeds:
-        log(f"[bench] {options.models[0]}: {options.iterations} iterations x {len(options.seeds)} seeds, exact vs JAGG")
-        rows += bench_iterations(options.models[0], options)
+        for model in options.models:
+            log(f"[bench] {model}: {options.iterations} iterations x {len(options.seeds)} seeds, whole iterations: "
+                "Flow-GRPO's default, exact, the default")
+            rows += bench_iterations(model, options)
     if options.fidelity_rollouts:
         log(f"[bench] {options.models[0]}: fidelity along the trajectory, {options.fidelity_rollouts} rollouts")
         rows += [{**dict.fromkeys(ROW_KEYS), **row}
@@ -510,14 +533,17 @@ def format_tables(rows: list[dict]) -> str:
                            cell(r["peak_mem_mb"], ".0f")] for r in timed]))
     iteration = [r for r in rows if r["section"] == "iteration"]
     if iteration:
-        parts.append(markdown_table(
-            ["model", "backward", "rollout s", "train s", "iteration s", "speed-up", "iteration s (median)",
-             "final reward (mean of seeds)", "audit s", "audit / iteration", "audit cosine"],
-            [[r["model"], "exact" if r["mode"] == "exact" else f"{r['mode']} W={r['window']}", f"{r['rollout_s']:.3f}",
-              f"{r['train_s']:.3f}", f"{r['seconds']:.3f}", f"{r['speedup']:.2f}x", f"{r['seconds_median']:.3f}",
-              f"{r['reward_final']:.4f}", cell(r.get("audit_s"), ".3f"), cell(r.get("audit_ratio"), ".1%"),
-              cell(r.get("audit_cosine"), ".4f")]
-             for r in iteration]))
+        parts.append("Whole iterations of short trainings of the default task (section 3); speed-up against the exact "
+                     "backward with the same rollout, and against Flow-GRPO's default:\n\n" + markdown_table(
+                         ["model", "setup", "backward", "trained steps", "SDE", "reference", "rollout s", "train s",
+                          "iteration s", "vs exact", "vs Flow-GRPO", "iteration s (median)",
+                          "final reward (mean of seeds)", "audit s", "audit / iteration", "audit cosine"],
+                         [[r["model"], SETUP_LABELS[r["setup"]], r["backward"], str(r["trained_steps"]),
+                           "every step" if r["sde_every_step"] else "trained steps", r["reference"] or "-",
+                           f"{r['rollout_s']:.3f}", f"{r['train_s']:.3f}", f"{r['seconds']:.3f}",
+                           f"{r['speedup']:.2f}x", f"{r['whole_iteration_speedup']:.2f}x", f"{r['seconds_median']:.3f}",
+                           f"{r['reward_final']:.4f}", cell(r.get("audit_s"), ".3f"), cell(r.get("audit_ratio"), ".1%"),
+                           cell(r.get("audit_cosine"), ".4f")] for r in iteration]))
     fidelity = [r for r in rows if r["section"] == "fidelity"]
     if fidelity:
         parts.append("Fidelity along the trajectory (every step trained) and its predictors:\n\n"
@@ -527,9 +553,8 @@ def format_tables(rows: list[dict]) -> str:
 
 def plot_rewards(rows: list[dict], path: str | Path) -> None:
     """Reward against wall-clock seconds of every seed's training, exact and JAGG."""
-    iteration = [r for r in rows if r["section"] == "iteration"]
-    series = [("exact" if r["mode"] == "exact" else f"JAGG {r['mode']} W={r['window']}", r["curves"])
-              for r in iteration]
+    iteration = [r for r in rows if r["section"] == "iteration" and r["model"] == rows[0]["model"]]
+    series = [(f"{SETUP_LABELS[r['setup']]} ({r['backward']})", r["curves"]) for r in iteration]
     title = (f"{iteration[0]['model']}: rollout reward vs wall-clock ({iteration[0]['iterations']} iterations)"
              if iteration else "")
     plot_curves(series, title, "cumulative seconds (rollout + train)", "mean rollout reward", path)
@@ -564,6 +589,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--training", action="store_true", help="instead: full-length trainings of the first model's "
                         "task (default: the default preset) with the exact and its JAGG backward, same seeds 0, 1, 2: "
                         "held-out gain, wall clock and gain per minute with their spread (jagg_core.training_bench)")
+    parser.add_argument("--flow-grpo", action="store_true", help="with --training: also train Flow-GRPO's default "
+                        "iteration (every step SDE, exact backward, reference in the rollout)")
     parser.add_argument("--fidelity", type=int, metavar="ROLLOUTS", help="also the per-window fidelity along the "
                         "trajectory and the Spearman correlation of the routing predictors with it, over ROLLOUTS "
                         "rollouts of the first model at noise levels 0.7 and 1.2 (jagg_core.fidelity_bench)")
@@ -601,7 +628,8 @@ def run_training(args: argparse.Namespace) -> None:
     """``--training``: the trainings of :mod:`jagg_core.training_bench`, written to ``--json``/``--table``/``--plot``
     and printed."""
     model = args.models.split(",")[0] if args.models else EMBEDDED_MODEL
-    rows = training_rows(bench_config(model, args.overrides))
+    setups = ("flow_grpo", "exact", "default") if args.flow_grpo else ("exact", "default")
+    rows = training_rows(bench_config(model, args.overrides), setups=setups)
     table = format_training(rows)
     for path, write in ((args.json, lambda p: p.write_text(json.dumps(rows, indent=1))),
                         (args.table, lambda p: p.write_text(table)), (args.plot, lambda p: plot_training(rows, p))):

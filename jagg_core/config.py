@@ -25,6 +25,8 @@ from .placement import trained_count
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"
 DEFAULT_PRESET = "shapes"
 SEED_BOUND = 2 ** 63  # seeds are 64-bit: torch.Generator.manual_seed and the per-iteration seed mix need < 2**63
+#: a video VAE (Wan) encodes the first frame alone, then each group of this many frames as one latent frame
+VIDEO_FRAME_GROUP = 4
 
 
 class _Section(BaseModel):
@@ -34,10 +36,13 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     """The base flow model, how it is loaded and how it is called (CFG, text length)."""
 
-    name: str = Field("jagg-shapes", description="base model: a tiny test model (tiny-sd3, tiny-flux, tiny-qwen), the "
+    name: str = Field("jagg-shapes", description="base model: a tiny test model (tiny-sd3, tiny-flux, tiny-qwen, "
+                      "tiny-flux-kontext, tiny-qwen-edit, tiny-wan, tiny-flux2, tiny-zimage), the "
                       "embedded jagg-shapes, a Hub id owner/name, a local diffusers pipeline folder "
-                      "(SD3/SD3.5, FLUX.1, Qwen-Image), or random:ARCH[@LAYERS], a real architecture with random "
-                      "weights for benchmarks (ARCH: sd35-medium, sd35-large, flux-dev, flux-schnell, qwen-image)")
+                      "(SD3/SD3.5, FLUX.1, FLUX.1 Kontext, FLUX.2 [klein], Qwen-Image, Qwen-Image-Edit, Z-Image, "
+                      "Wan 2.1 text-to-video), or random:ARCH[@LAYERS], a real architecture with random weights "
+                      "for benchmarks (ARCH: sd35-medium, sd35-large, flux-dev, flux-schnell, qwen-image, "
+                      "flux-kontext, qwen-image-edit, flux2-klein-4b, z-image-turbo, wan21-t2v-1.3b)")
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of model.name; "
                                  "null = the default branch")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
@@ -59,6 +64,10 @@ class ModelConfig(_Section):
                                         "encoders) and free the text encoders before training")
     vae_slicing: bool = Field(True, description="the VAE decodes one image at a time (diffusers enable_slicing): "
                               "the decode's peak memory no longer grows with the batch")
+    condition_resolution: int = Field(512, ge=16, le=2048, multiple_of=16, description="image-editing models (FLUX.1 "
+                                      "Kontext, Qwen-Image-Edit): side of the square the prompt row's input image is "
+                                      "centre-cropped and resized to before the model encodes it (the pipelines use "
+                                      "about 1024); a multiple of 16")
 
     @model_validator(mode="before")
     @classmethod
@@ -97,11 +106,21 @@ class SamplingConfig(_Section):
                                            "the whole rollout batch at once, eval 16 at a time")
     noise_level: float = Field(0.7, gt=0.0, le=2.0, description="SDE noise level a: step i from sigma s to s' adds "
                                "Gaussian noise of std a sqrt(s / (1 - s)) sqrt(s - s')")
+    num_frames: int = Field(1, ge=1, le=257, description="frames of each sample of a video model (Wan): 4k + 1, "
+                            "e.g. 33 or 81 (its VAE makes one latent frame of 4); 1 = one image, the only value an "
+                            "image model takes")
+    fps: int = Field(16, ge=1, le=120, description="frames per second of the MP4s a video model's samples are "
+                     "written as")
+    reward_frames: int = Field(4, ge=1, description="frames of a video, evenly spaced from the first to the last, that "
+                               "each image reward scores; the video's score is their mean (all frames when the video "
+                               "has fewer; temporal_consistency reads every frame)")
 
     @model_validator(mode="after")
     def _resolution_multiple(self):
         if self.resolution % 16:
             raise ValueError(f"resolution must be a multiple of 16, got {self.resolution}")
+        if (self.num_frames - 1) % VIDEO_FRAME_GROUP:
+            raise ValueError(f"num_frames must be 4k + 1 (1, 5, 9, ..., 81), got {self.num_frames}")
         return self
 
 
@@ -125,6 +144,11 @@ class GrpoConfig(_Section):
                              "processes)")
     kl_beta: float = Field(0.0, ge=0.0, description="weight of the KL to the base model (adapter disabled) in the "
                            "form grpo.kl_form; 0 = off (no reference forwards)")
+    kl_reference: Literal["rollout", "train"] = Field(
+        "train", description="where the KL's reference velocities (adapter disabled) are computed: rollout = a second "
+        "forward at every noisy rollout step; train = in the training pass, one no-grad forward per backward pass "
+        "step, interpolated at a JAGG window's interior steps like the cached velocities (no reference forward in "
+        "the rollout)")
     kl_form: Literal["step", "flow_grpo"] = Field(
         "step", description="the per-step KL, mean over the latent's elements: step = the Gaussian KL of the step, "
         "(mean_theta - mean_ref)^2 / (2 std_t^2 |dt|); flow_grpo = Flow-GRPO's, (mean_theta - mean_ref)^2 / "
@@ -139,6 +163,12 @@ class GrpoConfig(_Section):
         "(DanceGRPO)")
     trained_start: int = Field(0, ge=0, description="first trained step of the range placement (0 = from the noise "
                                "end); trained_start + T must not exceed sampling.num_steps")
+    slide_every: int = Field(0, ge=0, description="range placement only: the range moves one step later every "
+                             "slide_every iterations, from trained_start until it reaches the last step, then stays "
+                             "(MixGRPO's sliding window); 0 = fixed")
+    shared_prefix: bool = Field(False, description="the num_generations samples of a prompt draw share their initial "
+                                "noise, and the ODE steps before the first noisy step (grpo.ode_after_trained with "
+                                "trained steps after step 0) are computed once per prompt draw, then branched")
     ode_after_trained: bool = Field(False, description="rollouts take the ODE step at every step that is not trained "
                                     "(before and after a range, between random blocks), so only trained steps inject "
                                     "noise (Flow-GRPO-Fast, MixGRPO)")
@@ -200,7 +230,9 @@ class RewardSpec(_Section):
 class PromptsConfig(_Section):
     """The prompt set and its split into training prompts and held-out eval prompts."""
 
-    source: str = Field("shapes", description="built-in set name, a .txt/.csv/.jsonl file, or hf://DATASET[:COLUMN]")
+    source: str = Field("shapes", description="built-in set name, a .txt/.csv/.jsonl file, or hf://DATASET[:COLUMN]; "
+                        "for image-editing models an image folder with prompts.csv/prompts.jsonl (file, prompt) or "
+                        "hf://DATASET:TEXT_COLUMN,IMAGE_COLUMN")
     eval_count: int = Field(8, ge=1, description="distinct prompts held out from training for the fixed-seed eval "
                             "samples")
     split_seed: int = Field(0, ge=0, lt=SEED_BOUND, description="seed of the random choice of the held-out eval "
@@ -298,6 +330,9 @@ class RunConfig(_Section):
             raise ValueError("backward.route_by audit routes by the fidelity audit: set backward.audit_every > 0 "
                              "or route_by linearity")
         count = trained_count(self.sampling.num_steps, self.grpo.timestep_fraction)
+        if self.grpo.slide_every and self.grpo.window_placement != "range":
+            raise ValueError("grpo.slide_every moves a range placement: set grpo.window_placement range or "
+                             "slide_every 0")
         if self.grpo.window_placement == "range" and self.grpo.trained_start + count > self.sampling.num_steps:
             raise ValueError(f"grpo.trained_start {self.grpo.trained_start} + {count} trained steps exceeds "
                              f"sampling.num_steps {self.sampling.num_steps}")
@@ -426,6 +461,14 @@ def load_config(preset: str | None = None, config_file: str | Path | None = None
         data = _read_yaml(path)
     else:
         data = _read_yaml(preset_path(preset or DEFAULT_PRESET))
+    for text in overrides:
+        apply_override(data, *parse_override(text))
+    return validate_config(data)
+
+
+def with_overrides(config: RunConfig, overrides: list[str]) -> RunConfig:
+    """``config`` with the overrides (``section.key=value``) applied, validated again."""
+    data = config.model_dump(mode="json")
     for text in overrides:
         apply_override(data, *parse_override(text))
     return validate_config(data)

@@ -3,7 +3,8 @@ fixed-seed ODE sampler and sizes)::
 
     python -m jagg_core.generate RUN "a red circle on a blue background" --out pair.png [--checkpoint iter_N] [--seed 0]
 
-It writes one picture: the base model on the left, the adapter on the right, the same noise. The page's "Try the
+It writes one picture: the base model on the left, the adapter on the right, the same noise (of a video model, the
+videos' middle frames). The page's "Try the
 adapter" panel runs this in its own process, so the app never holds a model.
 """
 
@@ -36,7 +37,7 @@ def generate(run_dir: Path, prompt: str, checkpoint: str | None = None, seed: in
     quiet_libraries()
     import torch
 
-    from .images import captioned_grid, to_pil
+    from .images import captioned_grid, still_frames, to_pil
     from .models import load_flow_model
     from .sampler import initial_noise, ode_sample
 
@@ -45,7 +46,7 @@ def generate(run_dir: Path, prompt: str, checkpoint: str | None = None, seed: in
     if not prompt.strip():
         raise UserError("type a prompt")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_flow_model(config.model, device, seed=config.train.seed)
+    model = load_flow_model(config.model, device, seed=config.train.seed, num_frames=config.sampling.num_frames)
     model.encode_and_cache([prompt])
     model.release_text_encoders()
     model.add_lora(config.lora)
@@ -60,8 +61,8 @@ def generate(run_dir: Path, prompt: str, checkpoint: str | None = None, seed: in
         model.load_lora(adapter)
         tuned = model.decode(ode_sample(model, cond, sigmas, z0))
     label = checkpoint or "latest adapter"
-    return captioned_grid(to_pil(torch.cat([base, tuned])), ["base model", label], title=prompt[:80], columns=2,
-                          cell=max(256, size))
+    return captioned_grid(to_pil(still_frames(torch.cat([base, tuned]))), ["base model", label], title=prompt[:80],
+                          columns=2, cell=max(256, size))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,9 +50,10 @@ def loss_scale(micro_batch: int, batch: int, trained_steps: int) -> float:
     return micro_batch / (batch * trained_steps)
 
 
-def step_loss(v: torch.Tensor, step: int, batch: Trajectory, advantages: torch.Tensor,
-              settings: LossSettings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Loss of step ``i`` as a function of the velocity ``v`` used there::
+def step_loss(v: torch.Tensor, step: int, batch: Trajectory, advantages: torch.Tensor, settings: LossSettings,
+              v_ref: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss of step ``i`` as a function of the velocity ``v`` used there, with the base model's velocity ``v_ref``
+    there (needed when ``settings.kl_beta > 0``)::
 
         ratio = exp(log p_theta(z_{i+1} | z_i) - log p_old)
         L_i   = mean_samples max(-A ratio, -A clip(ratio, 1 - eps, 1 + eps)) + beta * KL_i
@@ -79,7 +80,7 @@ def step_loss(v: torch.Tensor, step: int, batch: Trajectory, advantages: torch.T
     loss = policy_loss
     kl = torch.zeros((), device=v.device)
     if settings.kl_beta > 0:
-        ref_mean = sde_step_mean(z, batch.reference_velocity(step), s, s_next, sd)
+        ref_mean = sde_step_mean(z, v_ref, s, s_next, sd)
         variance = std ** 2 if settings.kl_form == "step" else sd ** 2
         kl = (((mean - ref_mean) ** 2).flatten(1).mean(dim=1) / (2 * variance)).mean()
         loss = loss + settings.kl_beta * kl

@@ -1,4 +1,5 @@
-"""Image tensors to pictures: the one conversion used by rewards, the run directory's samples and the bench."""
+"""Image (and video frame) tensors to pictures: the one conversion used by rewards, the run directory's samples
+and the bench."""
 
 from __future__ import annotations
 
@@ -8,11 +9,17 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
+from .video import STRIP_FRAMES, frame_indices
+
+
+def to_uint8(pixels: torch.Tensor) -> torch.Tensor:
+    """Floats in ``[0, 1]`` -> ``uint8`` (rounded to 8 bits), same shape."""
+    return (pixels.detach().float().clamp(0, 1) * 255).round().to(torch.uint8)
+
 
 def to_pil(images: torch.Tensor) -> list[Image.Image]:
     """``[N, 3, H, W]`` floats in ``[0, 1]`` -> ``N`` RGB PIL images (rounded to 8 bits)."""
-    array = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8)
-    return [Image.fromarray(np.ascontiguousarray(a.permute(1, 2, 0).cpu().numpy())) for a in array]
+    return [Image.fromarray(np.ascontiguousarray(a.permute(1, 2, 0).cpu().numpy())) for a in to_uint8(images)]
 
 
 def captioned_grid(images: list[Image.Image], captions: list[str], title: str, columns: int = 8,
@@ -35,3 +42,29 @@ def captioned_grid(images: list[Image.Image], captions: list[str], title: str, c
         for n, text in enumerate(textwrap.wrap(caption, wrap)[:lines]):
             draw.text((x + 2, y + cell + 2 + n * line_height), text, fill="black", font=font)
     return sheet
+
+
+def still_frames(samples: torch.Tensor) -> torch.Tensor:
+    """Images ``[N, 3, H, W]`` as they are; videos ``[N, F, 3, H, W]`` -> their middle frames ``[N, 3, H, W]`` (the
+    still a grid of samples shows)."""
+    return samples if samples.ndim == 4 else samples[:, samples.shape[1] // 2]
+
+
+def frame_strip(video: torch.Tensor, count: int) -> Image.Image:
+    """``count`` frames of ``video`` ``[F, 3, H, W]``, evenly spaced (:func:`jagg_core.video.frame_indices`), side
+    by side, time running left to right."""
+    frames = video[frame_indices(video.shape[0], count)]
+    return to_pil(torch.cat(list(frames), dim=-1)[None])[0]
+
+
+def video_array(video: torch.Tensor) -> np.ndarray:
+    """``[F, 3, H, W]`` floats in ``[0, 1]`` -> ``uint8 [F, H, W, 3]`` (rounded to 8 bits), the frames an MP4 gets."""
+    return np.ascontiguousarray(to_uint8(video).permute(0, 2, 3, 1).cpu().numpy())
+
+
+def sample_pictures(samples: torch.Tensor) -> tuple[list[Image.Image], list[np.ndarray] | None]:
+    """What the run directory writes of a batch of samples: images ``[N, 3, H, W]`` -> ``(PIL images, None)``; videos
+    ``[N, F, 3, H, W]`` -> ``(their frame strips, their frames as uint8 arrays for the MP4s)``."""
+    if samples.ndim == 4:
+        return to_pil(samples), None
+    return [frame_strip(video, STRIP_FRAMES) for video in samples], [video_array(video) for video in samples]

@@ -238,13 +238,16 @@ def run_backward(model: FlowModel, plan: BackwardPlan, batch: Trajectory, cond: 
             v = model.velocity(z, sigma, FlowModel.tile_conditioning(cond, len(steps)))
         return list(v.float().chunk(len(steps)))
 
+    group = 2 if plan.joint else 1  # pass steps per forward
+    references = _reference_velocities(model, plan, batch, forward, group) if settings.kl_beta > 0 else {}
+
     # Upstream gradients of the interpolated steps, aggregated at their window's endpoints.
     composite: dict[int, torch.Tensor] = {}
     if plan.interpolated:
         velocities = _intermediate_velocities(plan, batch, forward, on_policy)
         for j, (a, b, alpha) in plan.interpolated.items():
             v_j = velocities[j].detach().float().requires_grad_(True)
-            loss_j, step_stats = step_loss(v_j, j, batch, advantages, settings)
+            loss_j, step_stats = step_loss(v_j, j, batch, advantages, settings, references.get(j))
             (s_j,) = torch.autograd.grad(loss_j, v_j)
             composite[a] = composite.get(a, 0) + (1 - alpha) * s_j
             composite[b] = composite.get(b, 0) + alpha * s_j
@@ -252,12 +255,11 @@ def run_backward(model: FlowModel, plan: BackwardPlan, batch: Trajectory, cond: 
             stats.append(step_stats)
 
     # One forward with grad and one backward per pass step (two stacked at a time when joint).
-    group = 2 if plan.joint else 1
     for k in range(0, len(plan.pass_steps), group):
         steps = plan.pass_steps[k:k + group]
         surrogate = 0
         for e, v_e in zip(steps, forward(steps)):
-            loss_e, step_stats = step_loss(v_e, e, batch, advantages, settings)
+            loss_e, step_stats = step_loss(v_e, e, batch, advantages, settings, references.get(e))
             loss_total += float(loss_e.detach())
             stats.append(step_stats)
             surrogate = surrogate + loss_e
@@ -269,6 +271,31 @@ def run_backward(model: FlowModel, plan: BackwardPlan, batch: Trajectory, cond: 
         return float(torch.stack([s[key] for s in stats]).mean())
 
     return BackwardResult(loss_total, average("kl"), average("ratio"), average("clip_frac"), len(plan.pass_steps))
+
+
+def _reference_velocities(model: FlowModel, plan: BackwardPlan, batch: Trajectory, forward,
+                          group: int) -> dict[int, torch.Tensor]:
+    """The base model's velocity (adapter disabled) at every trained step, for the KL term: the rollout's, when it
+    recorded them (``grpo.kl_reference: rollout``); else computed here, only where gradients flow: a no-grad
+    forward with the adapter disabled at the pass steps (``group`` stacked, as the passes), and at an interpolated
+    step j of window a..b the rollout velocity with the endpoints' reference offsets interpolated, as the cached
+    velocities are::
+
+        v_ref_j ~ v_j_old + (1 - alpha_j)(v_ref_a - v_a_old) + alpha_j (v_ref_b - v_b_old)
+
+    exact when the adapter's part of the velocity, ``v - v_ref``, is affine in sigma along the window and does not
+    depend on z (where JAGG itself is exact)."""
+    if batch.ref_velocities is not None:
+        return {j: batch.reference_velocity(j) for j in [*plan.pass_steps, *plan.interpolated]}
+    references = {}
+    with torch.no_grad(), model.adapters_disabled():
+        for k in range(0, len(plan.pass_steps), group):
+            steps = plan.pass_steps[k:k + group]
+            references.update(zip(steps, forward(steps)))
+    old = batch.velocities
+    for j, (a, b, alpha) in plan.interpolated.items():
+        references[j] = old[j] + (1 - alpha) * (references[a] - old[a]) + alpha * (references[b] - old[b])
+    return references
 
 
 def _intermediate_velocities(plan: BackwardPlan, batch: Trajectory, forward, on_policy: bool) -> dict[int, torch.Tensor]:

@@ -177,7 +177,7 @@ def meta_pipeline(name: str, revision: str | None = None):
             parts[component] = None
         elif component.startswith("scheduler"):
             parts[component] = diffusers.FlowMatchEulerDiscreteScheduler()
-        elif "tokenizer" in component:
+        elif "tokenizer" in component or component == "processor":  # a processor holds a tokenizer
             parts[component] = _tokenizer(folder / component, library, class_name)
         else:
             parts[component] = _meta_component(folder, component, library, class_name)
@@ -342,7 +342,7 @@ def plan_memory(config: RunConfig) -> MemoryPlan:
         compute = torch.bfloat16
     with META:
         pipe = pipe.to(dtype=compute)
-    model = family_class(pipe, cfg.model, META)
+    model = family_class(pipe, cfg.model, META, num_frames=cfg.sampling.num_frames)
     transformer = model.transformer
     element = torch.tensor([], dtype=dtype).element_size()
     plan = MemoryPlan(cfg.model.name, model.family, cfg.sampling.resolution)
@@ -357,7 +357,7 @@ def plan_memory(config: RunConfig) -> MemoryPlan:
     encoders = model.text_encoders
     encoder_bytes = sum(_params(e) for e in encoders) * element
     encoder_names = " + ".join(type(e).__name__.removesuffix("Model").removesuffix("ForConditionalGeneration")
-                               for e in encoders)
+                               .removesuffix("ForCausalLM") for e in encoders)
     if not cfg.model.cache_text_embeddings:
         plan.resident[f"text encoders ({encoder_names})"] = encoder_bytes
     for spec in cfg.rewards:
@@ -388,13 +388,14 @@ def plan_memory(config: RunConfig) -> MemoryPlan:
     steps = cfg.sampling.num_steps
     trained = most_trained_steps(steps, cfg.grpo.timestep_fraction, cfg.grpo.window_placement, cfg.backward.window)
     noisy = trained if cfg.grpo.ode_after_trained else steps
-    reference = noisy if cfg.grpo.kl_beta > 0 else 0
+    # reference velocities: the rollout's at every noisy step, or the training pass's at every trained step
+    reference = (noisy if cfg.grpo.kl_reference == "rollout" else trained) if cfg.grpo.kl_beta > 0 else 0
     trajectory = samples * latent_numel * 4 * ((steps + 1) + steps + reference)
     cond_shapes = model.conditioning_shapes()
     if model.use_cfg:
         cond_shapes.update({NEGATIVE + k: v for k, v in cond_shapes.items()})
     cond_bytes = samples * sum(math.prod(shape) for shape in cond_shapes.values()) * compute.itemsize
-    images = samples * 3 * cfg.sampling.resolution ** 2 * 4
+    images = samples * model.num_frames * 3 * cfg.sampling.resolution ** 2 * 4  # decoded images or video frames
 
     def conditioning(batch: int) -> dict[str, torch.Tensor]:
         return {k: torch.zeros((batch, *shape), dtype=compute, device=META) for k, shape in cond_shapes.items()}

@@ -10,7 +10,8 @@ Files in the published repo::
     config.yaml                        the resolved config, secrets removed
     images/reward_curve.png            training reward (mean +- std) and held-out eval reward per iteration
     images/before_after.png            eval samples of the base model (top) and of the adapter (bottom)
-    samples/NNN.png                    the adapter's eval samples (also the card's widget)
+    samples/NNN.png                    the adapter's eval samples (also the card's widget; a video's frame strip)
+    samples/NNN.mp4                    a video model's eval videos, embedded in the card
     images/eval_grid_iter_NNNNNN.png   every eval sample of the base model and of the adapter, captioned with its
                                        prompt and reward (the run's ``samples/iter_N/grid.png``)
 """
@@ -221,6 +222,15 @@ def _audit_words(rows: list[dict]) -> str:
             f"**{cosine:.3f}**, mean relative error {rel_err:.3f}")
 
 
+def _sample_call(prompt: str, sampling: dict, videos: bool) -> tuple[str, str]:
+    """The usage snippet's imports and sampling lines: an image, or a video written as an MP4 at the run's fps."""
+    if not videos:
+        return "from diffusers import DiffusionPipeline", f"image = pipe({json.dumps(prompt)}).images[0]"
+    return ("from diffusers import DiffusionPipeline\nfrom diffusers.utils import export_to_video",
+            f"frames = pipe({json.dumps(prompt)}, num_frames={sampling.get('num_frames')}).frames[0]\n"
+            f"export_to_video(frames, \"sample.mp4\", fps={sampling.get('fps')})")
+
+
 def build_model_card(snap: RunSnapshot, repo_id: str) -> ModelCard:
     """The model card: Hub metadata (base model, tags, widget) and a body describing use, recipe and results."""
     base = snap.base_model
@@ -230,10 +240,11 @@ def build_model_card(snap: RunSnapshot, repo_id: str) -> ModelCard:
     widget = [{"text": prompt, "output": {"url": f"{SAMPLES_DIR}/{i:03d}.png"}}
               for i, prompt in enumerate(snap.after.prompts[:WIDGET_SAMPLES])] if snap.after else None
     on_hub = bool(HUB_REPO_ID.match(base)) and not Path(base).exists()
+    videos = bool(snap.after and snap.after.videos)
     data = ModelCardData(
         base_model=base if on_hub else None,
         library_name="diffusers",
-        pipeline_tag="text-to-image",
+        pipeline_tag="text-to-video" if videos else "text-to-image",
         tags=list(dict.fromkeys(tags)),
         widget=widget,
     )
@@ -254,15 +265,20 @@ def build_model_card(snap: RunSnapshot, repo_id: str) -> ModelCard:
     if grids:
         parts.append("## Eval samples\n\nEvery held-out prompt (fixed seeds) with its reward, the base model first:\n\n"
                      + "\n\n".join(f"![Captioned eval samples]({path})" for path in grids) + "\n")
+    if videos:
+        parts.append("## Eval videos\n\nThe adapter's held-out eval samples (fixed seeds):\n\n" + "\n\n".join(
+            f'<video src="{SAMPLES_DIR}/{i:03d}.mp4" controls loop muted></video>\n\n*{text}*'
+            for i, text in enumerate(snap.after.prompts[:len(snap.after.videos)])) + "\n")
+    imports, call = _sample_call(prompt, snap.config.get("sampling") or {}, videos)
     parts.append(f"""## Use it
 
 ```python
 import torch
-from diffusers import DiffusionPipeline
+{imports}
 
 pipe = DiffusionPipeline.from_pretrained("{base}", torch_dtype=torch.bfloat16).to("cuda")
 pipe.load_lora_weights("{repo_id}")
-image = pipe({json.dumps(prompt)}).images[0]
+{call}
 ```
 """)
     first, last = _eval_reward(snap.metrics)
@@ -301,4 +317,6 @@ def publish_files(snap: RunSnapshot, repo_id: str) -> dict[str, bytes | Path]:
     if snap.after:
         for i, path in enumerate(snap.after.images):
             files[f"{SAMPLES_DIR}/{i:03d}.png"] = path
+        for i, path in enumerate(snap.after.videos):
+            files[f"{SAMPLES_DIR}/{i:03d}.mp4"] = path
     return files

@@ -3,7 +3,9 @@
 ``T = ceil(num_steps * grpo.timestep_fraction)`` steps are trained (at least one), as *spans* of consecutive
 steps; the backward plans its windows inside each span (:func:`~jagg_core.jagg.make_plan`)::
 
-    range:  one span, steps  s .. s + T - 1        with s = grpo.trained_start (0: from the noise end)
+    range:  one span, steps  s .. s + T - 1        with s = grpo.trained_start (0: from the noise end), or
+            with grpo.slide_every = E > 0 at iteration k (from 1)
+            s_k = min(grpo.trained_start + floor((k - 1) / E), num_steps - T)   (MixGRPO's sliding window)
     random: the schedule is cut into blocks of W = backward.window steps, [0, W-1], [W, 2W-1], ... (the last
             may be shorter); each iteration trains ceil(T / W) of them, drawn without replacement
 
@@ -25,11 +27,13 @@ def trained_count(num_steps: int, fraction: float) -> int:
 
 
 def trained_spans(num_steps: int, fraction: float, placement: str, start: int, block: int,
-                  seed: int) -> list[range]:
-    """The spans of trained steps, in step order, under ``placement`` (see the module's formulas); ``seed``
-    draws the blocks of ``random``."""
+                  seed: int, iteration: int = 1, slide_every: int = 0) -> list[range]:
+    """The spans of trained steps of ``iteration``, in step order, under ``placement`` (see the module's formulas);
+    ``seed`` draws the blocks of ``random``."""
     count = trained_count(num_steps, fraction)
     if placement == "range":
+        if slide_every:
+            start = min(start + (iteration - 1) // slide_every, num_steps - count)
         return [range(start, start + count)]
     block = max(block, 1)
     blocks = [range(first, min(first + block, num_steps)) for first in range(0, num_steps, block)]

@@ -2,10 +2,19 @@
 
 ``load_prompts(source)`` accepts
 
-* a built-in set name: ``presets/prompts/NAME.txt`` (see :func:`builtin_prompt_sets`),
+* a built-in set name: ``presets/prompts/NAME.txt``, or an image folder ``presets/prompts/NAME/`` (see
+  :func:`builtin_prompt_sets`),
 * a file: ``.txt`` (one prompt per line), ``.csv`` or ``.jsonl`` (a ``prompt`` column/key),
 * ``hf://DATASET[:COLUMN]``: the ``train`` split of a Hub dataset (column ``prompt`` by default),
-  through the ``datasets`` library (online, or from its local cache).
+  through the ``datasets`` library (online, or from its local cache),
+
+and, for image-editing models, sources of :class:`~jagg_core.edit_prompts.EditPrompt` rows (instruction + input
+image):
+
+* an image folder holding ``prompts.csv`` (columns ``file``, ``prompt``) or ``prompts.jsonl`` (keys ``file``,
+  ``prompt``): each row names an image of the folder (a relative path inside it) and the instruction applied to it;
+  an image may have several rows,
+* ``hf://DATASET:TEXT_COLUMN,IMAGE_COLUMN``: a Hub dataset's instructions and input images (an ``Image`` column).
 
 Blank prompts are dropped; an empty, oversized or malformed source raises :class:`UserError`.
 """
@@ -18,31 +27,38 @@ import json
 import random
 from pathlib import Path
 
+from .edit_prompts import EditPrompt, checked_image_bytes, png_bytes
 from .errors import UserError
 
 PROMPTS_DIR = Path(__file__).resolve().parent.parent / "presets" / "prompts"
 MAX_PROMPTS = 100_000
 MAX_FILE_BYTES = 50 * 1024 * 1024
 FILE_SUFFIXES = (".txt", ".csv", ".jsonl")
+#: the file of an image folder that maps each image to its instruction (the first one present is read)
+MAPPING_FILES = ("prompts.csv", "prompts.jsonl")
 
 
 def builtin_prompt_sets() -> list[str]:
-    """Names of the built-in prompt sets."""
-    return sorted(path.stem for path in PROMPTS_DIR.glob("*.txt"))
+    """Names of the built-in prompt sets: text files, and image folders for editing models."""
+    folders = (path for path in PROMPTS_DIR.iterdir() if path.is_dir() and _mapping_file(path) is not None)
+    return sorted([path.stem for path in PROMPTS_DIR.glob("*.txt")] + [path.name for path in folders])
 
 
 def load_prompts(source: str) -> list[str]:
-    """The prompts of a built-in set, a file or a Hub dataset column (see the module doc)."""
+    """The prompts of a built-in set, a file, an image folder or a Hub dataset (see the module doc)."""
     if source.startswith("hf://"):
-        prompts = _load_hub_column(source[len("hf://"):], source)
+        prompts = _load_hub(source[len("hf://"):], source)
     elif source in builtin_prompt_sets():
-        prompts = _load_file(PROMPTS_DIR / f"{source}.txt")
+        folder = PROMPTS_DIR / source
+        prompts = _load_image_folder(folder) if folder.is_dir() else _load_file(PROMPTS_DIR / f"{source}.txt")
+    elif Path(source).is_dir():
+        prompts = _load_image_folder(Path(source))
     elif Path(source).suffix.lower() in FILE_SUFFIXES or Path(source).is_file():
         prompts = _load_file(Path(source))
     else:
         raise UserError(
             f"unknown prompt source '{source}'; give a built-in set ({', '.join(builtin_prompt_sets()) or 'none'}), "
-            f"a .txt/.csv/.jsonl file or hf://DATASET[:COLUMN]"
+            f"a .txt/.csv/.jsonl file, an image folder or hf://DATASET[:COLUMN]"
         )
     return _checked(prompts, source)
 
@@ -54,7 +70,9 @@ def _checked(prompts: list, source: str) -> list[str]:
             continue
         if not isinstance(prompt, str):
             raise UserError(f"prompt {number} of '{source}' is a {type(prompt).__name__}, not text")
-        if prompt.strip():
+        if isinstance(prompt, EditPrompt):
+            cleaned.append(prompt)  # its instruction is cleaned when the row is made
+        elif prompt.strip():
             cleaned.append(" ".join(prompt.split()))
     if not cleaned:
         raise UserError(f"prompt source '{source}' holds no prompts")
@@ -64,6 +82,14 @@ def _checked(prompts: list, source: str) -> list[str]:
 
 
 def _load_file(path: Path) -> list:
+    text = _read_text(path)
+    if path.suffix.lower() == ".txt":
+        return text.splitlines()
+    return [record["prompt"] for record in _records(text, path, ("prompt",))]
+
+
+def _read_text(path: Path) -> str:
+    """A prompt file's text, once it exists, has a known suffix, fits the size limit and is UTF-8."""
     if not path.is_file():
         raise UserError(f"prompt file '{path}' does not exist")
     suffix = path.suffix.lower()
@@ -76,26 +102,30 @@ def _load_file(path: Path) -> list:
         text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as err:
         raise UserError(f"prompt file '{path}' is not UTF-8 text (byte {err.start})") from None
-    if suffix == ".txt":
-        return text.splitlines()
-    if suffix == ".csv":
-        return _csv_prompts(text, path)
-    return _jsonl_prompts(text, path)
+    return text
 
 
-def _csv_prompts(text: str, path: Path) -> list:
+def _records(text: str, path: Path, keys: tuple[str, ...]) -> list[dict]:
+    """The rows of a ``.csv`` (with a header) or ``.jsonl`` file's ``text``, each holding ``keys``."""
+    if path.suffix.lower() == ".csv":
+        return _csv_records(text, path, keys)
+    return _jsonl_records(text, path, keys)
+
+
+def _csv_records(text: str, path: Path, keys: tuple[str, ...]) -> list[dict]:
     try:
         reader = csv.DictReader(io.StringIO(text))
         columns = reader.fieldnames or []
-        if "prompt" not in columns:
-            raise UserError(f"prompt file '{path}' needs a 'prompt' column; it has: {', '.join(columns) or 'none'}")
-        return [row["prompt"] for row in reader]
+        for key in keys:
+            if key not in columns:
+                raise UserError(f"prompt file '{path}' needs a '{key}' column; it has: {', '.join(columns) or 'none'}")
+        return list(reader)
     except csv.Error as err:
         raise UserError(f"prompt file '{path}' is not valid CSV: {err}") from None
 
 
-def _jsonl_prompts(text: str, path: Path) -> list:
-    prompts = []
+def _jsonl_records(text: str, path: Path, keys: tuple[str, ...]) -> list[dict]:
+    records = []
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
@@ -103,17 +133,65 @@ def _jsonl_prompts(text: str, path: Path) -> list:
             record = json.loads(line)
         except json.JSONDecodeError as err:
             raise UserError(f"line {number} of prompt file '{path}' is not valid JSON: {err.msg}") from None
-        if not isinstance(record, dict) or "prompt" not in record:
-            raise UserError(f"line {number} of prompt file '{path}' must be an object with a 'prompt' key")
-        prompts.append(record["prompt"])
-    return prompts
+        if not isinstance(record, dict) or any(key not in record for key in keys):
+            wanted = " and ".join(f"a '{key}' key" for key in keys)
+            raise UserError(f"line {number} of prompt file '{path}' must be an object with {wanted}")
+        records.append(record)
+    return records
 
 
-def _load_hub_column(spec: str, source: str) -> list:
-    dataset_id, _, column = spec.partition(":")
-    column = column or "prompt"
+def _mapping_file(folder: Path) -> Path | None:
+    """The image folder's instruction file (:data:`MAPPING_FILES`), or None."""
+    return next((folder / name for name in MAPPING_FILES if (folder / name).is_file()), None)
+
+
+def _load_image_folder(folder: Path) -> list:
+    """The editing rows of an image folder: each ``(file, prompt)`` row of its mapping file, the image read from
+    the folder (blank instructions are dropped)."""
+    mapping = _mapping_file(folder)
+    if mapping is None:
+        raise UserError(f"image folder '{folder}' needs a {' or '.join(MAPPING_FILES)} that maps each image file to "
+                        "its instruction (columns/keys: file, prompt)")
+    rows = []
+    for number, record in enumerate(_records(_read_text(mapping), mapping, ("file", "prompt")), 1):
+        name, instruction = record["file"], record["prompt"]
+        where = f"row {number} of '{mapping}'"
+        if not isinstance(name, str) or not isinstance(instruction, str):
+            raise UserError(f"{where}: 'file' and 'prompt' must be text")
+        if not instruction.strip():
+            continue
+        image = folder / name.strip()
+        if not image.resolve().is_relative_to(folder.resolve()) or not image.is_file():
+            raise UserError(f"{where}: image '{name}' is not a file inside '{folder}'")
+        data = checked_image_bytes(image.read_bytes(), f"{where}: image '{name}'")
+        rows.append(EditPrompt(" ".join(instruction.split()), data, name.strip()))
+    return rows
+
+
+def _load_hub(spec: str, source: str) -> list:
+    """A Hub dataset's prompt column (``DATASET[:COLUMN]``), or its editing rows (``DATASET:TEXT,IMAGE``)."""
+    dataset_id, _, columns = spec.partition(":")
+    text_column, _, image_column = columns.partition(",")
+    text_column = text_column or "prompt"
     if not dataset_id:
-        raise UserError(f"prompt source '{source}' must look like hf://DATASET[:COLUMN]")
+        raise UserError(f"prompt source '{source}' must look like hf://DATASET[:COLUMN] or "
+                        "hf://DATASET:TEXT_COLUMN,IMAGE_COLUMN")
+    dataset = _hub_dataset(dataset_id, [text_column, *([image_column] if image_column else [])])
+    if not image_column:
+        return list(dataset[text_column])
+    rows = []
+    for number, (instruction, image) in enumerate(zip(dataset[text_column], dataset[image_column]), 1):
+        where = f"row {number} of Hub dataset '{dataset_id}'"
+        if isinstance(instruction, str) and instruction.strip():
+            data = image["bytes"] if isinstance(image, dict) else png_bytes(image) if hasattr(image, "save") else None
+            if not isinstance(data, bytes):
+                raise UserError(f"{where}: column '{image_column}' holds no image")
+            rows.append(EditPrompt(" ".join(instruction.split()), checked_image_bytes(data, where), f"row {number}"))
+    return rows
+
+
+def _hub_dataset(dataset_id: str, columns: list[str]):
+    """The ``train`` split of a Hub dataset that has ``columns``."""
     import datasets
 
     try:
@@ -124,12 +202,13 @@ def _load_hub_column(spec: str, source: str) -> list:
             f"cannot load Hub dataset '{dataset_id}' ({reason[:200]}); check the name, go online or "
             f"run `hf download --repo-type dataset {dataset_id}` first"
         ) from None
-    if column not in dataset.column_names:
-        columns = ", ".join(dataset.column_names)
-        raise UserError(f"Hub dataset '{dataset_id}' has no column '{column}'; it has: {columns}")
+    for column in columns:
+        if column not in dataset.column_names:
+            raise UserError(f"Hub dataset '{dataset_id}' has no column '{column}'; it has: "
+                            f"{', '.join(dataset.column_names)}")
     if dataset.num_rows > MAX_PROMPTS:
         raise UserError(f"Hub dataset '{dataset_id}' has {dataset.num_rows} rows; the limit is {MAX_PROMPTS}")
-    return list(dataset[column])
+    return dataset
 
 
 def run_prompts(config) -> tuple[list[str], list[str]]:

@@ -4,8 +4,9 @@
     RUN/run_info.json          {"family", "base_model", "hardware"}
     RUN/metrics.jsonl          one JSON object per iteration (keys: :mod:`jagg_core.metrics`)
     RUN/samples/iter_NNNNNN/   fixed-seed eval samples: 000.png ... + prompts.json + info.json + grid.png (all of
-                               them in one picture, each captioned with its prompt and reward)
-    RUN/rollouts/latest/       the latest rollout images + prompts.json + info.json
+                               them in one picture, each captioned with its prompt and reward); a video model's
+                               samples are 000.mp4 ... with 000.png ... their frame strips (grid: middle frames)
+    RUN/rollouts/latest/       the latest rollout images (videos: MP4s + strips) + prompts.json + info.json
     RUN/checkpoints/iter_NNNNNN/  LoRA (the EMA weights when on) + optimizer.pt + training_state.pt (schedule,
                                EMA, raw LoRA) + trainer_state.json (written atomically)
     RUN/tracking/              experiment trackers' files (TensorBoard events, W&B)
@@ -39,6 +40,7 @@ import yaml
 
 from . import metrics
 from .errors import UserError
+from .video import write_mp4
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -84,6 +86,7 @@ class ImageSet:
     images: list[Path]
     prompts: list[str]
     rewards: list[float] = field(default_factory=list)
+    videos: list[Path] = field(default_factory=list)  # a video model's MP4s (``images`` are then their strips)
 
 
 class RunDirectory:
@@ -279,15 +282,19 @@ class RunDirectory:
         atomic_write_text(self.metrics_file, "".join(json.dumps(r) + "\n" for r in rows))
 
     # ----- images ----------------------------------------------------------------------
-    def write_images(self, folder: Path, images: list, prompts: list[str], grid=None, **info) -> None:
+    def write_images(self, folder: Path, images: list, prompts: list[str], grid=None, videos: list | None = None,
+                     fps: int = 16, **info) -> None:
         """Write PIL ``images`` as ``000.png ...`` with ``prompts.json`` (and ``info.json`` holding ``info``,
         e.g. rewards and iteration, and ``grid.png``, the PIL image ``grid`` of them all) into ``folder``, replacing
-        it atomically."""
+        it atomically. ``videos``: the frames (``uint8 [F, H, W, 3]``) of each sample, written as ``000.mp4 ...`` at
+        ``fps`` (the images are then their strips)."""
         tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         for i, image in enumerate(images):
             image.save(tmp / f"{i:03d}.png")
+        for i, frames in enumerate(videos or []):
+            write_mp4(tmp / f"{i:03d}.mp4", frames, fps)
         if grid is not None:
             grid.save(tmp / GRID_FILE)
         (tmp / "prompts.json").write_text(json.dumps(prompts, indent=1))
@@ -312,7 +319,8 @@ class RunDirectory:
         if iteration is None and isinstance(info.get("iteration"), int):
             iteration = info["iteration"]
         count = min(len(images), len(prompts))
-        return ImageSet(folder, iteration, images[:count], [str(p) for p in prompts[:count]], rewards[:count])
+        videos = sorted(folder.glob("[0-9][0-9][0-9].mp4"))[:count]
+        return ImageSet(folder, iteration, images[:count], [str(p) for p in prompts[:count]], rewards[:count], videos)
 
     def sample_iterations(self) -> list[int]:
         """Iterations that have fixed-seed eval samples, oldest first (0 is the base model)."""

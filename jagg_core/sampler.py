@@ -69,7 +69,8 @@ class Trajectory:
     log_probs: torch.Tensor        # [T, B] fp32
     sigmas: torch.Tensor           # [T + 1]
     std_t: torch.Tensor            # [T]
-    ref_velocities: torch.Tensor | None = None  # [S, B, *latent] for the S noisy steps in order, adapters disabled (KL)
+    ref_velocities: torch.Tensor | None = None  # [S, B, *latent]: the S noisy steps' in order, adapters disabled
+    #                                             (grpo.kl_reference: rollout; else the training pass computes them)
 
     @property
     def num_steps(self) -> int:
@@ -103,14 +104,20 @@ def select_conditioning(cond: Conditioning, index: torch.Tensor | slice) -> Cond
 @torch.no_grad()
 def sde_rollout(model: FlowModel, cond: Conditioning, sigmas: torch.Tensor, noise_level: float,
                 z0: torch.Tensor, generator: torch.Generator, with_reference: bool = False,
-                sde_steps: Sequence[int] | None = None, chunk_size: int | None = None) -> Trajectory:
+                sde_steps: Sequence[int] | None = None, chunk_size: int | None = None,
+                group_size: int = 1) -> Trajectory:
     """Sample ``z_0 -> z_T`` recording latents, velocities and log-probs: the SDE step at the steps
     ``sde_steps`` (default: all), the Euler ODE step at the others.
 
     The noise of every SDE step is drawn first, step by step for the whole batch (the order of drawing
     one batch step by step), then the batch is denoised ``chunk_size`` samples at a time (default: all
     at once): a rollout in chunks holds the activations of one chunk and samples exactly what one batch
-    would."""
+    would.
+
+    ``group_size = G > 1``: every G consecutive samples share their conditioning and initial noise (rows of
+    ``z0`` repeated G times), so their paths agree up to the first SDE step ``p``: the ODE steps ``0..p-1`` are
+    taken once per group, by the group's first sample, and copied to the others (shared prefix). The trajectory
+    is that of the unshared rollout of the same ``z0``."""
     num_steps = len(sigmas) - 1
     noisy = torch.zeros(num_steps, dtype=torch.bool)
     noisy[list(range(num_steps) if sde_steps is None else sde_steps)] = True
@@ -118,6 +125,26 @@ def sde_rollout(model: FlowModel, cond: Conditioning, sigmas: torch.Tensor, nois
     noise = torch.zeros((num_steps, *z0.shape))
     for i in noisy.nonzero().flatten().tolist():
         noise[i] = torch.randn(z0.shape, generator=generator, dtype=torch.float32)
+    prefix = int(noisy.int().argmax()) if group_size > 1 and noisy.any() else 0
+    if prefix == 0:
+        return _rollout(model, cond, sigmas, std_t, z0, noise, with_reference, chunk_size)
+    heads = torch.arange(0, z0.shape[0], group_size)
+    if not torch.equal(z0, z0[heads].repeat_interleave(group_size, dim=0)):
+        raise ValueError(f"a shared-prefix rollout needs the same initial noise within each group of {group_size}")
+    shared = _rollout(model, select_conditioning(cond, heads), sigmas[:prefix + 1], std_t[:prefix], z0[heads],
+                      noise[:prefix, heads], False, chunk_size)
+    branched = _rollout(model, cond, sigmas[prefix:], std_t[prefix:],
+                        shared.latents[-1].repeat_interleave(group_size, dim=0), noise[prefix:], with_reference,
+                        chunk_size)
+    copied = shared.select(torch.arange(len(heads)).repeat_interleave(group_size))
+    return Trajectory(torch.cat([copied.latents[:-1], branched.latents]),
+                      torch.cat([copied.velocities, branched.velocities]),
+                      torch.cat([copied.log_probs, branched.log_probs]), sigmas, std_t, branched.ref_velocities)
+
+
+def _rollout(model: FlowModel, cond: Conditioning, sigmas: torch.Tensor, std_t: torch.Tensor, z0: torch.Tensor,
+             noise: torch.Tensor, with_reference: bool, chunk_size: int | None) -> Trajectory:
+    """The rollout of ``z0`` through ``sigmas`` given each step's noise, ``chunk_size`` samples at a time."""
     chunks = torch.arange(z0.shape[0]).split(chunk_size or z0.shape[0])
     parts = [_rollout_chunk(model, select_conditioning(cond, index), sigmas, std_t, z0[index], noise[:, index],
                             with_reference) for index in chunks]

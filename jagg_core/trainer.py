@@ -33,7 +33,7 @@ from .config import BackwardConfig, RunConfig
 from .errors import UserError
 from .grpo import LossSettings, group_advantages
 from .hubclient import resolve_lora
-from .images import captioned_grid, to_pil
+from .images import captioned_grid, sample_pictures, still_frames, to_pil
 from .jagg import BackwardPlan, BackwardResult, Window, make_plan, run_backward
 from .models import load_flow_model
 from .models.base import Conditioning, FlowModel
@@ -81,7 +81,7 @@ class Rollout:
     trajectory: Trajectory
     cond: Conditioning
     prompts: list[str]                       # the prompt of each sample
-    images: torch.Tensor                     # [N, 3, H, W] in [0, 1]
+    images: torch.Tensor                     # [N, 3, H, W] in [0, 1] (a video model: [N, F, 3, H, W])
     spans: list[range]                       # the trained steps (jagg_core.placement)
     rewards: torch.Tensor                    # [N] combined reward
     reward_parts: dict[str, torch.Tensor]    # each reward term, [N]
@@ -121,7 +121,7 @@ class Trainer:
                                           num_training_steps=cfg.train.iterations * cfg.grpo.inner_epochs,
                                           num_cycles=cfg.train.lr_num_cycles)
         self.ema = EMAModel(self.params, decay=cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
-        self.reward = build_rewards(cfg.rewards, self.accelerator.device)
+        self.reward = build_rewards(cfg.rewards, self.accelerator.device, reward_frames=cfg.sampling.reward_frames)
         self.sigmas = self.model.sigmas(cfg.sampling.num_steps, cfg.sampling.resolution)
         self.eval_sigmas = self.model.sigmas(cfg.sampling.eval_num_steps or cfg.sampling.num_steps,
                                              cfg.sampling.resolution)
@@ -138,12 +138,13 @@ class Trainer:
         encoders are released before the transformer and VAE take the device."""
         cfg = self.config
         device = self.accelerator.device
-        placement = {"place_transformer": not fsdp_requested()}  # FSDP places each rank's shard itself
+        options = {"place_transformer": not fsdp_requested(),  # FSDP places each rank's shard itself
+                   "num_frames": cfg.sampling.num_frames}
         if not cfg.model.cache_text_embeddings:
-            return load_flow_model(cfg.model, device, seed=cfg.train.seed, **placement)
+            return load_flow_model(cfg.model, device, seed=cfg.train.seed, **options)
         prompts = self.train_prompts + self.eval_prompts
         saved = load_embeddings(self.run.text_embeddings_file, prompts, cfg.model) if self.resume else None
-        model = load_flow_model(cfg.model, device, seed=cfg.train.seed, text_encoders=saved is None, **placement)
+        model = load_flow_model(cfg.model, device, seed=cfg.train.seed, text_encoders=saved is None, **options)
         if saved is not None:
             model.load_embeddings(saved)
             self._log(f"text embeddings of {len(saved)} prompts read from {self.run.text_embeddings_file.name}")
@@ -243,7 +244,8 @@ class Trainer:
         cfg = self.config
         return trained_spans(cfg.sampling.num_steps, cfg.grpo.timestep_fraction, cfg.grpo.window_placement,
                              cfg.grpo.trained_start, cfg.backward.window,
-                             seed=iteration_seed(cfg.train.seed, iteration, 0, 2))
+                             seed=iteration_seed(cfg.train.seed, iteration, 0, 2), iteration=iteration,
+                             slide_every=cfg.grpo.slide_every)
 
     def rollout(self, iteration: int) -> Rollout:
         cfg = self.config
@@ -254,12 +256,14 @@ class Trainer:
         sample_prompts = [p for p in prompts for _ in range(group)]
         cond = self.model.conditioning(sample_prompts)
         generator = torch.Generator().manual_seed(iteration_seed(cfg.train.seed, iteration, self.rank, 1))
-        z0 = initial_noise(self.model, len(sample_prompts), cfg.sampling.resolution, generator)
+        shared = group if cfg.grpo.shared_prefix else 1  # samples per initial noise
+        z0 = initial_noise(self.model, len(sample_prompts) // shared, cfg.sampling.resolution, generator)
         with self.accelerator.autocast():
-            traj = sde_rollout(self.model, cond, self.sigmas, cfg.sampling.noise_level, z0, generator,
-                               with_reference=cfg.grpo.kl_beta > 0,
+            traj = sde_rollout(self.model, cond, self.sigmas, cfg.sampling.noise_level,
+                               z0.repeat_interleave(shared, dim=0), generator,
+                               with_reference=cfg.grpo.kl_beta > 0 and cfg.grpo.kl_reference == "rollout",
                                sde_steps=trained_steps(spans) if cfg.grpo.ode_after_trained else None,
-                               chunk_size=cfg.sampling.rollout_batch_size)
+                               chunk_size=cfg.sampling.rollout_batch_size, group_size=shared)
             with torch.no_grad():
                 images = self.model.decode(traj.latents[-1])
         rewards, parts = self.reward(images, sample_prompts)
@@ -400,12 +404,13 @@ class Trainer:
         if not self.is_main:  # a sharded transformer samples on every process; rank 0 scores and writes
             return {}
         rewards, parts = self.reward(images, self.eval_prompts)
-        pictures = to_pil(images)
         what = "base model" if iteration == 0 else f"iteration {iteration}"
-        sheet = captioned_grid(pictures, [f"{p} · {r:.2f}" for p, r in zip(self.eval_prompts, rewards.tolist())],
+        sheet = captioned_grid(to_pil(still_frames(images)),
+                               [f"{p} · {r:.2f}" for p, r in zip(self.eval_prompts, rewards.tolist())],
                                title=f"{what} · eval reward {float(rewards.mean()):.3f}")
-        self.run.write_images(self.run.samples_dir(iteration), pictures, self.eval_prompts, grid=sheet,
-                              rewards=rewards.tolist(), iteration=iteration)
+        pictures, videos = sample_pictures(images)
+        self.run.write_images(self.run.samples_dir(iteration), pictures, self.eval_prompts, grid=sheet, videos=videos,
+                              fps=cfg.sampling.fps, rewards=rewards.tolist(), iteration=iteration)
         log_eval_grid(self.accelerator, sheet, iteration)
         return {metrics.EVAL_REWARD_MEAN: float(rewards.mean()),
                 **{metrics.eval_reward_part(name): float(v.mean()) for name, v in parts.items()},
@@ -486,8 +491,9 @@ class Trainer:
         rollout = self.rollout(iteration)
         time_rollout = time.perf_counter() - t0
         if self.is_main:
-            self.run.write_images(self.run.rollouts_dir, to_pil(rollout.images), rollout.prompts,
-                                  rewards=rollout.rewards.tolist(), iteration=iteration)
+            pictures, videos = sample_pictures(rollout.images)
+            self.run.write_images(self.run.rollouts_dir, pictures, rollout.prompts, videos=videos,
+                                  fps=cfg.sampling.fps, rewards=rollout.rewards.tolist(), iteration=iteration)
         all_rewards = self.accelerator.gather(rollout.rewards.to(self.accelerator.device)).cpu()
         learning_rate = self.lr_scheduler.get_last_lr()[0]  # the rate of this iteration's (first) update
         t1 = time.perf_counter()
@@ -516,7 +522,8 @@ class Trainer:
                 row.update(self.evaluate(iteration))
             elif self.sharding.enabled:
                 self.evaluate(iteration)  # every process takes part in a sharded transformer's forwards
-        eval_part = f"  eval {row[metrics.EVAL_REWARD_MEAN]:.4f}" if metrics.EVAL_REWARD_MEAN in row else ""
+        eval_part = f"  eval {row[metrics.EVAL_REWARD_MEAN]:.4f} ({row[metrics.TIME_EVAL]:.1f}s)" \
+            if metrics.EVAL_REWARD_MEAN in row else ""
         self._log(f"iter {iteration}/{cfg.train.iterations}  reward {row[metrics.REWARD_MEAN]:.4f} "
                   f"± {row[metrics.REWARD_STD]:.3f}  loss {row.get(metrics.LOSS, float('nan')):+.3e}{eval_part}"
                   f"  rollout {time_rollout:.1f}s  train {time_train:.1f}s")

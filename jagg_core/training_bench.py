@@ -1,16 +1,18 @@
-"""Whole trainings, exact backward against JAGG (``python -m jagg_core.bench --training``).
+"""Whole trainings, the default against the exact backward (and Flow-GRPO's default iteration)
+(``python -m jagg_core.bench --training [--flow-grpo]``).
 
-For every seed, the run config (the default task unless told) is trained to its full length twice, with
-``backward.mode: exact`` and with the config's own JAGG backward, same seed (so the same prompts and initial
-noise at every iteration until the adapters part), through :meth:`~jagg_core.trainer.Trainer.fit`. The fidelity
-audit is off in both (it is timed apart anyway). Per run::
+For every seed, the run config (the default task unless told) is trained to its full length under each setup of
+:func:`comparison_setups` asked for: ``exact`` (the config with ``backward.mode: exact``), ``default`` (the config
+as it is) and, with ``--flow-grpo``, ``flow_grpo`` (Flow-GRPO's default iteration), same seed (so the same prompts
+at every iteration until the adapters part), through :meth:`~jagg_core.trainer.Trainer.fit`. The fidelity
+audit is off in all (it is timed apart anyway). Per run::
 
     gain     = held-out eval reward at the last iteration - at iteration 0 (the base model)
     minutes  = wall clock of the whole fit (rollouts, backward, evals, checkpoints) / 60
     train    = minutes of the train phase alone (the sum of time/train_s: the backward and the updates)
     gain/min = gain / minutes
 
-and per backward the mean and the sample standard deviation over the seeds. ``--plot`` draws each run's held-out
+and per setup the mean and the sample standard deviation over the seeds. ``--plot`` draws each run's held-out
 reward against its wall clock.
 """
 
@@ -22,7 +24,7 @@ import time
 from pathlib import Path
 
 from . import metrics
-from .config import RunConfig
+from .config import BackwardConfig, RunConfig, with_overrides
 from .report import markdown_table, plot_curves
 from .rundir import RunDirectory
 from .trainer import Trainer
@@ -50,21 +52,58 @@ def train_once(config: RunConfig, run_dir: Path) -> dict:
             "curve": curve}
 
 
-def training_rows(base: RunConfig, seeds=SEEDS) -> list[dict]:
-    """One row per backward (exact, then ``base``'s JAGG): each seed's run, and the mean and spread of its
+#: Flow-GRPO trains int(0.99 N) of the N rollout steps (its default timestep_fraction)
+FLOW_GRPO_TIMESTEP_FRACTION = 0.99
+
+
+def comparison_setups(config: RunConfig) -> dict[str, list[str]]:
+    """The setups compared, in whole iterations (``python -m jagg_core.bench``, section 3) and whole trainings, as
+    changes to ``config``:
+
+    - ``flow_grpo``: Flow-GRPO's default iteration: every step SDE, the exact backward over its trained steps
+      (``int(0.99 N)`` from the noise end: the fraction is written half a step under that count, for our ceil), the
+      reference velocities in the rollout;
+    - ``exact``: the config's own rollout settings with the exact backward;
+    - ``default``: the config as it is (on the CPU models the project's default task: JAGG, ODE outside the trained
+      steps, the reference in the training pass)."""
+    steps = config.sampling.num_steps
+    flow_grpo_steps = int(FLOW_GRPO_TIMESTEP_FRACTION * steps)
+    return {"flow_grpo": ["grpo.ode_after_trained=false", "grpo.shared_prefix=false", "grpo.kl_reference=rollout",
+                          "grpo.window_placement=range", "grpo.trained_start=0", "grpo.slide_every=0",
+                          f"grpo.timestep_fraction={(flow_grpo_steps - 0.5) / steps}", "backward.mode=exact"],
+            "exact": ["backward.mode=exact"],
+            "default": []}
+
+
+#: the setups' names in tables and plots
+SETUP_LABELS = {"flow_grpo": "Flow-GRPO default", "exact": "exact, same rollout", "default": "default"}
+
+
+def backward_label(backward: BackwardConfig) -> str:
+    """``exact``, or the JAGG variant's mode and window (``cached_shared W=3``)."""
+    if backward.mode == "exact":
+        return "exact"
+    mode = "forward" if backward.velocities == "forward" else "cached_shared" if backward.shared_knots else "cached"
+    return f"{mode} W={backward.window}"
+
+
+
+def training_rows(base: RunConfig, seeds=SEEDS, setups=("exact", "default")) -> list[dict]:
+    """One row per setup (of :func:`comparison_setups`): each seed's run, and the mean and spread of its
     figures."""
-    runs: dict[str, dict[int, dict]] = {"exact": {}, "jagg": {}}
+    changes = comparison_setups(base)
+    runs: dict[str, dict[int, dict]] = {name: {} for name in setups}
+    configs = {name: with_overrides(base, [*changes[name], "backward.audit_every=0"]) for name in setups}
     with tempfile.TemporaryDirectory() as root:
         for seed in seeds:
-            for mode in runs:
-                config = base.model_copy(deep=True)
-                config.train.seed = seed
-                config.backward = config.backward.model_copy(update={"audit_every": 0, "mode": mode})
-                runs[mode][seed] = train_once(config, Path(root) / f"{mode}-{seed}")
+            for name, config in configs.items():
+                runs[name][seed] = train_once(with_overrides(config, [f"train.seed={seed}"]),
+                                              Path(root) / f"{name}-{seed}")
     rows = []
-    for mode, by_seed in runs.items():
-        row = {"section": "training", "model": base.model.name, "mode": mode,
-               "window": base.backward.window if mode == "jagg" else 1, "iterations": base.train.iterations,
+    for name, by_seed in runs.items():
+        config = configs[name]
+        row = {"section": "training", "model": base.model.name, "setup": name,
+               "backward": backward_label(config.backward), "iterations": base.train.iterations,
                "seeds": list(seeds), "runs": {str(seed): run for seed, run in by_seed.items()}}
         for key in ("gain", "minutes", "train_minutes", "gain_per_minute"):
             values = [run[key] for run in by_seed.values()]
@@ -79,9 +118,9 @@ def format_training(rows: list[dict]) -> str:
     def spread(row, key, spec):
         std = row[f"{key}_std"]
         return format(row[key], spec) + (f" ± {format(std, spec.lstrip('+'))}" if std is not None else "")
-    header = ["model", "backward", "iterations", "seeds", "held-out gain", "minutes", "train-phase minutes",
+    header = ["model", "setup", "backward", "iterations", "seeds", "held-out gain", "minutes", "train-phase minutes",
               "gain per minute"]
-    lines = [[r["model"], "exact" if r["mode"] == "exact" else f"JAGG W={r['window']}", str(r["iterations"]),
+    lines = [[r["model"], SETUP_LABELS[r["setup"]], r["backward"], str(r["iterations"]),
               str(len(r["seeds"])), spread(r, "gain", "+.4f"), spread(r, "minutes", ".2f"),
               spread(r, "train_minutes", ".2f"), spread(r, "gain_per_minute", "+.4f")] for r in rows]
     return markdown_table(header, lines) + "\n"
@@ -89,7 +128,7 @@ def format_training(rows: list[dict]) -> str:
 
 def plot_training(rows: list[dict], path: str | Path) -> None:
     """Held-out reward against wall-clock seconds of every run."""
-    series = [("exact" if r["mode"] == "exact" else f"JAGG W={r['window']}",
+    series = [(f"{SETUP_LABELS[r['setup']]} ({r['backward']})",
                {seed: run["curve"] for seed, run in r["runs"].items()}) for r in rows]
     plot_curves(series, f"{rows[0]['model']}: held-out reward vs wall-clock ({rows[0]['iterations']} iterations)",
                 "cumulative seconds (rollout + train + eval)", "held-out eval reward", path)

@@ -33,3 +33,84 @@ def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subpro
 @pytest.fixture
 def offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def tiny_clip(tmp_path_factory):
+    """A tiny random CLIP (32 px images, a letters-only tokenizer) saved as a model folder, and an aesthetic head for
+    its 16-wide embeddings: ``(folder, head .pth)``."""
+    import torch
+    from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel, CLIPProcessor, CLIPTokenizer
+
+    from jagg_core.rewards.clip import AestheticHead
+
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for token in [*letters, *(c + "</w>" for c in letters)]:
+        vocab[token] = len(vocab)
+    tokenizer = CLIPTokenizer(vocab=vocab, merges=[])
+    image_processor = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    torch.manual_seed(0)
+    config = CLIPConfig(
+        text_config=dict(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, max_position_embeddings=32, bos_token_id=0, eos_token_id=1,
+                         pad_token_id=1),
+        vision_config=dict(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=1, num_attention_heads=2),
+        projection_dim=16,
+    )
+    folder = tmp_path_factory.mktemp("tiny-clip")
+    CLIPModel(config).eval().save_pretrained(folder)
+    CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(folder)
+    head = tmp_path_factory.mktemp("head") / "head.pth"
+    torch.save(AestheticHead(16).state_dict(), head)
+    return str(folder), str(head)
+
+
+def euler_ode(model, z0, sigmas, cond):
+    """The sampler's Euler ODE from ``z0``, ``z_{i+1} = z_i + (sigma_{i+1} - sigma_i) v(z_i, sigma_i)``: the final
+    latents and their decoding."""
+    import torch
+
+    z = z0
+    with torch.no_grad():
+        for i in range(len(sigmas) - 1):
+            z = z + (sigmas[i + 1] - sigmas[i]) * model.velocity(z, sigmas[i], cond)
+        return z, model.decode(z)
+
+
+def pipeline_with_final_latents(pipe, **call):
+    """``pipe(**call)`` and the latents after its last denoising step (from ``callback_on_step_end``)."""
+    final = {}
+
+    def keep_latents(_pipe, _step, _timestep, tensors):
+        final["latents"] = tensors["latents"]
+        return {}
+
+    output = pipe(callback_on_step_end=keep_latents, **call)
+    return output, final["latents"].float()
+
+
+def add_moved_lora(model):
+    """Add a rank-4 LoRA (alpha 8) to ``model`` and move all its weights off their initialisation (seeded), so that
+    it changes the velocity; its parameters."""
+    import torch
+
+    from jagg_core.config import LoraConfig
+
+    params = model.add_lora(LoraConfig(rank=4, alpha=8.0))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in params:
+            param.add_(0.2 * torch.randn(param.shape, generator=generator))
+    return params
+
+
+def adapter_and_base_velocity(model, z, sigma, cond):
+    """The velocity with ``model``'s LoRA on, and with it off."""
+    import torch
+
+    with torch.no_grad():
+        trained = model.velocity(z, sigma, cond)
+        with model.adapters_disabled():
+            return trained, model.velocity(z, sigma, cond)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -186,6 +187,10 @@ def test_run_lifecycle_start_refuse_stop_resume_finish_push(served, fake_hub):
     assert RunDirectory(run_dir).sample_iterations() == [0, 5, total]
     prog = live.progress(run_dir)
     assert (prog.state, prog.iteration, prog.total) == ("finished", total, total)
+    assert {"rollout", "train", "eval"} <= set(prog.phase_s) and all(v > 0 for v in prog.phase_s.values())
+    assert re.search(r"An iteration costs rollout [\d.]+ s, train [\d.]+ s, (audit [\d.]+ s, )?eval [\d.]+ s "
+                     r"\(each eval\)",
+                     live.timing_words(prog))
 
     no_token = client.predict(run, "latest adapter", "alice/app-lora", "private", "", api_name="/push")
     assert no_token.startswith("**Not pushed:** no Hugging Face token")

@@ -15,7 +15,7 @@ import transformers
 
 import diffusers
 from jagg_core.archs import (arch_folder, arch_for_model, arch_names, hub_id, parse_random_model, transformer_config,
-                             with_depth)
+                             transformer_depth, with_depth)
 from jagg_core.bench import ROW_KEYS, arch_model, arch_options, arch_overrides
 from jagg_core.bench import main as bench_main
 from jagg_core.config import ModelConfig
@@ -38,8 +38,17 @@ for _arch in ("sd35-medium", "sd35-large"):
                          "text_encoder_3": (4.7, 4.8), "vae": (0.08, 0.09)})
 for _arch in ("flux-dev", "flux-schnell"):
     SIZES[_arch].update({"text_encoder": (0.12, 0.125), "text_encoder_2": (4.7, 4.8), "vae": (0.08, 0.09)})
+SIZES["flux-kontext"], SIZES["qwen-image-edit"] = dict(SIZES["flux-dev"]), dict(SIZES["qwen-image"])  # same models
+SIZES["flux2-klein-4b"] = {"transformer": (3.8, 4.0), "text_encoder": (4.0, 4.05), "vae": (0.08, 0.09)}
+SIZES["z-image-turbo"] = {"transformer": (6.1, 6.2), "text_encoder": (4.0, 4.05), "vae": (0.08, 0.09)}
+SIZES["wan21-t2v-1.3b"] = {"transformer": (1.40, 1.45), "text_encoder": (5.6, 5.8), "vae": (0.12, 0.13)}
 PIPELINES = {"sd35-medium": "StableDiffusion3Pipeline", "sd35-large": "StableDiffusion3Pipeline",
-             "flux-dev": "FluxPipeline", "flux-schnell": "FluxPipeline", "qwen-image": "QwenImagePipeline"}
+             "flux-dev": "FluxPipeline", "flux-schnell": "FluxPipeline", "qwen-image": "QwenImagePipeline",
+             "flux2-klein-4b": "Flux2KleinPipeline", "z-image-turbo": "ZImagePipeline",
+             "flux-kontext": "FluxKontextPipeline", "qwen-image-edit": "QwenImageEditPipeline",
+             "wan21-t2v-1.3b": "WanPipeline"}
+#: components of a pipeline besides its models, scheduler and tokenizers (their files are not shipped)
+OTHER_COMPONENTS = {"qwen-image-edit": {"processor"}}
 
 
 def model_index(arch: str) -> dict:
@@ -51,9 +60,10 @@ def test_every_arch_ships_its_pipeline_folder():
     for arch in arch_names():
         index = model_index(arch)
         assert index["_class_name"] == PIPELINES[arch] and index["_diffusers_version"]
-        components = {name for name, spec in index.items() if not name.startswith("_")}
+        components = {name for name, spec in index.items() if not name.startswith("_") and isinstance(spec, list)}
         assert components == set(SIZES[arch]) | {"scheduler"} | {n.replace("text_encoder", "tokenizer")
-                                                                 for n in SIZES[arch] if n.startswith("text_encoder")}
+                                                                 for n in SIZES[arch] if n.startswith("text_encoder")} \
+            | OTHER_COMPONENTS.get(arch, set())
         config_files = {name: arch_folder(arch) / name / "config.json" for name in SIZES[arch]}
         assert all(path.is_file() and path.stat().st_size < 8192 for path in config_files.values()), config_files
         assert (arch_folder(arch) / "scheduler" / "scheduler_config.json").is_file()
@@ -81,15 +91,18 @@ def test_each_config_loads_with_the_real_classes_at_the_published_size(arch, com
 @pytest.mark.parametrize("arch", list(SIZES))
 def test_diffusers_reads_the_folder_as_a_pipeline(arch):
     """``DiffusionPipeline.from_pretrained`` on the folder picks the pipeline class of model_index.json, takes every
-    component given, and loads the real scheduler config."""
+    component given, and loads the real scheduler config. (For WanPipeline, whose ``transformer`` argument is optional,
+    DiffusionPipeline.from_pretrained would reload the passed transformer from the folder: its own class takes it.)"""
     pipe = build_random_pipeline(arch, device="meta")
     given = {name: module for name, module in pipe.components.items() if name != "scheduler"}
-    loaded = diffusers.DiffusionPipeline.from_pretrained(arch_folder(arch), **given)
+    loader = diffusers.WanPipeline if PIPELINES[arch] == "WanPipeline" else diffusers.DiffusionPipeline
+    loaded = loader.from_pretrained(arch_folder(arch), **given)
     assert type(loaded).__name__ == PIPELINES[arch]
     scheduler = json.loads((arch_folder(arch) / "scheduler" / "scheduler_config.json").read_text())
-    assert loaded.scheduler.config.shift == scheduler["shift"]
-    assert loaded.scheduler.config.use_dynamic_shifting == scheduler.get("use_dynamic_shifting", False)
-    assert loaded.transformer.config.num_layers == transformer_config(arch)["num_layers"]
+    shift = "flow_shift" if "flow_shift" in scheduler else "shift"  # Wan's UniPC scheduler: flow_shift
+    assert loaded.scheduler.config[shift] == scheduler[shift]
+    assert loaded.scheduler.config.get("use_dynamic_shifting", False) == scheduler.get("use_dynamic_shifting", False)
+    assert transformer_depth(loaded.transformer.config) == transformer_depth(transformer_config(arch))
 
 
 def test_model_names_map_to_archs():

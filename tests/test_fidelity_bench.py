@@ -33,14 +33,15 @@ def test_training_comparison_reports_gain_time_and_spread(tmp_path, offline):
     from jagg_core.training_bench import format_training, plot_training, training_rows
 
     config = tiny_config(train__iterations=1, backward__audit_every=1)
-    rows = training_rows(config, seeds=(0, 1))
-    assert [r["mode"] for r in rows] == ["exact", "jagg"] and rows[1]["window"] == 3
+    rows = training_rows(config, seeds=(0, 1), setups=("flow_grpo", "exact", "default"))
+    assert [(r["setup"], r["backward"]) for r in rows] == [("flow_grpo", "exact"), ("exact", "exact"),
+                                                           ("default", "cached W=3")]
     for row in rows:
         assert set(row["runs"]) == {"0", "1"} and row["gain_std"] is not None and row["minutes"] > 0
         for run in row["runs"].values():
             assert [point[1] for point in run["curve"]][-1] - run["curve"][0][1] == pytest.approx(run["gain"])
             assert run["gain_per_minute"] == pytest.approx(run["gain"] / run["minutes"])
             assert 0 < run["train_minutes"] < run["minutes"]
-    assert "train-phase minutes" in format_training(rows)
+    assert "train-phase minutes" in format_training(rows) and "| Flow-GRPO default | exact |" in format_training(rows)
     plot_training(rows, tmp_path / "training.png")
     assert (tmp_path / "training.png").stat().st_size > 0

@@ -28,16 +28,19 @@ def test_the_check_covers_every_family_both_real_archs_and_the_16_24_gb_presets(
     assert names[:4] == ["device", "tiny-sd3", "tiny-flux", "tiny-qwen"]
     assert {"bench-sd35-medium", "bench-flux-dev"} <= set(names)
     assert set(memory_presets()) == {"sd35-medium-pickscore-16gb", "flux-dev-pickscore-24gb",
-                                     "qwen-image-pickscore-24gb"}
+                                     "qwen-image-pickscore-24gb", "flux2-klein-pickscore-24gb",
+                                     "zimage-turbo-pickscore-24gb", "wan21-t2v-1.3b-pickscore-24gb",
+                                     "flux-kontext-clipdir-24gb", "qwen-image-edit-clipdir-24gb"}
     assert {f"memory-{p}" for p in memory_presets()} <= set(names)
 
 
 @pytest.mark.parametrize("preset", ["sd35-medium-pickscore-16gb", "flux-dev-pickscore-24gb",
-                                    "qwen-image-pickscore-24gb"])
+                                    "qwen-image-pickscore-24gb", "wan21-t2v-1.3b-pickscore-24gb"])
 def test_the_measured_recipe_keeps_what_memory_depends_on(preset):
     full, measured = load_config(preset=preset), memory_recipe(preset, CheckOptions())
     same = ["model.dtype", "model.quantize", "model.max_sequence_length", "model.cache_text_embeddings",
-            "sampling.resolution", "sampling.rollout_batch_size", "lora.rank", "lora.target_modules",
+            "sampling.resolution", "sampling.num_frames", "sampling.rollout_batch_size", "lora.rank",
+            "lora.target_modules",
             "backward.mode", "backward.window", "backward.joint", "backward.velocities", "train.optimizer",
             "train.mixed_precision", "train.gradient_checkpointing", "grpo.kl_beta", "sampling.num_steps"]
     for key in same:

@@ -38,7 +38,8 @@ def test_kl_forms_equal_their_formulas(form):
     traj = sde_rollout(Shifted(), {}, sigmas, 0.8, torch.randn(4, 16, generator=gen), gen, with_reference=True)
     settings = LossSettings(clip_range=0.2, kl_beta=2.0, kl_form=form)
     for i in range(5):
-        loss, stats = step_loss(traj.velocities[i], i, traj, torch.zeros(4), settings)  # A = 0: the KL term alone
+        loss, stats = step_loss(traj.velocities[i], i, traj, torch.zeros(4), settings,  # A = 0: the KL term alone
+                                 traj.reference_velocity(i))
         s, s_next, std_t = float(sigmas[i]), float(sigmas[i + 1]), float(traj.std_t[i])
         dt = s_next - s
         gap = 0.3 * (1 + std_t ** 2 * (1 - s) / (2 * s)) * dt  # mean_theta - mean_ref for a velocity gap of 0.3

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import replace
 
 import pytest
 import torch
@@ -72,7 +73,8 @@ def exact_gradient(model, traj, cond, adv, settings):
     """Ground truth by plain autograd: d/dtheta sum_j L_j(v_theta(z_j, sigma_j))."""
     for p in params_of(model):
         p.grad = None
-    total = sum(step_loss(model.velocity(traj.latents[j], traj.sigmas[j], cond), j, traj, adv, settings)[0]
+    total = sum(step_loss(model.velocity(traj.latents[j], traj.sigmas[j], cond), j, traj, adv, settings,
+                          traj.reference_velocity(j) if settings.kl_beta > 0 else None)[0]
                 for j in range(traj.num_steps))
     total.backward()
     return torch.cat([p.grad.flatten().clone() for p in params_of(model)])
@@ -130,6 +132,46 @@ def test_jagg_with_kl_is_exact_when_jacobian_is_affine():
     config = BackwardConfig(mode="jagg", window=5, velocities="forward")
     got, _, _ = backward_gradient(model, traj, cond, adv, settings, config, on_policy=False)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("config", [BackwardConfig(mode="exact"), BackwardConfig(mode="jagg", window=5),
+                                    BackwardConfig(mode="jagg", window=4, shared_knots=True, velocities="forward")],
+                         ids=["exact", "jagg W=5 cached", "jagg W=4 shared forward"])
+@pytest.mark.parametrize("on_policy", [True, False])
+def test_the_reference_computed_in_the_training_pass_equals_the_rollouts(config, on_policy):
+    """``grpo.kl_reference: train``: the reference velocities come from no-grad forwards with the adapter disabled
+    at the pass steps and are interpolated inside JAGG windows. The adapter's part of v here is A + sigma B, affine
+    in sigma and independent of z, so the loss, the KL and the gradient equal the per-step form with the
+    rollout's reference velocities at every step."""
+    model = AffineJacobianModel()
+    with torch.no_grad():  # the rollout's policy is off the reference, so the KL has a value and a gradient
+        model.C.zero_()  # (frozen, but sigma^2 C is part of the adapter's velocity)
+        model.A.add_(0.05)
+        model.B.sub_(0.08)
+    traj, cond, adv = rollout(model, kl=True)
+    if not on_policy:
+        with torch.no_grad():
+            model.B.add_(0.03)
+    settings = LossSettings(clip_range=0.2, kl_beta=0.5, scale=1.0 / STEPS)
+    expected = exact_gradient(model, traj, cond, adv, settings)
+    with_rollout_reference = backward_gradient(model, traj, cond, adv, settings, config, on_policy)
+    in_training = backward_gradient(model, replace(traj, ref_velocities=None), cond, adv, settings, config, on_policy)
+    torch.testing.assert_close(in_training[0], expected, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(with_rollout_reference[0], expected, rtol=1e-5, atol=1e-7)
+    assert in_training[2].kl == pytest.approx(with_rollout_reference[2].kl, rel=1e-5) and in_training[2].kl > 1e-4
+    assert in_training[2].loss == pytest.approx(with_rollout_reference[2].loss, rel=1e-5)
+
+
+def test_the_interpolated_reference_is_an_approximation_off_its_assumption():
+    """Guards the test above: with sigma^2 C in the adapter's part of v the training pass's reference differs from
+    the per-step one at the interpolated steps only."""
+    model = AffineJacobianModel(curvature=True)
+    traj, cond, adv = rollout(model, kl=True)
+    settings = LossSettings(clip_range=0.2, kl_beta=0.5, scale=1.0 / STEPS)
+    for config, same in ((BackwardConfig(mode="exact"), True), (BackwardConfig(mode="jagg", window=10), False)):
+        rollout_kl = backward_gradient(model, traj, cond, adv, settings, config)[2].kl
+        training_kl = backward_gradient(model, replace(traj, ref_velocities=None), cond, adv, settings, config)[2].kl
+        assert (training_kl == pytest.approx(rollout_kl, rel=1e-6)) == same
 
 
 def test_jagg_is_not_exact_when_jacobian_is_curved():

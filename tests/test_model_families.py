@@ -21,6 +21,8 @@ from jagg_core.models.base import NEGATIVE
 from jagg_core.models.flux import FluxModel
 from jagg_core.models.tiny import build_tiny_pipeline
 
+from conftest import adapter_and_base_velocity, add_moved_lora, euler_ode, pipeline_with_final_latents
+
 FAMILY = {"tiny-sd3": "sd3", "tiny-flux": "flux", "tiny-qwen": "qwen-image"}
 NAMES = list(FAMILY)
 RES, STEPS = 32, 3
@@ -79,12 +81,12 @@ def test_tiny_models_load_with_their_family(name):
     assert sum(p.numel() for p in model.transformer.parameters()) < 1_000_000
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [*NAMES, "tiny-flux2", "tiny-zimage"])  # FLUX.2, Z-Image: test_new_families.py
 def test_local_folder_loads_and_family_is_detected(name, tmp_path):
     model = load(name)
     model.pipe.save_pretrained(tmp_path)
     reloaded = load_flow_model(ModelConfig(name=str(tmp_path), max_sequence_length=32))
-    assert type(reloaded) is type(model) and reloaded.family == FAMILY[name]
+    assert type(reloaded) is type(model) and reloaded.family == model.family
     z, cond = noise(model, 1), model.conditioning(PROMPTS[:1])
     with torch.no_grad():
         expected = model.velocity(z, torch.tensor(0.7), cond)
@@ -104,7 +106,10 @@ def test_flux_rejects_t5_sequences_longer_than_the_pipeline_allows():
 
 
 def test_families_are_registered_by_pipeline_class():
-    assert {cls.family for cls in FAMILIES.values()} == set(FAMILY.values())
+    """The image families here, Wan (video, tests/test_video.py), the editing families (tests/test_editing.py) and
+    FLUX.2 [klein] and Z-Image (tests/test_new_families.py)."""
+    assert {cls.family for cls in FAMILIES.values()} == set(FAMILY.values()) | {"wan", "flux-kontext",
+                                                                                "qwen-image-edit", "flux2", "z-image"}
 
 
 def test_tiny_qwen_tokenizer_drops_exactly_the_template_prefix():
@@ -151,7 +156,7 @@ def test_schnell_sigmas_are_the_pipelines_schedule():
 
 
 # ----- velocity and decoding --------------------------------------------------------------------
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [*NAMES, "tiny-flux2", "tiny-zimage"])
 def test_velocity_shape_cfg_and_decode(name):
     plain, guided = load(name), load(name, guidance_scale=4.0, negative_prompt="blurry")
     z, sigma = noise(plain, 2), torch.tensor([0.9, 0.4])
@@ -193,23 +198,12 @@ def test_euler_ode_reproduces_pipeline(variant, guidance_scale):
                          negative_prompt="ugly", flux_guidance=2.5, max_sequence_length=32)
     model = schnell(config) if variant.endswith("schnell") else load_flow_model(config)
     z0 = noise(model, len(PROMPTS), seed=1)
-    sigmas, cond = model.sigmas(STEPS, RES), model.conditioning(PROMPTS)
-    z = z0
-    with torch.no_grad():
-        for i in range(STEPS):
-            z = z + (sigmas[i + 1] - sigmas[i]) * model.velocity(z, sigmas[i], cond)
-        images = model.decode(z)
-
-    final = {}
-
-    def keep_latents(pipe, step, timestep, tensors):
-        final["latents"] = tensors["latents"]
-        return {}
-
-    output = model.pipe(prompt=PROMPTS, num_inference_steps=STEPS, latents=z0.clone(), output_type="pt",
-                        callback_on_step_end=keep_latents, **pipeline_kwargs(model))
+    sigmas = model.sigmas(STEPS, RES)
+    z, images = euler_ode(model, z0, sigmas, model.conditioning(PROMPTS))
+    output, latents = pipeline_with_final_latents(model.pipe, prompt=PROMPTS, num_inference_steps=STEPS,
+                                                  latents=z0.clone(), output_type="pt", **pipeline_kwargs(model))
     torch.testing.assert_close(model.pipe.scheduler.sigmas, sigmas, atol=1e-6, rtol=0)
-    torch.testing.assert_close(z, final["latents"].float(), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(z, latents, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(images, output.images.float(), atol=1e-4, rtol=1e-4)
 
 
@@ -217,17 +211,10 @@ def test_euler_ode_reproduces_pipeline(variant, guidance_scale):
 @pytest.mark.parametrize("name", NAMES)
 def test_saved_lora_reloads_in_a_fresh_pipeline(name, tmp_path):
     model = load(name)
-    params = model.add_lora(LoraConfig(rank=4, alpha=8.0))
+    params = add_moved_lora(model)
     assert params and all(p.requires_grad for p in params)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for param in params:
-            param.add_(0.2 * torch.randn(param.shape, generator=generator))
     z, sigma, cond = noise(model, 2), torch.tensor([0.8, 0.3]), model.conditioning(PROMPTS)
-    with torch.no_grad():
-        trained = model.velocity(z, sigma, cond)
-        with model.adapters_disabled():
-            base = model.velocity(z, sigma, cond)
+    trained, base = adapter_and_base_velocity(model, z, sigma, cond)
     assert not torch.allclose(trained, base, atol=1e-3)
     path = model.save_lora(tmp_path)
     assert path.is_file()

@@ -30,6 +30,14 @@ def test_random_placement_draws_whole_blocks_by_seed():
     assert most_trained_steps(10, 0.5, "random", 3) == 6 and most_trained_steps(10, 0.5, "range", 3) == 5
 
 
+def test_a_sliding_range_moves_one_step_every_slide_every_iterations_then_stays():
+    starts = [trained_spans(10, 0.3, "range", 2, 5, seed=0, iteration=k, slide_every=4)[0].start
+              for k in range(1, 30)]
+    assert starts[:12] == [2] * 4 + [3] * 4 + [4] * 4 and max(starts) == starts[-1] == 7  # last range: 7..9
+    with pytest.raises(UserError, match="slide_every"):
+        tiny_config(grpo__window_placement="random", grpo__slide_every=2)
+
+
 def test_a_range_past_the_schedule_is_refused():
     with pytest.raises(UserError, match="trained_start"):
         tiny_config(grpo__timestep_fraction=0.5, grpo__trained_start=4)
@@ -38,7 +46,7 @@ def test_a_range_past_the_schedule_is_refused():
 @pytest.mark.parametrize("placement, start", [("range", 2), ("random", 0)])
 def test_rollouts_are_noisy_only_at_the_trained_steps(placement, start, tmp_path, offline):
     config = tiny_config(grpo__timestep_fraction=0.5, grpo__window_placement=placement, grpo__trained_start=start,
-                         grpo__ode_after_trained=True, grpo__kl_beta=0.1)
+                         grpo__ode_after_trained=True, grpo__kl_beta=0.1, grpo__kl_reference="rollout")
     trainer = Trainer(config, tmp_path)
     trainer.setup()
     rollout = trainer.rollout(3)
@@ -62,3 +70,22 @@ def test_a_random_placement_trains_end_to_end(tmp_path, offline):
     rows = [r for r in RunDirectory(tmp_path).read_metrics() if r["iteration"] > 0]
     assert len(rows) == 2 and all(r["train/grad_norm"] > 0 and r["train/kl"] >= 0 for r in rows)
     assert all(r[metrics.JAGG_WINDOWS] == 1 and r[metrics.BACKWARD_PASSES] == 2 for r in rows)  # one block of W = 3
+
+
+def test_a_shared_prefix_sliding_window_trains_end_to_end(tmp_path, offline):
+    """MixGRPO-style: the trained range slides one step per iteration; the G samples of a prompt share the initial
+    noise and the ODE path up to the range, branch inside it, and the reference comes from the training pass."""
+    config = tiny_config(grpo__timestep_fraction=0.5, grpo__trained_start=1, grpo__slide_every=1,
+                         grpo__ode_after_trained=True, grpo__shared_prefix=True, grpo__kl_beta=0.1,
+                         grpo__num_generations=3)
+    trainer = Trainer(config, tmp_path)
+    trainer.setup()
+    rollout = trainer.rollout(2)
+    assert rollout.spans == [range(2, 5)] and rollout.trajectory.ref_velocities is None
+    latents = rollout.trajectory.latents.unflatten(1, (2, 3))  # [steps + 1, prompt, sample of its group, ...]
+    for step in range(len(latents)):
+        same_within_groups = bool((latents[step] == latents[step][:, :1]).all())
+        assert same_within_groups == (step <= 2), step  # z_0 .. z_2 shared; the SDE step 2 branches z_3
+    trainer.fit()
+    rows = [r for r in RunDirectory(tmp_path).read_metrics() if r["iteration"] > 0]
+    assert len(rows) == 2 and all(r["train/grad_norm"] > 0 and r["train/kl"] >= 0 for r in rows)

@@ -87,34 +87,7 @@ def test_jpeg_rewards_prefer_flat_or_busy_images():
     assert small[0].item() == pytest.approx(-len(buffer.getvalue()) / 1000)
 
 
-# --- CLIP-based rewards on a tiny random CLIP saved to disk -------------------------------
-
-@pytest.fixture(scope="module")
-def tiny_clip(tmp_path_factory):
-    from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel, CLIPProcessor, CLIPTokenizer
-
-    letters = "abcdefghijklmnopqrstuvwxyz"
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for token in [*letters, *(c + "</w>" for c in letters)]:
-        vocab[token] = len(vocab)
-    tokenizer = CLIPTokenizer(vocab=vocab, merges=[])
-    image_processor = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    torch.manual_seed(0)
-    config = CLIPConfig(
-        text_config=dict(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, max_position_embeddings=32, bos_token_id=0, eos_token_id=1,
-                         pad_token_id=1),
-        vision_config=dict(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64,
-                           num_hidden_layers=1, num_attention_heads=2),
-        projection_dim=16,
-    )
-    folder = tmp_path_factory.mktemp("tiny-clip")
-    CLIPModel(config).eval().save_pretrained(folder)
-    CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(folder)
-    head = tmp_path_factory.mktemp("head") / "head.pth"
-    torch.save(AestheticHead(16).state_dict(), head)
-    return str(folder), str(head)
-
+# --- CLIP-based rewards on a tiny random CLIP saved to disk (conftest.tiny_clip) -------------------------------
 
 def reference_logits(folder, images, prompts):
     """``logits_per_image`` of the plain transformers forward, one row per image."""

@@ -3,8 +3,10 @@ closed-form Gaussian, on-policy ratio, ODE limit."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
+import pytest
 import torch
 
 from jagg_core.grpo import LossSettings, group_advantages, step_loss
@@ -133,3 +135,49 @@ def test_rollout_with_sde_steps_takes_the_ode_step_after_them():
         torch.testing.assert_close(traj.latents[i + 1], euler)
         assert (traj.log_probs[i] == 0).all()
     assert not torch.allclose(full.latents[3], full.latents[2] + full.velocities[2] * float(sigmas[3] - sigmas[2]))
+
+
+class CountingVelocity(NonlinearVelocity):
+    """Counts the samples it computes a velocity for."""
+
+    def __init__(self):
+        self.samples = 0
+
+    def velocity(self, z, sigma, cond):
+        self.samples += z.shape[0]
+        return self.field(z, sigma) + cond["c"]
+
+    def adapters_disabled(self):
+        return contextlib.nullcontext()
+
+
+def test_a_shared_prefix_rollout_is_the_unshared_rollout_of_the_same_noise_at_a_fraction_of_the_forwards():
+    """G samples of a prompt share the initial noise; the ODE steps before the first noisy step are taken once per
+    group: latents, velocities, log-probs, reference velocities and so the rewards and advantages are those of the
+    unshared rollout of the same noise."""
+    prompts, group, noisy = 3, 4, [4, 5, 6]
+    sigmas = torch.linspace(1, 0, 9) ** 1.2
+    z0 = torch.randn(prompts, 6, generator=torch.Generator().manual_seed(0)).repeat_interleave(group, dim=0)
+    cond = {"c": torch.arange(prompts, dtype=torch.float32).repeat_interleave(group)[:, None] / 10}
+    models, rollouts = {}, {}
+    for size in (1, group):
+        models[size] = CountingVelocity()
+        rollouts[size] = sde_rollout(models[size], cond, sigmas, 0.9, z0, torch.Generator().manual_seed(1),
+                                     with_reference=True, sde_steps=noisy, chunk_size=5, group_size=size)
+    shared, unshared = rollouts[group], rollouts[1]
+    for name in ("latents", "velocities", "log_probs", "ref_velocities", "std_t"):
+        torch.testing.assert_close(getattr(shared, name), getattr(unshared, name), rtol=0, atol=1e-6)
+    rewards = -shared.latents[-1].square().mean(1)
+    torch.testing.assert_close(group_advantages(rewards, group, 5.0),
+                               group_advantages(-unshared.latents[-1].square().mean(1), group, 5.0))
+    assert (shared.latents[-1][::group] != shared.latents[-1][1::group]).all()  # the group branched
+    per_sample = {size: model.samples / (prompts * group) for size, model in models.items()}
+    assert per_sample[1] == 8 + len(noisy)  # 8 policy steps, 3 reference forwards
+    assert per_sample[group] == 4 / group + 4 + len(noisy)  # the 4 prefix steps once per group
+
+
+def test_a_shared_prefix_needs_the_same_noise_within_a_group():
+    z0 = torch.randn(4, 6, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="same initial noise"):
+        sde_rollout(CountingVelocity(), {"c": torch.zeros(4, 1)}, torch.linspace(1, 0, 5), 0.7, z0,
+                    torch.Generator(), sde_steps=[2, 3], group_size=2)

@@ -24,6 +24,11 @@ HUB_IDS = {
     "flux-dev": "black-forest-labs/FLUX.1-dev",
     "flux-schnell": "black-forest-labs/FLUX.1-schnell",
     "qwen-image": "Qwen/Qwen-Image",
+    "flux-kontext": "black-forest-labs/FLUX.1-Kontext-dev",
+    "qwen-image-edit": "Qwen/Qwen-Image-Edit",
+    "flux2-klein-4b": "black-forest-labs/FLUX.2-klein-4B",
+    "z-image-turbo": "Tongyi-MAI/Z-Image-Turbo",
+    "wan21-t2v-1.3b": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
 }
 #: ``model.name`` of a random-weight model: ``random:<arch>`` (the real depth) or ``random:<arch>@<layers>``
 RANDOM_PREFIX = "random:"
@@ -77,9 +82,15 @@ def transformer_config(arch: str) -> dict:
     return json.loads((arch_folder(arch) / "transformer" / "config.json").read_text())
 
 
+def _depth_key(config: dict) -> str:
+    """The key of a transformer config's block count: ``num_layers``, Z-Image's ``n_layers`` (its main blocks; the
+    two noise and two caption refiner blocks stay)."""
+    return "n_layers" if "n_layers" in config else "num_layers"
+
+
 def transformer_depth(config: dict) -> int:
     """Transformer blocks of a transformer config (FLUX: double- plus single-stream blocks)."""
-    return config["num_layers"] + config.get("num_single_layers", 0)
+    return config[_depth_key(config)] + config.get("num_single_layers", 0)
 
 
 def with_depth(config: dict, layers: int) -> dict:
@@ -94,7 +105,7 @@ def with_depth(config: dict, layers: int) -> dict:
     dual = sorted(config.get("dual_attention_layers") or ())
     if dual:
         config["dual_attention_layers"] = dual[:round(len(dual) * layers / config["num_layers"])]
-    config["num_layers"] = layers
+    config[_depth_key(config)] = layers
     return config
 
 

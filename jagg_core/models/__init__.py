@@ -19,15 +19,23 @@ from ..hubclient import hub_offline
 from ..model_index import ASSETS_DIR, embedded_models, model_source, read_model_index  # noqa: F401 (re-exported)
 from .base import TEXT_ENCODERS, FlowModel, drop_text_encoders
 from .flux import FluxModel
+from .flux2 import Flux2KleinModel
+from .flux_kontext import FluxKontextModel
 from .quantize import (check_quantization, pipeline_quantization, quantize_in_memory, transformer_dtype,
                        transformer_quantization)
 from .qwen_image import QwenImageModel
+from .qwen_image_edit import QwenImageEditModel
 from .random_weights import build_random_model_pipeline
 from .sd3 import SD3Model
 from .tiny import TINY_BUILDERS, build_tiny_pipeline
+from .wan import WanModel
+from .z_image import ZImageModel
 
 FAMILIES: dict[str, type[FlowModel]] = {"StableDiffusion3Pipeline": SD3Model, "FluxPipeline": FluxModel,
-                                         "QwenImagePipeline": QwenImageModel}
+                                         "QwenImagePipeline": QwenImageModel, "WanPipeline": WanModel,
+                                         "Flux2KleinPipeline": Flux2KleinModel, "ZImagePipeline": ZImageModel,
+                                         "FluxKontextPipeline": FluxKontextModel,
+                                         "QwenImageEditPipeline": QwenImageEditModel}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -39,12 +47,13 @@ def _family_for(pipeline_class: str, name: str) -> type[FlowModel]:
 
 
 def load_flow_model(config: ModelConfig, device: torch.device | str = "cpu", seed: int = 0, *,
-                    text_encoders: bool = True, place_transformer: bool = True) -> FlowModel:
+                    text_encoders: bool = True, place_transformer: bool = True, num_frames: int = 1) -> FlowModel:
     """Build the :class:`FlowModel` for ``config.name`` on ``device``; without ``text_encoders`` the pipeline has
     none (the prompts' embeddings come from a cache). With ``model.cache_text_embeddings`` and the encoders, the
     transformer (quantized then, if asked) and the VAE come to the device only at
     :meth:`FlowModel.release_text_encoders`, so the encoders and the transformer never share it. Without
-    ``place_transformer`` the transformer stays on the host (sharding places each process's part)."""
+    ``place_transformer`` the transformer stays on the host (sharding places each process's part). ``num_frames``:
+    ``sampling.num_frames`` (a video family's frames per sample; 1 for an image family)."""
     device = torch.device(device)
     dtype = DTYPES[config.dtype]
     if config.quantize != "none":
@@ -67,7 +76,7 @@ def load_flow_model(config: ModelConfig, device: torch.device | str = "cpu", see
         prepare = partial(_load_quantized_transformer, pipe, config, source, index["transformer"]) if later else None
     family = _family_for(type(pipe).__name__, config.name)
     return family(pipe, config, device, defer_denoiser=defer, prepare_transformer=prepare,
-                  place_transformer=place_transformer)
+                  place_transformer=place_transformer, num_frames=num_frames)
 
 
 def _load_pipeline(config: ModelConfig, source: str, index: dict, dtype: torch.dtype, text_encoders: bool,

@@ -44,6 +44,20 @@ def calculate_shift(image_seq_len: int, scheduler_config) -> float:
     return image_seq_len * slope + base_shift - slope * base_len
 
 
+def linspace_sigmas(num_steps: int) -> dict:
+    """``set_timesteps`` arguments of the pipelines that pass ``sigmas = linspace(1, 1/n, n)`` to the scheduler,
+    which then shifts them (FLUX.1, FLUX.2, Qwen-Image, Z-Image)."""
+    return {"sigmas": np.linspace(1.0, 1 / num_steps, num_steps)}
+
+
+def decode_scaled(vae, latents: torch.Tensor) -> torch.Tensor:
+    """``x = vae.decode(latents / scaling_factor + shift_factor)`` mapped from [-1, 1] to [0, 1], float32 (the KL VAE
+    of SD3, FLUX.1 and Z-Image)."""
+    latents = latents / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
+    images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
+    return (images.float() / 2 + 0.5).clamp(0, 1)
+
+
 def drop_text_encoders(pipe) -> None:
     """Set the pipeline's text encoders to None (its tokenizers stay)."""
     for name in TEXT_ENCODERS:
@@ -56,12 +70,19 @@ class FlowModel(ABC):
 
     family: str = ""
     default_lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
+    #: a video family's samples are ``num_frames`` frames: :meth:`decode` returns ``[B, F, 3, H, W]``
+    is_video: bool = False
 
     def __init__(self, pipe, config: ModelConfig, device: torch.device | str = "cpu", *, defer_denoiser: bool = False,
-                 prepare_transformer: Callable[[], None] | None = None, place_transformer: bool = True):
+                 prepare_transformer: Callable[[], None] | None = None, place_transformer: bool = True,
+                 num_frames: int = 1):
         """Frozen components go to ``device``. ``prepare_transformer`` (quantization) sets ``pipe.transformer``
         before it is placed. With ``defer_denoiser`` the transformer and VAE wait until
-        :meth:`release_text_encoders`, so the text encoders never share the accelerator with them."""
+        :meth:`release_text_encoders`, so the text encoders never share the accelerator with them. ``num_frames``
+        (``sampling.num_frames``): the frames of one sample of a video family; an image family takes 1 only."""
+        if num_frames != 1 and not self.is_video:
+            raise UserError(f"sampling.num_frames is {num_frames}, but {self.family} makes images: set it to 1")
+        self.num_frames = num_frames
         self.pipe = pipe
         self.config = config
         self.device = torch.device(device)
@@ -203,12 +224,21 @@ class FlowModel(ABC):
     # ----- sigmas ---------------------------------------------------------------------
     def sigmas(self, num_steps: int, resolution: int) -> torch.Tensor:
         """``num_steps + 1`` sigmas from the pipeline's scheduler config (shift, dynamic shift), ending at 0."""
-        scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.pipe.scheduler.config)
+        scheduler = self.euler_scheduler()
         kwargs = {}
         if scheduler.config.get("use_dynamic_shifting", False):
-            kwargs["mu"] = calculate_shift(self.image_seq_len(resolution), scheduler.config)
+            kwargs["mu"] = self.dynamic_shift(num_steps, resolution)
         scheduler.set_timesteps(num_steps, device="cpu", **self.schedule_kwargs(num_steps), **kwargs)
         return scheduler.sigmas.float()
+
+    def dynamic_shift(self, num_steps: int, resolution: int) -> float:
+        """The ``mu`` of a dynamically shifted schedule: :func:`calculate_shift` of the image token count, as most
+        pipelines compute it (FLUX.2 overrides it)."""
+        return calculate_shift(self.image_seq_len(resolution), self.pipe.scheduler.config)
+
+    def euler_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
+        """A flow-matching Euler scheduler with the pipeline's schedule settings (its scheduler's config)."""
+        return FlowMatchEulerDiscreteScheduler.from_config(self.pipe.scheduler.config)
 
     def schedule_kwargs(self, num_steps: int) -> dict:
         """Extra ``set_timesteps`` arguments the family's pipeline passes (e.g. explicit sigmas)."""
@@ -238,7 +268,7 @@ class FlowModel(ABC):
 
     @abstractmethod
     def decode(self, z: torch.Tensor) -> torch.Tensor:
-        """Latents -> images float32 [B, 3, H, W] in [0, 1]."""
+        """Latents -> images float32 [B, 3, H, W] in [0, 1]; a video family's -> frames [B, F, 3, H, W]."""
 
     # ----- the velocity the sampler uses ------------------------------------------------------
     def velocity(self, z: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
@@ -270,9 +300,14 @@ class PackedFlowModel(FlowModel):
     def encode_prompts(self, prompts: list[str]) -> Conditioning:
         cond = self.encode_without_cfg(prompts)
         if self.use_cfg:
-            negative = self.encode_without_cfg([self.config.negative_prompt] * len(prompts))
+            negative = self.encode_without_cfg(self.negative_prompts(prompts))
             cond.update({NEGATIVE + k: v for k, v in negative.items()})
         return cond
+
+    def negative_prompts(self, prompts: list[str]) -> list[str]:
+        """What CFG's negative branch encodes for ``prompts``: ``model.negative_prompt`` for each (an editing family
+        keeps each row's input image with it)."""
+        return [self.config.negative_prompt] * len(prompts)
 
     @abstractmethod
     def encode_without_cfg(self, prompts: list[str]) -> Conditioning:
@@ -285,7 +320,7 @@ class PackedFlowModel(FlowModel):
         return (resolution // (self.pipe.vae_scale_factor * 2)) ** 2
 
     def schedule_kwargs(self, num_steps: int) -> dict:
-        return {"sigmas": np.linspace(1.0, 1 / num_steps, num_steps)}
+        return linspace_sigmas(num_steps)
 
     @staticmethod
     def token_grid(z: torch.Tensor) -> int:

@@ -14,7 +14,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import UserError
-from .base import Conditioning, PackedFlowModel
+from .base import Conditioning, PackedFlowModel, decode_scaled
 
 #: FluxPipeline.check_inputs rejects longer T5 sequences.
 MAX_T5_TOKENS = 512
@@ -39,10 +39,18 @@ class FluxModel(PackedFlowModel):
         return {"prompt_embeds": embeds, "pooled_projections": pooled}
 
     def transformer_velocity(self, z: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        return self.flux_forward(z, sigma, cond, self.image_ids(z))
+
+    def image_ids(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The ``(0, row, col)`` ids [seq, 3] of packed latents ``tokens`` [B, seq, 4C] (a square grid)."""
+        side = self.token_grid(tokens)
+        return self.pipe._prepare_latent_image_ids(tokens.shape[0], side, side, tokens.device, self.transformer.dtype)
+
+    def flux_forward(self, z: torch.Tensor, sigma: torch.Tensor, cond: Conditioning,
+                     image_ids: torch.Tensor) -> torch.Tensor:
+        """The transformer's output for the image tokens ``z`` at the positions ``image_ids``."""
         dtype = self.transformer.dtype
-        side = self.token_grid(z)
         embeds = cond["prompt_embeds"]
-        image_ids = self.pipe._prepare_latent_image_ids(z.shape[0], side, side, z.device, dtype)
         text_ids = torch.zeros(embeds.shape[1], 3, device=z.device, dtype=dtype)
         guidance = None
         if self.transformer.config.guidance_embeds:
@@ -59,7 +67,4 @@ class FluxModel(PackedFlowModel):
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
         """``x = vae.decode(unpack(z) / scaling_factor + shift_factor)``, mapped from [-1, 1] to [0, 1]."""
-        vae = self.pipe.vae
-        latents = self.unpacked(z) / vae.config.scaling_factor + vae.config.shift_factor
-        images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
-        return (images.float() / 2 + 0.5).clamp(0, 1)
+        return decode_scaled(self.pipe.vae, self.unpacked(z))

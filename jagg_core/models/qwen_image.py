@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..errors import UserError
 from .base import Conditioning, PackedFlowModel
 
 
@@ -24,15 +25,34 @@ class QwenImageModel(PackedFlowModel):
     # examples/dreambooth/train_dreambooth_lora_qwen_image.py.
 
     def encode_without_cfg(self, prompts: list[str]) -> Conditioning:
-        length = self.config.max_sequence_length
-        embeds, mask = self.pipe.encode_prompt(prompt=prompts, device=self.device, max_sequence_length=length)
+        embeds, mask = self.pipe.encode_prompt(prompt=prompts, device=self.device,
+                                               max_sequence_length=self.config.max_sequence_length)
+        return self.padded_text(embeds, mask)
+
+    @property
+    def text_length(self) -> int:
+        """Text tokens every prompt is padded to: ``model.max_sequence_length``."""
+        return self.config.max_sequence_length
+
+    def padded_text(self, embeds: torch.Tensor, mask: torch.Tensor | None) -> Conditioning:
+        """The encoder's states and mask padded to :attr:`text_length` tokens (mask 0)."""
         if mask is None:  # the pipeline drops an all-ones mask
             mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
-        pad = length - embeds.shape[1]
+        pad = self.text_length - embeds.shape[1]
+        if pad < 0:
+            raise UserError(f"a prompt takes {embeds.shape[1]} text tokens, more than the {self.text_length} this "
+                            "model is given; raise model.max_sequence_length or shorten the prompt")
         return {"prompt_embeds": F.pad(embeds, (0, 0, 0, pad)), "prompt_embeds_mask": F.pad(mask, (0, pad))}
 
     def transformer_velocity(self, z: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
-        """Without ``prompt_embeds_mask`` every text token is attended (the memory plan's upper bound)."""
+        side = self.token_grid(z)
+        return self.qwen_forward(z, sigma, cond, [(1, side, side)])
+
+    def qwen_forward(self, z: torch.Tensor, sigma: torch.Tensor, cond: Conditioning,
+                     img_shapes: list[tuple[int, int, int]]) -> torch.Tensor:
+        """The transformer's output for the image tokens ``z``, laid out as ``img_shapes`` (frames, rows, cols of
+        each image in the sequence). Without ``prompt_embeds_mask`` every text token is attended (the memory plan's
+        upper bound)."""
         dtype = self.transformer.dtype
         embeds, mask = cond["prompt_embeds"], cond.get("prompt_embeds_mask")
         if mask is not None:
@@ -40,13 +60,12 @@ class QwenImageModel(PackedFlowModel):
             used = int(mask.any(dim=0).nonzero().max()) + 1
             embeds, mask = embeds[:, :used], mask[:, :used]
             mask = None if bool(mask.all()) else mask
-        side = self.token_grid(z)
         return self.transformer(hidden_states=z.to(dtype), timestep=sigma.to(dtype),
                                 encoder_hidden_states=embeds.to(dtype), encoder_hidden_states_mask=mask,
-                                img_shapes=[[(1, side, side)]] * z.shape[0], return_dict=False)[0].float()
+                                img_shapes=[img_shapes] * z.shape[0], return_dict=False)[0].float()
 
     def conditioning_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {"prompt_embeds": (self.config.max_sequence_length, self.transformer.config.joint_attention_dim)}
+        return {"prompt_embeds": (self.text_length, self.transformer.config.joint_attention_dim)}
 
     def guide(self, v_neg: torch.Tensor, v_pos: torch.Tensor) -> torch.Tensor:
         """QwenImagePipeline's true CFG: ``c = v_neg + g (v_pos - v_neg)``, rescaled per token to the

@@ -1,7 +1,8 @@
 """Real architectures with random weights, built in memory from the configs shipped in :mod:`jagg_core.archs`.
 
 ``model.name = random:<arch>`` (e.g. ``random:flux-dev``) or ``random:<arch>@<layers>`` gives a real diffusers
-pipeline (``StableDiffusion3Pipeline``, ``FluxPipeline``, ``QwenImagePipeline``) in which
+pipeline (``StableDiffusion3Pipeline``, ``FluxPipeline``, ``QwenImagePipeline``, ``Flux2KleinPipeline``,
+``ZImagePipeline``, ``WanPipeline``, ...) in which
 
 - the **transformer** is the arch's own (``transformer/config.json`` of the Hub repo) with seeded random
   weights, its depth optionally cut to ``layers`` blocks: SD3.5 keeps the same share of dual-attention
@@ -9,8 +10,9 @@ pipeline (``StableDiffusion3Pipeline``, ``FluxPipeline``, ``QwenImagePipeline``)
   the real model's proportion (19 : 38), at least one of each;
 - the **VAE** and the **scheduler** are the arch's own (random VAE weights, the real scheduler config);
 - the **text encoders** are width-true stand-ins: the real classes with the real hidden and projection
-  sizes (CLIP-L 768, OpenCLIP-bigG 1280, T5-XXL 4096, Qwen2.5-VL 3584, the real attention widths), so the
-  conditioning tensors have the real shapes, but one layer, a small feed-forward, and the in-memory
+  sizes (CLIP-L 768, OpenCLIP-bigG 1280, T5-XXL and UMT5-XXL 4096, Qwen2.5-VL 3584, the real attention widths; Qwen3-4B
+  2560 with two query heads of the real head size), so the conditioning tensors have the real shapes, but one
+  layer (Qwen3: as many as the pipeline reads, FLUX.2 [klein] 27), a small feed-forward, and the in-memory
   character tokenizers of :mod:`jagg_core.models.tiny` (nothing is downloaded; the token sequences are
   longer than real ones for the same prompt, the tensors' lengths are fixed by the pipeline's
   ``max_sequence_length`` padding as with real tokenizers).
@@ -30,12 +32,16 @@ import torch
 import transformers
 
 from ..archs import arch_folder, parse_random_model, with_depth
-from .tiny import tiny_clip_tokenizer, tiny_qwen_tokenizer, tiny_t5_tokenizer
+from .tiny import (draw_pad_tokens, qwen_special_ids, qwen_vision_ids, text_hidden_layers_read, tiny_clip_tokenizer,
+                   tiny_qwen3_tokenizer, tiny_qwen_edit_tokenizer, tiny_qwen_processor, tiny_qwen_tokenizer,
+                   tiny_t5_tokenizer)
 
 #: feed-forward width of the stand-in text encoders (their one layer)
 STAND_IN_INTERMEDIATE = 256
 #: attention heads of the T5 stand-in (T5-XXL: 64 heads of 64); the output width stays d_model
 STAND_IN_T5_HEADS = 2
+#: query heads of the Qwen3 stand-in (one key-value head); the real head dimension and output width stay
+STAND_IN_QWEN3_HEADS = 2
 
 
 def _component_class(library: str, name: str):
@@ -58,27 +64,40 @@ def clip_stand_in(folder, component: str, model_class, vocab_size: int):
     return model_class(config)
 
 
-def t5_stand_in(folder, component: str, vocab_size: int):
-    """T5 encoder of the real ``d_model`` (and ``d_kv``), one layer, two heads, a small gated feed-forward."""
+def t5_stand_in(folder, component: str, model_class, vocab_size: int):
+    """T5 (or UMT5, Wan's) encoder of the real ``d_model`` (and ``d_kv``), one layer, two heads, a small gated
+    feed-forward."""
     config = _real_config(folder, component)
     config.update({"num_layers": 1, "num_decoder_layers": 1, "num_heads": STAND_IN_T5_HEADS,
                    "d_ff": STAND_IN_INTERMEDIATE, "vocab_size": vocab_size, "pad_token_id": 0, "eos_token_id": 1,
                    "decoder_start_token_id": 0})
-    return transformers.T5EncoderModel(config)
+    return model_class(config)
 
 
 def qwen_vl_stand_in(folder, component: str, tokenizer):
     """Qwen2.5-VL with the real text width, heads and multimodal rotary sections, one layer, a small
-    feed-forward and a tiny vision tower (unused by text-only prompts)."""
+    feed-forward and a tiny vision tower (it reads Qwen-Image-Edit's input image; text-only prompts leave it unused)."""
     real = _real_config(folder, component)
     text = real.text_config.to_dict()
     hidden = text["hidden_size"]
     text.update({"dtype": None, "num_hidden_layers": 1, "max_window_layers": 1, "layer_types": None,
                  "intermediate_size": STAND_IN_INTERMEDIATE, "vocab_size": len(tokenizer),
-                 "bos_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-                 "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"), "pad_token_id": tokenizer.pad_token_id})
+                 **qwen_special_ids(tokenizer)})
     vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": hidden}
-    return transformers.Qwen2_5_VLForConditionalGeneration(type(real)(text_config=text, vision_config=vision))
+    return transformers.Qwen2_5_VLForConditionalGeneration(type(real)(text_config=text, vision_config=vision,
+                                                                      **qwen_vision_ids(tokenizer)))
+
+
+def qwen3_stand_in(folder, component: str, model_class, tokenizer, layers: int):
+    """Qwen3 (causal LM or bare model) with the real hidden width and head dimension, as many layers as the
+    pipeline reads hidden states from (FLUX.2 [klein]: 27), two query heads and one key-value head (the real
+    4B: 32 and 8) and a small feed-forward."""
+    config = _real_config(folder, component).to_dict()
+    config.update({"dtype": None, "num_hidden_layers": layers, "max_window_layers": layers, "layer_types": None,
+                   "num_attention_heads": STAND_IN_QWEN3_HEADS, "num_key_value_heads": 1,
+                   "intermediate_size": STAND_IN_INTERMEDIATE, "vocab_size": len(tokenizer),
+                   **qwen_special_ids(tokenizer)})
+    return model_class(transformers.Qwen3Config.from_dict(config))
 
 
 def text_stand_ins(folder, index: dict) -> dict:
@@ -91,12 +110,20 @@ def text_stand_ins(folder, index: dict) -> dict:
         if model_class.__name__.startswith("CLIP"):
             tokenizer = tiny_clip_tokenizer()
             encoder = clip_stand_in(folder, name, model_class, len(tokenizer))
-        elif model_class is transformers.T5EncoderModel:
+        elif model_class in (transformers.T5EncoderModel, transformers.UMT5EncoderModel):
             tokenizer = tiny_t5_tokenizer()
-            encoder = t5_stand_in(folder, name, len(tokenizer))
+            encoder = t5_stand_in(folder, name, model_class, len(tokenizer))
+        elif model_class is transformers.Qwen2_5_VLForConditionalGeneration and "processor" in index:  # edit
+            tokenizer = tiny_qwen_edit_tokenizer()
+            encoder = qwen_vl_stand_in(folder, name, tokenizer)
+            parts["processor"] = tiny_qwen_processor(tokenizer)
         elif model_class is transformers.Qwen2_5_VLForConditionalGeneration:
             tokenizer = tiny_qwen_tokenizer()
             encoder = qwen_vl_stand_in(folder, name, tokenizer)
+        elif model_class in (transformers.Qwen3ForCausalLM, transformers.Qwen3Model):
+            tokenizer = tiny_qwen3_tokenizer()
+            layers = text_hidden_layers_read(getattr(diffusers, index["_class_name"]))
+            encoder = qwen3_stand_in(folder, name, model_class, tokenizer, layers)
         else:
             raise ValueError(f"no stand-in for the text encoder {model_class.__name__} of {folder.name}")
         parts[name], parts["tokenizer" + suffix] = encoder, tokenizer
@@ -134,10 +161,12 @@ def build_random_pipeline(arch: str, layers: int | None = None, seed: int = 0, *
             components = {"transformer": transformer_class.from_config(transformer_config),
                           "vae": vae_class.from_config(vae_class.load_config(folder / "vae")),
                           **text_stand_ins(folder, index)}
+            draw_pad_tokens(components["transformer"])
     for name in ("transformer", "vae"):  # buffers made in float32 (SD3's position table) too, as from_pretrained
         components[name].to(dtype=dtype)
-    scheduler = diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler")
-    return pipeline_class(scheduler=scheduler, **components)
+    scheduler = _component_class(*index["scheduler"]).from_pretrained(folder, subfolder="scheduler")
+    settings = {key: value for key, value in index.items() if not key.startswith("_") and not isinstance(value, list)}
+    return pipeline_class(scheduler=scheduler, **components, **settings)  # settings: e.g. FLUX.2's is_distilled
 
 
 def build_random_model_pipeline(name: str, seed: int = 0, **kwargs):

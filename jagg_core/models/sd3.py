@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import NEGATIVE, Conditioning, FlowModel
+from .base import NEGATIVE, Conditioning, FlowModel, decode_scaled
 
 
 class SD3Model(FlowModel):
@@ -46,7 +46,4 @@ class SD3Model(FlowModel):
                                 return_dict=False)[0].float()
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
-        vae = self.pipe.vae
-        latents = z / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
-        images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
-        return (images.float() / 2 + 0.5).clamp(0, 1)
+        return decode_scaled(self.pipe.vae, z)

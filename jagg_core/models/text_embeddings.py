@@ -2,7 +2,8 @@
 
 The file holds, for prompt ``i`` and conditioning key ``k`` (``prompt_embeds``, ``negative/...``), the
 tensor ``"{i}/{k}"``; its metadata holds the prompts in order and the fingerprint of the settings that
-shape the embeddings (model, revision, dtype, text length, CFG and its negative prompt). A file whose
+shape the embeddings (model, revision, dtype, text length, CFG and its negative prompt, the size an editing
+row's input image is encoded at). A file whose
 fingerprint differs, that lacks a prompt, or that does not read is ignored: the encoders run again.
 """
 
@@ -24,6 +25,7 @@ def fingerprint(config: ModelConfig) -> str:
     cfg = config.guidance_scale > 1.0
     return json.dumps({"name": config.name, "revision": config.revision, "dtype": config.dtype,
                        "max_sequence_length": config.max_sequence_length, "cfg": cfg,
+                       "condition_resolution": config.condition_resolution,  # an editing row's image latents
                        "negative_prompt": config.negative_prompt if cfg else None}, sort_keys=True)
 
 

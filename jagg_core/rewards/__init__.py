@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..config import RewardSpec
+from ..config import RewardSpec, SamplingConfig
 from ..errors import UserError
 from .catalog import available_rewards, reward_entry, reward_options
 
@@ -30,38 +30,59 @@ def build_reward(spec: RewardSpec, device: str | torch.device = "cpu") -> Reward
 class CombinedReward:
     """The weighted sum of several rewards: ``r = sum_k w_k * r_k(images, prompts)``.
 
-    ``names`` labels each term; a reward used twice gets ``name_2``, ``name_3``... .
+    ``names`` labels each term; a reward used twice gets ``name_2``, ``name_3``... . Videos ``[N, F, 3, H, W]`` are
+    scored as :mod:`.frames` says: an image reward on ``reward_frames`` of each video's frames, averaged. An editing
+    reward (``takes_inputs``) is also given the prompt rows' input images (:meth:`input_images`).
     """
 
-    def __init__(self, rewards: list[Reward], weights: list[float], names: list[str]):
+    def __init__(self, rewards: list[Reward], weights: list[float], names: list[str],
+                 reward_frames: int = SamplingConfig.model_fields["reward_frames"].default):
         if not rewards:
             raise UserError("at least one reward is needed")
         self.rewards = rewards
         self.weights = weights
         self.names = names
+        self.reward_frames = reward_frames
 
     def __call__(self, images: torch.Tensor, prompts: list[str]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         import torch
 
-        if images.ndim != 4 or images.shape[0] != len(prompts):
-            raise ValueError(f"expected images [N,3,H,W] and N prompts, got {tuple(images.shape)} and {len(prompts)}")
+        from .frames import score_samples
+
+        if images.ndim not in (4, 5) or images.shape[0] != len(prompts):
+            raise ValueError(f"expected images [N,3,H,W] or videos [N,F,3,H,W] and N prompts, got "
+                             f"{tuple(images.shape)} and {len(prompts)}")
         images = images.detach().float().cpu()
+        inputs = self.input_images(images, prompts)
         total = torch.zeros(len(prompts), dtype=torch.float32)
         parts = {}
         for name, weight, reward in zip(self.names, self.weights, self.rewards):
-            scores = torch.as_tensor(reward(images, list(prompts))).detach().float().cpu().reshape(-1)
+            if reward.takes_inputs and inputs is not None:
+                scores = torch.as_tensor(reward(images, list(prompts), inputs)).detach().float().cpu().reshape(-1)
+            else:
+                scores = score_samples(reward, images, list(prompts), self.reward_frames)
             if scores.shape[0] != len(prompts):
                 raise ValueError(f"reward '{name}' returned {scores.shape[0]} scores for {len(prompts)} images")
             parts[name] = scores
             total += weight * scores
         return total, parts
 
+    def input_images(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor | None:
+        """The editing rows' input images at the size of ``images`` when a reward takes them (``takes_inputs``); None
+        for text-to-image prompts, videos, or when no reward takes them."""
+        if images.ndim != 4 or not any(reward.takes_inputs for reward in self.rewards):
+            return None
+        from ..edit_prompts import input_images
 
-def build_rewards(specs: list[RewardSpec], device: str | torch.device = "cpu") -> CombinedReward:
-    """A :class:`CombinedReward` from the config's ``rewards`` list."""
+        return input_images(prompts, images.shape[-1])
+
+
+def build_rewards(specs: list[RewardSpec], device: str | torch.device = "cpu",
+                  reward_frames: int = SamplingConfig.model_fields["reward_frames"].default) -> CombinedReward:
+    """A :class:`CombinedReward` from the config's ``rewards`` list (``reward_frames``: ``sampling.reward_frames``)."""
     names, seen = [], {}
     for spec in specs:
         seen[spec.name] = seen.get(spec.name, 0) + 1
         names.append(spec.name if seen[spec.name] == 1 else f"{spec.name}_{seen[spec.name]}")
     rewards = [build_reward(spec, device) for spec in specs]
-    return CombinedReward(rewards, [spec.weight for spec in specs], names)
+    return CombinedReward(rewards, [spec.weight for spec in specs], names, reward_frames)

@@ -8,6 +8,11 @@ schema. It is built with its validated options and the training device, and call
 * ``prompts``: ``N`` strings,
 * ``scores``: float32 ``[N]`` on the CPU, higher is better.
 
+An editing reward (``takes_inputs``) is called as ``reward(images, prompts, inputs)``: ``inputs`` are the prompt
+rows' input images, centre-cropped and resized to the output's size, float32 ``[N, 3, H, W]`` in ``[0, 1]`` (see
+:func:`jagg_core.edit_prompts.input_images`), or None for text-to-image prompts. Other rewards keep the
+two-argument call.
+
 Rewards that need a model load it lazily, on first call, once (``functools.cached_property``).
 """
 
@@ -25,6 +30,11 @@ class Reward:
     """
 
     name = "reward"
+    #: a video reward is called with whole videos ``[N, F, 3, H, W]``; any other reward scores a video's frames
+    #: (:func:`jagg_core.rewards.frames.score_samples`)
+    takes_videos = False
+    #: an editing reward is called with the input images too: ``reward(images, prompts, inputs)``
+    takes_inputs = False
 
     def __init__(self, device: str | torch.device = "cpu", options: RewardOptions | None = None):
         self.device = torch.device(device)

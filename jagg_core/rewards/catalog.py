@@ -39,6 +39,11 @@ class ClipOptions(RewardOptions):
     processor_id: str | None = Field(None, description="its processor; default: model_id's")
 
 
+class ClipDirectionalOptions(ClipOptions):
+    reference_text: str = Field("a photo", description="the neutral caption the instruction's text direction starts "
+                                "from: E_txt(instruction) - E_txt(reference_text)")
+
+
 class PickScoreOptions(ClipOptions):
     model_id: str = Field(PICKSCORE, description="the PickScore CLIP model: a Hub id or a local folder")
     processor_id: str | None = Field(PICKSCORE_PROCESSOR, description="its processor (CLIP-H/14's)")
@@ -92,7 +97,9 @@ CATALOG: dict[str, RewardEntry] = {entry.name: entry for entry in [
     RewardEntry("hpsv2", "packaged:HPSv2", HpsOptions, 986),
     RewardEntry("image_reward", "packaged:ImageReward", ImageRewardOptions, 447),
     RewardEntry("ocr", "ocr:OcrReward", OcrOptions),
+    RewardEntry("clip_directional", "clip:ClipDirectional", ClipDirectionalOptions, 428),
     RewardEntry("http", "remote:HttpReward", HttpOptions),
+    RewardEntry("temporal_consistency", "temporal:TemporalConsistency", ClipOptions, 428),
 ]}
 
 

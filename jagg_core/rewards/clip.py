@@ -7,6 +7,10 @@ With unit-normalised embeddings ``e_img`` and ``e_txt``:
   CLIP-H/14, Kirstain et al. 2023), about 18-24 for typical images.
 * ``aesthetic``:  ``MLP(e_img)`` with the LAION improved aesthetic predictor (an MLP on CLIP
   ViT-L/14 image embeddings trained on SAC + LOGOS + AVA ratings), about 1-10.
+* ``clip_directional`` (an editing reward, InstructPix2Pix's CLIP directional similarity with the instruction in
+  place of the caption pair): ``cos(e_img(out) - e_img(in), e_txt(instruction) - e_txt(reference_text))`` with
+  CLIP ViT-L/14, in ``[-1, 1]``: whether the image changed the way the instruction says, relative to a neutral
+  caption (``reference_text``, default "a photo"); an output equal to its input scores 0.
 
 Options (:mod:`.catalog`): ``model_id`` / ``processor_id`` (and the aesthetic ``head``) accept a
 Hub id or a local folder (file), so a model saved with ``save_pretrained`` works too.
@@ -125,3 +129,19 @@ class Aesthetic(ClipReward):
     @torch.no_grad()
     def __call__(self, images, prompts):
         return self.head(self.image_embeds(images)).float().cpu()
+
+
+class ClipDirectional(ClipReward):
+    """``cos(e_img(out) - e_img(in), e_txt(instruction) - e_txt(reference_text))``: an editing reward (module doc)."""
+
+    name = "clip_directional"
+    takes_inputs = True
+
+    def __call__(self, images, prompts, inputs=None):
+        if inputs is None:
+            raise UserError("the clip_directional reward scores edits, but the prompts have no input images; give "
+                            "prompts.source an image folder or hf://DATASET:TEXT_COLUMN,IMAGE_COLUMN")
+        instructions = [getattr(prompt, "instruction", prompt) for prompt in prompts]
+        image_direction = self.image_embeds(images) - self.image_embeds(inputs)
+        text_direction = self.text_embeds(instructions) - self.text_embeds([self.options.reference_text])
+        return nn.functional.cosine_similarity(image_direction, text_direction, dim=-1).cpu()

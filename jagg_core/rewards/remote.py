@@ -1,6 +1,7 @@
 """A reward computed by a server the user runs.
 
-Protocol: ``POST url`` with the JSON body ``{"images": [base64 PNG, ...], "prompts": [...]}``;
+Protocol: ``POST url`` with the JSON body ``{"images": [base64 PNG, ...], "prompts": [...]}`` (for an image-editing
+model also ``"inputs": [base64 PNG, ...]``, the prompt rows' input images, and ``"instructions": [...]``);
 the answer must be ``{"scores": [float, ...]}`` with one score per image. Connection failures,
 time-outs and 5xx answers are retried ``retries`` times, ``retry_delay * 2**k`` seconds apart, all
 within ``timeout`` seconds in total; a reply is read as it arrives and capped at 16 MB. A server
@@ -12,7 +13,6 @@ after several in a row).
 from __future__ import annotations
 
 import base64
-import io
 import json
 import time
 import warnings
@@ -20,6 +20,7 @@ import warnings
 import requests
 import torch
 
+from ..edit_prompts import png_bytes
 from ..errors import UserError
 from ..images import to_pil
 from .base import Reward
@@ -28,15 +29,14 @@ MAX_REPLY_BYTES = 16 << 20
 
 
 def encode_png(image) -> str:
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
+    return base64.b64encode(png_bytes(image)).decode("ascii")
 
 
 class HttpReward(Reward):
     """Scores from the server at ``options.url`` (options: :class:`~.catalog.HttpOptions`)."""
 
     name = "http"
+    takes_inputs = True
 
     def post(self, payload: dict) -> bytes:
         """POST and read the reply, retrying connection errors, time-outs and 5xx answers, all within
@@ -75,8 +75,12 @@ class HttpReward(Reward):
                 raise requests.Timeout("the reply did not arrive within the time-out")
         return bytes(body)
 
-    def __call__(self, images, prompts):
-        body = self.post({"images": [encode_png(image) for image in to_pil(images)], "prompts": list(prompts)})
+    def __call__(self, images, prompts, inputs=None):
+        payload = {"images": [encode_png(image) for image in to_pil(images)], "prompts": list(prompts)}
+        if inputs is not None:
+            payload["inputs"] = [encode_png(image) for image in to_pil(inputs)]
+            payload["instructions"] = [prompt.instruction for prompt in prompts]
+        body = self.post(payload)
         try:
             scores = json.loads(body)["scores"]
         except (ValueError, KeyError, TypeError):

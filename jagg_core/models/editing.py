@@ -1,0 +1,78 @@
+"""What the image-editing families share (FLUX.1 Kontext, Qwen-Image-Edit).
+
+A prompt is an :class:`~jagg_core.edit_prompts.EditPrompt` row: an instruction and its input image. A row is
+encoded once and cached like any prompt's text conditioning:
+
+* its input image, centre-cropped and resized to ``r = model.condition_resolution``, is preprocessed by the
+  pipeline's image processor to [-1, 1], encoded by the pipeline's ``_encode_vae_image`` (the posterior's mode,
+  normalised as the pipeline does: FLUX ``(x - shift) * scale``, Qwen-Image ``(x - mean) / std``) and packed by
+  ``_pack_latents`` into ``(r / 2f)^2`` tokens (``f``: the VAE's factor, 8 for the real models): ``image_latents``
+  [(r/2f)^2, 4C];
+* its instruction is encoded by the family (Qwen-Image-Edit's text encoder sees the image too).
+
+With CFG the negative branch is the negative prompt on the same image (both pipelines condition both branches on
+it), so ``negative/image_latents`` is ``image_latents``. Every transformer call sees ``[z ; image_latents]`` along
+the token axis, the condition's tokens placed as the family's pipeline places them (:meth:`joint_velocity`), and
+the velocity is the output's first ``z.shape[1]`` tokens: the generated image's. The sampler, GRPO and JAGG see
+one more conditioning tensor and nothing else; the schedule's dynamic shift counts the generated tokens only, as
+the pipelines do.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+
+import torch
+from PIL import Image
+
+from ..edit_prompts import EditPrompt, edit_rows
+from .base import NEGATIVE, Conditioning, PackedFlowModel
+
+IMAGE_LATENTS = "image_latents"
+
+
+class EditingFlowModel(PackedFlowModel):
+    """An editing family: listed before its text-to-image family, e.g. ``FluxKontextModel(EditingFlowModel,
+    FluxModel)``, whose encoding and transformer call it extends (see the module docstring)."""
+
+    def encode_prompts(self, prompts: list[str]) -> Conditioning:
+        rows = edit_rows(prompts, self.family)
+        cond = super().encode_prompts(rows)
+        latents = self.condition_latents(rows)
+        cond[IMAGE_LATENTS] = latents
+        if self.use_cfg:
+            cond[NEGATIVE + IMAGE_LATENTS] = latents
+        return cond
+
+    def negative_prompts(self, prompts: list[EditPrompt]) -> list[EditPrompt]:
+        return [EditPrompt(self.config.negative_prompt, row.image_bytes, row.label) for row in prompts]
+
+    def condition_images(self, rows: list[EditPrompt]) -> list[Image.Image]:
+        """The rows' input images at ``model.condition_resolution``."""
+        return [row.image(self.config.condition_resolution) for row in rows]
+
+    def condition_latents(self, rows: list[EditPrompt]) -> torch.Tensor:
+        """The rows' packed, normalised VAE latents [N, (r/2f)^2, 4C] (module docstring)."""
+        size, vae = self.config.condition_resolution, self.pipe.vae
+        pixels = self.pipe.image_processor.preprocess(self.condition_images(rows), size, size)
+        latents = self.pipe._encode_vae_image(self.vae_input(pixels).to(vae.device, vae.dtype), generator=None)
+        rows_, cols = latents.shape[-2:]
+        return self.pipe._pack_latents(latents, latents.shape[0], latents.shape[1], rows_, cols)
+
+    def vae_input(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Preprocessed images [N, 3, H, W] in the layout the VAE takes (a video VAE adds a frame axis)."""
+        return pixels
+
+    def conditioning_shapes(self) -> dict[str, tuple[int, ...]]:
+        tokens = self.image_seq_len(self.config.condition_resolution)
+        return {**super().conditioning_shapes(), IMAGE_LATENTS: (tokens, self.transformer.config.in_channels)}
+
+    def transformer_velocity(self, z: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        tokens = torch.cat([z, cond[IMAGE_LATENTS].to(z.dtype)], dim=1)
+        return self.joint_velocity(tokens, sigma, cond, z.shape[1])[:, :z.shape[1]]
+
+    @abstractmethod
+    def joint_velocity(self, tokens: torch.Tensor, sigma: torch.Tensor, cond: Conditioning,
+                       generated: int) -> torch.Tensor:
+        """The transformer's output for ``tokens``: the generated image's first ``generated`` tokens, then the input
+        image's."""

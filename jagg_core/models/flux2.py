@@ -1,0 +1,88 @@
+"""FLUX.2 [klein] (``Flux2KleinPipeline``): packed 2x2-patchified latents, Qwen3 text states, timestep = sigma.
+
+- **Latents.** The VAE's latent [C, h, w] is patchified 2x2 into [4C, h/2, w/2] and packed into the token
+  sequence [(h/2)(w/2), 4C] the transformer sees (the sampler's space, as FLUX.1's). Image token ids are
+  (t, row, col, layer) = (0, i, j, 0), text token ids (0, 0, 0, l), both 2-D.
+- **Conditioning.** The Qwen3 hidden states of layers 9, 18 and 27 (the pipeline's ``text_encoder_out_layers``)
+  of the chat-templated prompt, padded to ``model.max_sequence_length`` and concatenated along the channels:
+  ``prompt_embeds`` [B, L, 3 D]. The transformer attends to every token, padding included, as in the pipeline.
+- **Time.** The transformer is called with ``timestep = sigma`` (it scales by 1000 itself) and no guidance
+  embedding; its output is the velocity ``v = noise - x0``.
+- **Schedule.** ``sigmas = linspace(1, 1/n, n)`` with the dynamic shift ``mu = compute_empirical_mu(seq_len, n)``
+  of the pipeline (it depends on the step count too).
+- **Guidance.** The undistilled (base) models take CFG ``v_neg + g (v_pos - v_neg)`` with ``model.negative_prompt``
+  (the pipeline encodes "" unless given ``negative_prompt_embeds``); a step-distilled model (``is_distilled`` in
+  its model_index.json, FLUX.2 [klein] 4B) takes none.
+- **Decode.** Unpack, undo the VAE's batch-norm statistics ``z * sqrt(running_var + eps) + running_mean``,
+  unpatchify, ``vae.decode``, map [-1, 1] to [0, 1].
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
+
+from ..config import ModelConfig
+from ..errors import UserError
+from .base import Conditioning, PackedFlowModel
+
+#: As diffusers' FLUX.2 [klein] LoRA training script (examples/dreambooth/train_dreambooth_lora_flux2_klein.py):
+#: the double-stream blocks' attention projections and the single-stream blocks' fused QKV-MLP input projection;
+#: each single-stream block's ``attn.to_out`` is added by name (see :attr:`Flux2KleinModel.default_lora_targets`).
+DOUBLE_STREAM_AND_FUSED_TARGETS = ("to_k", "to_q", "to_v", "to_out.0", "to_qkv_mlp_proj")
+
+
+class Flux2KleinModel(PackedFlowModel):
+    family = "flux2"
+
+    def __init__(self, pipe, config: ModelConfig, device: torch.device | str = "cpu", **placement):
+        if config.guidance_scale > 1.0 and pipe.config.get("is_distilled", False):
+            raise UserError(f"model '{config.name}' is a step-distilled FLUX.2 [klein], which takes no CFG; set "
+                            "model.guidance_scale=1 or use a FLUX.2 [klein] base model")
+        super().__init__(pipe, config, device, **placement)
+
+    @property
+    def default_lora_targets(self) -> tuple[str, ...]:
+        """The training script's targets; its ``single_transformer_blocks.{i}.attn.to_out`` for every
+        single-stream block of this transformer (the script names 24, the 9B model's count)."""
+        singles = self.transformer.config.num_single_layers
+        return DOUBLE_STREAM_AND_FUSED_TARGETS + tuple(f"single_transformer_blocks.{i}.attn.to_out"
+                                                       for i in range(singles))
+
+    def encode_without_cfg(self, prompts: list[str]) -> Conditioning:
+        embeds, _text_ids = self.pipe.encode_prompt(prompt=list(prompts), device=self.device,
+                                                    max_sequence_length=self.config.max_sequence_length)
+        return {"prompt_embeds": embeds}
+
+    def dynamic_shift(self, num_steps: int, resolution: int) -> float:
+        return compute_empirical_mu(image_seq_len=self.image_seq_len(resolution), num_steps=num_steps)
+
+    @staticmethod
+    def position_ids(image_side: int, text_length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(t, h, w, l) ids of the image tokens [side^2, 4] in row-major order and of the text tokens [L, 4]."""
+        zero, grid = torch.zeros(1, dtype=torch.long, device=device), torch.arange(image_side, device=device)
+        image_ids = torch.cartesian_prod(zero, grid, grid, zero)
+        text_ids = torch.cartesian_prod(zero, zero, zero, torch.arange(text_length, device=device))
+        return image_ids, text_ids
+
+    def transformer_velocity(self, z: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        dtype = self.transformer.dtype
+        embeds = cond["prompt_embeds"]
+        image_ids, text_ids = self.position_ids(self.token_grid(z), embeds.shape[1], z.device)
+        return self.transformer(hidden_states=z.to(dtype), timestep=sigma.to(dtype), guidance=None,
+                                encoder_hidden_states=embeds.to(dtype), txt_ids=text_ids, img_ids=image_ids,
+                                return_dict=False)[0].float()
+
+    def conditioning_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {"prompt_embeds": (self.config.max_sequence_length, self.transformer.config.joint_attention_dim)}
+
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        vae = self.pipe.vae
+        side = self.token_grid(z)
+        patches = z.transpose(1, 2).reshape(z.shape[0], z.shape[2], side, side)  # [B, 4C, h/2, w/2]
+        stats = {"device": patches.device, "dtype": patches.dtype}
+        mean = vae.bn.running_mean.view(1, -1, 1, 1).to(**stats)
+        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(**stats)
+        latents = self.pipe._unpatchify_latents(patches * std + mean)
+        images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
+        return (images.float() / 2 + 0.5).clamp(0, 1)

@@ -1,0 +1,30 @@
+"""FLUX.1 Kontext (``FluxKontextPipeline``): FLUX.1 [dev] editing an input image.
+
+Everything is FLUX.1's (:mod:`.flux`: T5 + pooled CLIP conditioning of the instruction, guidance embedding,
+timestep = sigma, true CFG), plus the input image (:mod:`.editing`): its packed latents follow the noisy tokens in
+the sequence, with image ids ``(1, row, col)`` where the generated image's are ``(0, row, col)``, as
+``FluxKontextPipeline.prepare_latents`` makes them. The pipeline's own ``__call__`` also resizes the input to one of
+Kontext's preferred resolutions (``_auto_resize``); here it is ``model.condition_resolution`` square.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Conditioning
+from .editing import EditingFlowModel
+from .flux import FluxModel
+
+
+class FluxKontextModel(EditingFlowModel, FluxModel):
+    family = "flux-kontext"
+
+    def encode_without_cfg(self, prompts: list[str]) -> Conditioning:
+        return super().encode_without_cfg([row.instruction for row in prompts])
+
+    def joint_velocity(self, tokens: torch.Tensor, sigma: torch.Tensor, cond: Conditioning,
+                       generated: int) -> torch.Tensor:
+        condition_ids = self.image_ids(tokens[:, generated:])
+        condition_ids[:, 0] = 1
+        image_ids = torch.cat([self.image_ids(tokens[:, :generated]), condition_ids])
+        return self.flux_forward(tokens, sigma, cond, image_ids)

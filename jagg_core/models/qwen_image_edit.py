@@ -1,0 +1,65 @@
+"""Qwen-Image-Edit (``QwenImageEditPipeline``): Qwen-Image editing an input image.
+
+Everything is Qwen-Image's (:mod:`.qwen_image`: packed latents of the video-style VAE, true CFG with its norm
+rescale), plus the input image (:mod:`.editing`):
+
+* the Qwen2.5-VL text encoder reads the image with the instruction (the pipeline's edit template, its system prefix
+  dropped), so the text states hold the image's vision tokens too: each row is padded to
+  ``model.max_sequence_length + vision tokens`` (the instruction and the template's few closing tokens must fit in
+  ``max_sequence_length``); CFG's negative prompt is encoded with the same image, as the pipeline does;
+* the image's latents, normalised by the VAE's per-channel mean and std, follow the noisy tokens in the sequence,
+  and ``img_shapes`` lists both grids: ``[(1, h, w), (1, h_in, w_in)]``.
+
+The pipeline's own ``__call__`` resizes the input to about 1024 x 1024 (``calculate_dimensions(1024 * 1024, ratio)``)
+for both the VAE and the text encoder; here both see it at ``model.condition_resolution`` square.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+from .base import Conditioning
+from .editing import EditingFlowModel
+from .qwen_image import QwenImageModel
+
+#: Qwen/Qwen-Image-Edit's ``processor/preprocessor_config.json`` (the vision token count when no processor is loaded,
+#: e.g. in a memory plan): 14-pixel patches merged 2 x 2, images scaled into [min_pixels, max_pixels]
+QWEN_EDIT_VISION = {"patch_size": 14, "merge_size": 2, "min_pixels": 3136, "max_pixels": 12845056}
+
+
+class QwenImageEditModel(EditingFlowModel, QwenImageModel):
+    family = "qwen-image-edit"
+
+    def encode_without_cfg(self, prompts: list[str]) -> Conditioning:
+        embeds, mask = self.pipe.encode_prompt(prompt=[row.instruction for row in prompts],
+                                               image=self.condition_images(prompts), device=self.device)
+        return self.padded_text(embeds, mask)
+
+    @property
+    def text_length(self) -> int:
+        """``model.max_sequence_length`` plus the vision tokens of one input image."""
+        return self.config.max_sequence_length + self.vision_tokens()
+
+    def vision_tokens(self) -> int:
+        """Tokens of a ``condition_resolution`` square image in the text encoder's sequence: Qwen2-VL scales it to a
+        multiple of ``patch * merge`` pixels within ``[min_pixels, max_pixels]`` (``smart_resize``), one token per
+        ``merge x merge`` patches."""
+        processor = getattr(self.pipe, "processor", None)
+        vision = QWEN_EDIT_VISION
+        if processor is not None:
+            images = processor.image_processor
+            vision = {"patch_size": images.patch_size, "merge_size": images.merge_size,
+                      "min_pixels": images.size["shortest_edge"], "max_pixels": images.size["longest_edge"]}
+        side = self.config.condition_resolution
+        height, width = smart_resize(side, side, factor=vision["patch_size"] * vision["merge_size"],
+                                     min_pixels=vision["min_pixels"], max_pixels=vision["max_pixels"])
+        return height * width // (vision["patch_size"] * vision["merge_size"]) ** 2
+
+    def vae_input(self, pixels: torch.Tensor) -> torch.Tensor:
+        return pixels.unsqueeze(2)  # one frame
+
+    def joint_velocity(self, tokens: torch.Tensor, sigma: torch.Tensor, cond: Conditioning,
+                       generated: int) -> torch.Tensor:
+        side, condition_side = self.token_grid(tokens[:, :generated]), self.token_grid(tokens[:, generated:])
+        return self.qwen_forward(tokens, sigma, cond, [(1, side, side), (1, condition_side, condition_side)])

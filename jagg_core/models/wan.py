@@ -1,0 +1,93 @@
+"""Wan 2.1 text-to-video (``WanPipeline``): video latents [C, F', h, w], timestep = 1000 sigma, UMT5 text states.
+
+One sample is ``sampling.num_frames = 4k + 1`` frames; the VAE (``AutoencoderKLWan``) encodes the first frame
+alone and every later group of 4 as one latent frame, so ``F' = (num_frames - 1) / 4 + 1``, and each frame
+``8x`` smaller per side (``h = w = resolution / 8``). The transformer patches ``(1, 2, 2)``: ``F' h w / 4`` tokens.
+The sampler, GRPO and JAGG treat the latent as an opaque tensor of :meth:`WanModel.latent_shape`.
+
+Sigmas: the pipeline's default scheduler is UniPC with ``flow_shift``; the sampler takes Euler steps on the
+flow-matching schedule of ``FlowMatchEulerDiscreteScheduler(shift=flow_shift)`` (what diffusers' Wan training
+scripts swap in), ``sigma = s t / (1 + (s - 1) t)`` for t evenly spaced from 1 towards 0.
+
+Decoding un-normalises with the VAE's per-channel statistics, ``x = z * latents_std + latents_mean``, and returns
+frames ``[B, F, 3, H, W]`` in [0, 1]. CFG is the pipeline's: ``v = v_neg + g (v_pos - v_neg)`` with
+``model.negative_prompt``.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+
+from ..config import ModelConfig
+from ..errors import UserError
+from .base import NEGATIVE, Conditioning, FlowModel
+
+
+class WanModel(FlowModel):
+    family = "wan"
+    is_video = True
+    # default_lora_targets: the base class's to_q/to_k/to_v/to_out.0, which in Wan are the projections of every
+    # block's self-attention (attn1) and cross-attention to the text (attn2).
+
+    def __init__(self, pipe, config: ModelConfig, device: torch.device | str = "cpu", *, num_frames: int = 1,
+                 **placement):
+        if pipe.transformer_2 is not None or pipe.config.expand_timesteps:
+            raise UserError("this is a Wan 2.2 pipeline (two experts or per-token timesteps); only Wan 2.1 "
+                            "text-to-video pipelines are supported")
+        group = pipe.vae_scale_factor_temporal
+        if (num_frames - 1) % group:
+            raise UserError(f"sampling.num_frames is {num_frames}; this Wan VAE needs {group}k + 1 frames")
+        super().__init__(pipe, config, device, num_frames=num_frames, **placement)
+
+    def euler_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
+        """``FlowMatchEulerDiscreteScheduler(shift=flow_shift)`` for the pipeline's UniPC (or DPM-Solver) scheduler
+        with flow sigmas; a flow-matching Euler scheduler as it is."""
+        config = self.pipe.scheduler.config
+        if "flow_shift" not in config:
+            return super().euler_scheduler()
+        return FlowMatchEulerDiscreteScheduler(num_train_timesteps=config["num_train_timesteps"],
+                                               shift=config["flow_shift"])
+
+    def encode_prompts(self, prompts: list[str]) -> Conditioning:
+        """UMT5 states of each prompt, zero past its last token, padded to ``model.max_sequence_length``."""
+        embeds, negative = self.pipe.encode_prompt(
+            prompt=prompts, negative_prompt=[self.config.negative_prompt] * len(prompts) if self.use_cfg else None,
+            do_classifier_free_guidance=self.use_cfg, max_sequence_length=self.config.max_sequence_length,
+            device=self.device)
+        cond = {"prompt_embeds": embeds}
+        if self.use_cfg:
+            cond[NEGATIVE + "prompt_embeds"] = negative
+        return cond
+
+    def conditioning_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {"prompt_embeds": (self.config.max_sequence_length, self.transformer.config.text_dim)}
+
+    def latent_frames(self) -> int:
+        """``F' = (num_frames - 1) / 4 + 1`` latent frames."""
+        return (self.num_frames - 1) // self.pipe.vae_scale_factor_temporal + 1
+
+    def latent_shape(self, resolution: int) -> tuple[int, ...]:
+        size = resolution // self.pipe.vae_scale_factor_spatial
+        return (self.transformer.config.in_channels, self.latent_frames(), size, size)
+
+    def image_seq_len(self, resolution: int) -> int:
+        _, frames, height, width = self.latent_shape(resolution)
+        patch_t, patch_h, patch_w = self.transformer.config.patch_size
+        return (frames // patch_t) * (height // patch_h) * (width // patch_w)
+
+    def transformer_velocity(self, z: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        """The timestep ``1000 sigma`` stays float32, as the pipeline passes its scheduler's timesteps."""
+        dtype = self.transformer.dtype
+        return self.transformer(hidden_states=z.to(dtype), timestep=sigma.float() * 1000,
+                                encoder_hidden_states=cond["prompt_embeds"].to(dtype), return_dict=False)[0].float()
+
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        """``video = vae.decode(z * latents_std + latents_mean)`` (per-channel statistics) -> frames
+        ``[B, F, 3, H, W]``, mapped from [-1, 1] to [0, 1]."""
+        vae = self.pipe.vae
+        stats = {"device": z.device, "dtype": torch.float32}
+        mean = torch.tensor(vae.config.latents_mean, **stats).view(1, -1, 1, 1, 1)
+        std = torch.tensor(vae.config.latents_std, **stats).view(1, -1, 1, 1, 1)
+        video = vae.decode((z.float() * std + mean).to(vae.dtype), return_dict=False)[0]  # [B, 3, F, H, W]
+        return (video.float() / 2 + 0.5).clamp(0, 1).transpose(1, 2)

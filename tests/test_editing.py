@@ -1,0 +1,359 @@
+"""Image editing: prompt rows of (instruction, input image), the rewards' ``inputs``, and the FLUX.1 Kontext and
+Qwen-Image-Edit families against their own diffusers pipelines (Euler ODE vs ``__call__``, LoRA reload, training,
+memory plan, presets)."""
+
+from __future__ import annotations
+
+import copy
+import io
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
+from PIL import Image
+
+from conftest import run_cli, tiny_config
+from jagg_core import metrics
+from jagg_core.config import LoraConfig, ModelConfig, RewardSpec, list_presets, load_config
+from jagg_core.edit_prompts import EditPrompt, input_images, png_bytes
+from jagg_core.errors import UserError
+from jagg_core.memory_plan import measured_peak, plan_memory
+from jagg_core.models import load_flow_model
+from jagg_core.models.base import NEGATIVE
+from jagg_core.models.editing import IMAGE_LATENTS
+from jagg_core.models.text_embeddings import load_embeddings, save_embeddings
+from jagg_core.models.tiny import build_tiny_pipeline
+from jagg_core.prompts import builtin_prompt_sets, load_prompts, split_prompts
+from jagg_core.rewards import CombinedReward, build_reward
+from jagg_core.rewards.base import Reward
+from jagg_core.rewards.catalog import NoOptions
+from jagg_core.rewards.jpeg import JpegCompressibility
+from jagg_core.rundir import RunDirectory
+from jagg_core.trainer import Trainer
+
+EDIT_MODELS = ["tiny-flux-kontext", "tiny-qwen-edit"]
+RES, CONDITION, STEPS = 32, 32, 3
+#: text tokens: the longest example instruction, with the tiny Qwen-Image-Edit tokenizer's template tokens, fits
+TEXT = 64
+EDIT_SET = "edits"
+
+
+def png(path, colour, size=(40, 24)) -> None:
+    Image.new("RGB", size, colour).save(path)
+
+
+@pytest.fixture
+def image_folder(tmp_path):
+    png(tmp_path / "red.png", (200, 30, 30))
+    (tmp_path / "sub").mkdir()
+    png(tmp_path / "sub" / "blue.png", (30, 30, 200))
+    (tmp_path / "prompts.csv").write_text("file,prompt\nred.png,make it  blue\nsub/blue.png,make it blue\n"
+                                          "red.png,add a hat\nred.png,   \n")
+    return tmp_path
+
+
+def rows(count: int = 2) -> list[EditPrompt]:
+    """Editing rows of the built-in example set with instructions of different lengths."""
+    prompts = load_prompts(EDIT_SET)
+    return [prompts[0], max(prompts, key=len)][:count]
+
+
+# ----- prompt rows -----------------------------------------------------------------------------------------------
+def test_an_image_folder_gives_one_row_per_instruction_keyed_by_its_image(image_folder):
+    prompts = load_prompts(str(image_folder))
+    assert [p.instruction for p in prompts] == ["make it blue", "make it blue", "add a hat"]
+    assert all(isinstance(p, EditPrompt) and p.startswith(p.instruction + " [") for p in prompts)
+    assert prompts[0] != prompts[1], "the same instruction on two images is two rows"
+    assert [p.label for p in prompts] == ["red.png", "sub/blue.png", "red.png"]
+    square = prompts[1].image(16)
+    assert square.size == (16, 16) and square.getpixel((8, 8)) == (30, 30, 200)
+    clone = copy.deepcopy(prompts[0])
+    assert clone == prompts[0] and clone.image_bytes == prompts[0].image_bytes
+    (image_folder / "prompts.csv").unlink()
+    (image_folder / "prompts.jsonl").write_text('{"file": "red.png", "prompt": "make it blue"}\n')
+    assert load_prompts(str(image_folder)) == prompts[:1]
+
+
+@pytest.mark.parametrize("files, match", [
+    ({}, "needs a prompts.csv or prompts.jsonl"),
+    ({"prompts.csv": "image,prompt\nred.png,x\n"}, "needs a 'file' column"),
+    ({"prompts.jsonl": '{"file": "red.png"}\n'}, "line 1 .* must be an object with a 'file' key and a 'prompt' key"),
+    ({"prompts.csv": "file,prompt\nmissing.png,x\n"}, "row 1 .* image 'missing.png' is not a file inside"),
+    ({"prompts.csv": "file,prompt\n../outside.png,x\n"}, "image '../outside.png' is not a file inside"),
+    ({"prompts.csv": "file,prompt\nnotes.txt,x\n", "notes.txt": "hello"}, "image 'notes.txt' is not a readable image"),
+    ({"prompts.csv": "file,prompt\nred.png,\n"}, "holds no prompts"),
+])
+def test_a_bad_image_folder_is_one_line(tmp_path, files, match):
+    folder = tmp_path / "set"
+    folder.mkdir()
+    png(folder / "red.png", (200, 30, 30))
+    png(tmp_path / "outside.png", (0, 0, 0))
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    with pytest.raises(UserError, match=match) as err:
+        load_prompts(str(folder))
+    assert "\n" not in str(err.value)
+
+
+def test_a_hub_dataset_with_an_image_column(monkeypatch):
+    class Dataset:
+        column_names = ["edit", "good", "bad", "caption"]
+        num_rows = 2
+
+        def __getitem__(self, column):
+            blue = Image.new("RGB", (8, 8), "blue")
+            return {"edit": ["make it red", "make it green"], "caption": ["a", "b"],
+                    "good": [blue, {"bytes": png_bytes(blue), "path": None}],
+                    "bad": [blue, {"bytes": b"not an image", "path": None}]}[column]
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=lambda name, split: Dataset()))
+    edits = load_prompts("hf://user/edits:edit,good")
+    assert [p.instruction for p in edits] == ["make it red", "make it green"]
+    assert [p.label for p in edits] == ["row 1", "row 2"] and edits[0].image(4).getpixel((2, 2)) == (0, 0, 255)
+    with pytest.raises(UserError, match="row 2 of Hub dataset 'user/edits' is not a readable image"):
+        load_prompts("hf://user/edits:edit,bad")
+    with pytest.raises(UserError, match="has no column 'image'; it has: edit, good, bad, caption"):
+        load_prompts("hf://user/edits:edit,image")
+    assert load_prompts("hf://user/edits:caption") == ["a", "b"]
+
+
+def test_the_builtin_example_set_splits_like_any_prompt_set():
+    assert EDIT_SET in builtin_prompt_sets()
+    prompts = load_prompts(EDIT_SET)
+    train, held_out = split_prompts(prompts, 4, seed=0)
+    assert all(isinstance(p, EditPrompt) for p in train + held_out) and not set(train) & set(held_out)
+
+
+# ----- rewards see the input images ------------------------------------------------------------------------------
+class InputsProbe(Reward):
+    """Scores each image by its mean distance to its input image."""
+
+    name = "inputs_probe"
+    takes_inputs = True
+
+    def __call__(self, images, prompts, inputs=None):
+        return (images - inputs).abs().mean(dim=(1, 2, 3))
+
+
+def test_an_editing_reward_gets_the_input_images_and_old_rewards_do_not():
+    prompts = rows()
+    expected = input_images(prompts, 16)
+    assert expected.shape == (2, 3, 16, 16) and 0 <= expected.min() and expected.max() <= 1
+    combined = CombinedReward([InputsProbe(options=NoOptions()), JpegCompressibility()], [1.0, 0.0], ["probe", "jpeg"])
+    images = torch.rand(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    _, parts = combined(images, prompts)
+    torch.testing.assert_close(parts["probe"], (images - expected).abs().mean(dim=(1, 2, 3)))
+    _, unchanged = combined(expected, prompts)
+    assert unchanged["probe"].abs().max() == 0
+    assert input_images(["a red circle"], 16) is None
+
+
+def test_clip_directional_is_the_cosine_of_the_image_and_text_directions(tiny_clip):
+    folder, _ = tiny_clip
+    reward = build_reward(RewardSpec(name="clip_directional", options={"model_id": folder}))
+    image = rows(1)[0].image_bytes
+    prompts = [EditPrompt("make it red", image, "a"), EditPrompt("add snow", image, "b")]
+    inputs = input_images(prompts, 32)
+    images = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    scores = reward(images, prompts, inputs)
+    image_direction = reward.image_embeds(images) - reward.image_embeds(inputs)
+    text_direction = reward.text_embeds(["make it red", "add snow"]) - reward.text_embeds(["a photo"])
+    expected = (image_direction * text_direction).sum(-1) / (image_direction.norm(dim=-1) * text_direction.norm(dim=-1))
+    torch.testing.assert_close(scores, expected, atol=1e-5, rtol=1e-4)
+    assert scores.abs().max() <= 1 and reward(inputs, prompts, inputs).abs().max() == 0
+    with pytest.raises(UserError, match="clip_directional reward scores edits"):
+        CombinedReward([reward], [1.0], ["clip_directional"])(images, ["make it red", "add snow"])
+
+
+# ----- the families against their pipelines ----------------------------------------------------------------------
+def load(name: str, **overrides):
+    return load_flow_model(ModelConfig(name=name, max_sequence_length=TEXT, condition_resolution=CONDITION,
+                                       **overrides))
+
+
+def noise(model, batch: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn((batch, *model.latent_shape(RES)), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name", EDIT_MODELS)
+def test_each_row_is_encoded_once_with_its_image_latents(name, monkeypatch):
+    model = load(name, guidance_scale=3.0, negative_prompt="blurry")
+    first, second = rows()
+    same_text = EditPrompt(first.instruction, second.image_bytes, "other")
+    cond = model.conditioning([first, same_text, first])
+    tokens = model.image_seq_len(CONDITION)  # (32 / (2 x the VAE's factor))^2
+    assert cond[IMAGE_LATENTS].shape == (3, tokens, model.transformer.config.in_channels)
+    assert torch.equal(cond[IMAGE_LATENTS], cond[NEGATIVE + IMAGE_LATENTS])
+    assert torch.equal(cond[IMAGE_LATENTS][0], cond[IMAGE_LATENTS][2])
+    assert not torch.equal(cond[IMAGE_LATENTS][0], cond[IMAGE_LATENTS][1])
+    shapes = model.conditioning_shapes()
+    assert all(cond[key].shape[1:] == shapes[key] for key in shapes)
+    monkeypatch.setattr(model, "encode_prompts", lambda prompts: pytest.fail("encoded twice"))
+    model.conditioning([same_text])
+    with pytest.raises(UserError, match=f"the {model.family} model edits images, but the prompt 'a red circle'"):
+        load(name).conditioning(["a red circle"])
+
+
+def test_the_rows_conditioning_is_saved_for_a_resume_and_tied_to_the_input_size(tmp_path):
+    model = load("tiny-flux-kontext")
+    prompts = rows()
+    model.encode_and_cache(prompts)
+    path = tmp_path / "text_embeddings.safetensors"
+    save_embeddings(path, model.cached_embeddings, model.config)
+    saved = load_embeddings(path, prompts, model.config)
+    assert IMAGE_LATENTS in saved[prompts[0]]
+    assert all(torch.equal(value, model.cached_embeddings[p][key]) for p in prompts for key, value in saved[p].items())
+    assert load_embeddings(path, prompts, model.config.model_copy(update={"condition_resolution": 16})) is None
+
+
+@pytest.fixture
+def qwen_edit_condition_size(monkeypatch):
+    """QwenImageEditPipeline resizes its input to ``calculate_dimensions(1024 * 1024, ratio)``; here to CONDITION."""
+    original = pipeline_qwenimage_edit.calculate_dimensions
+    monkeypatch.setattr(pipeline_qwenimage_edit, "calculate_dimensions",
+                        lambda area, ratio: original(CONDITION * CONDITION, ratio))
+
+
+@pytest.mark.parametrize("name", EDIT_MODELS)
+@pytest.mark.parametrize("guidance_scale", [1.0, 3.0])
+def test_euler_ode_reproduces_pipeline(name, guidance_scale, qwen_edit_condition_size):
+    """z_{i+1} = z_i + (sigma_{i+1} - sigma_i) v(z_i, sigma_i, c) on two rows at once equals the pipeline's own
+    ``__call__`` on each row from the same noise and input image (true CFG included)."""
+    model = load(name, guidance_scale=guidance_scale, negative_prompt="ugly", flux_guidance=2.5)
+    prompts = rows()
+    z0 = noise(model, len(prompts), seed=1)
+    sigmas, cond = model.sigmas(STEPS, RES), model.conditioning(prompts)
+    z = z0
+    with torch.no_grad():
+        for i in range(STEPS):
+            z = z + (sigmas[i + 1] - sigmas[i]) * model.velocity(z, sigmas[i], cond)
+        images = model.decode(z)
+
+    kontext = {"guidance_scale": 2.5, "_auto_resize": False, "max_area": RES * RES}  # the output keeps RES x RES
+    family = {"tiny-flux-kontext": kontext, "tiny-qwen-edit": {}}[name]
+    for i, row in enumerate(prompts):
+        final = {}
+
+        def keep_latents(pipe, step, timestep, tensors):
+            final["latents"] = tensors["latents"]
+            return {}
+
+        output = model.pipe(image=row.image(CONDITION), prompt=row.instruction, num_inference_steps=STEPS,
+                            latents=z0[i:i + 1].clone(), height=RES, width=RES, output_type="pt",
+                            true_cfg_scale=guidance_scale, negative_prompt="ugly" if model.use_cfg else None,
+                            max_sequence_length=TEXT, callback_on_step_end=keep_latents, **family)
+        torch.testing.assert_close(model.pipe.scheduler.sigmas, sigmas, atol=1e-6, rtol=0)
+        torch.testing.assert_close(z[i:i + 1], final["latents"].float(), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(images[i:i + 1], output.images.float(), atol=1e-4, rtol=1e-4)
+
+
+def test_a_local_kontext_folder_loads_as_its_family(tmp_path):
+    """(Qwen-Image-Edit's folder would need torchvision: its processor loads a video processor too.)"""
+    model = load("tiny-flux-kontext")
+    model.pipe.save_pretrained(tmp_path)
+    reloaded = load_flow_model(ModelConfig(name=str(tmp_path), max_sequence_length=TEXT,
+                                           condition_resolution=CONDITION))
+    assert type(reloaded) is type(model)
+    z, sigma = noise(model, 1), torch.tensor(0.7)
+    with torch.no_grad():
+        expected = model.velocity(z, sigma, model.conditioning(rows(1)))
+        torch.testing.assert_close(reloaded.velocity(z, sigma, reloaded.conditioning(rows(1))), expected,
+                                   atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", EDIT_MODELS)
+def test_saved_lora_reloads_in_a_fresh_pipeline(name, tmp_path):
+    model = load(name)
+    params = model.add_lora(LoraConfig(rank=4, alpha=8.0))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in params:
+            param.add_(0.2 * torch.randn(param.shape, generator=generator))
+    z, sigma, cond = noise(model, 2), torch.tensor([0.8, 0.3]), model.conditioning(rows())
+    with torch.no_grad():
+        trained = model.velocity(z, sigma, cond)
+        with model.adapters_disabled():
+            assert not torch.allclose(model.velocity(z, sigma, cond), trained, atol=1e-3)
+    model.save_lora(tmp_path)
+    fresh = build_tiny_pipeline(name)
+    fresh.load_lora_weights(str(tmp_path))
+    with torch.no_grad():
+        torch.testing.assert_close(type(model)(fresh, model.config).velocity(z, sigma, cond), trained,
+                                   atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", EDIT_MODELS)
+def test_two_training_iterations_and_the_adapter_loads_in_diffusers(name, tmp_path, offline):
+    config = tiny_config(name, prompts__source=EDIT_SET, model__condition_resolution=16,
+                         model__max_sequence_length=TEXT)
+    trainer = Trainer(config, tmp_path / "run")
+    trainer.setup()
+    trainer.fit()
+    run = RunDirectory(tmp_path / "run")
+    metrics_rows = run.read_metrics()
+    assert [r["iteration"] for r in metrics_rows] == [0, 1, 2]
+    assert all(r[metrics.SKIPPED] is False for r in metrics_rows[1:])
+    assert run.read_status()["state"] == "finished"
+    fresh = build_tiny_pipeline(name, seed=config.train.seed)
+    fresh.load_lora_weights(str(run.lora_dir))
+    prompts = list(trainer.model.cached_embeddings)[:2]
+    z, sigma = noise(trainer.model, 2), torch.tensor([0.7, 0.3])
+    with torch.no_grad():
+        trained = trainer.model.velocity(z, sigma, trainer.model.conditioning(prompts))
+        with trainer.model.adapters_disabled():
+            base = trainer.model.velocity(z, sigma, trainer.model.conditioning(prompts))
+        reloaded = type(trainer.model)(fresh, trainer.model.config).velocity(z, sigma,
+                                                                             trainer.model.conditioning(prompts))
+    assert not torch.allclose(trained, base)
+    torch.testing.assert_close(reloaded, trained, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", EDIT_MODELS)
+def test_the_memory_plan_counts_the_input_image_and_meets_the_measured_peak(name, tmp_path, offline):
+    settings = {"prompts__source": EDIT_SET, "model__max_sequence_length": TEXT}
+    config = tiny_config(name, model__condition_resolution=CONDITION, **settings)
+    trainer = Trainer(config, tmp_path)
+    trainer.setup()
+    measured, planned = measured_peak(trainer), plan_memory(config)
+    assert planned.family == trainer.model.family
+    assert 0.75 <= planned.total / measured <= 1.25, f"planned {planned.total:.3g} B, measured {measured:.3g} B"
+    assert plan_memory(tiny_config(name, model__condition_resolution=16, **settings)).total < planned.total
+
+
+# ----- presets -----------------------------------------------------------------------------------------------------
+EDIT_PRESETS = [p for p in list_presets() if p.startswith(("flux-kontext-", "qwen-image-edit-"))]
+
+
+def test_the_editing_presets_are_listed_and_validate(offline):
+    assert any(p.startswith("flux-kontext-") and p.endswith("-24gb") for p in EDIT_PRESETS)
+    assert any(p.startswith("qwen-image-edit-") for p in EDIT_PRESETS)
+    assert all(p in run_cli("--list-presets").stdout for p in EDIT_PRESETS)
+    for preset in EDIT_PRESETS:
+        result = run_cli("--preset", preset, "--dry-run")
+        assert result.returncode == 0, result.stderr
+        config = load_config(preset=preset)
+        assert all(isinstance(p, EditPrompt) for p in load_prompts(config.prompts.source))
+        assert any(r.name == "clip_directional" for r in config.rewards)
+
+
+def test_the_example_set_is_small_pngs():
+    for prompt in load_prompts(EDIT_SET):
+        with Image.open(io.BytesIO(prompt.image_bytes)) as picture:
+            assert picture.format == "PNG" and max(picture.size) <= 128
+    assert np.asarray(rows(1)[0].image(8)).shape == (8, 8, 3)
+
+
+def test_the_page_takes_an_image_folder_inside_the_prompt_dirs(image_folder, tmp_path, monkeypatch):
+    from app.form import build_config, preset_form
+
+    form = preset_form("tiny-sd3")
+    form.model, form.prompt_set = "tiny-flux-kontext", str(image_folder)
+    form.knobs["prompts.eval_count"] = 1
+    monkeypatch.delenv("JAGG_PROMPT_DIRS", raising=False)
+    with pytest.raises(UserError, match="or image folder in a folder listed in"):
+        build_config(form, tmp_path)
+    monkeypatch.setenv("JAGG_PROMPT_DIRS", str(image_folder))
+    assert build_config(form, tmp_path).prompts.source == str(image_folder)

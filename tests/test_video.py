@@ -1,0 +1,238 @@
+"""Text-to-video: the Wan 2.1 family against its own diffusers pipeline (tiny-wan), rewards on video frames, the
+temporal-consistency reward, and a 2-iteration run that writes MP4s and frame strips."""
+
+from __future__ import annotations
+
+import json
+
+import imageio_ffmpeg
+import numpy as np
+import pytest
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+from PIL import Image
+
+from app import live
+from jagg_core.config import ModelConfig, RewardSpec, load_config
+from jagg_core.errors import UserError
+from jagg_core.memory_plan import meta_pipeline, plan_memory
+from jagg_core.model_card import build_model_card, publish_files, read_run
+from jagg_core.models import load_flow_model
+from jagg_core.models.tiny import build_tiny_pipeline
+from jagg_core.models.wan import WanModel
+from jagg_core.rewards import CombinedReward, build_reward
+from jagg_core.rewards.base import Reward
+from jagg_core.rewards.catalog import NoOptions
+from jagg_core.rundir import RunDirectory
+from jagg_core.video import frame_indices
+
+from conftest import adapter_and_base_velocity, add_moved_lora, euler_ode, pipeline_with_final_latents, run_cli
+
+RES, FRAMES, STEPS = 32, 5, 3
+PROMPTS = ["a red ball rolling", "two blue cubes spinning on a green floor"]
+
+
+def load(num_frames: int = FRAMES, **overrides):
+    return load_flow_model(ModelConfig(name="tiny-wan", max_sequence_length=16, **overrides), num_frames=num_frames)
+
+
+def noise(model, batch: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn((batch, *model.latent_shape(RES)), generator=torch.Generator().manual_seed(seed))
+
+
+# ----- the family ---------------------------------------------------------------------------------
+def test_tiny_wan_is_a_video_family_with_wans_latent_layout():
+    model = load()
+    assert model.family == "wan" and model.is_video and model.num_frames == FRAMES
+    # 16 channels -> 4 in tiny-wan; 5 frames -> 1 + 4/4 = 2 latent frames; 32 px / 8 = 4
+    assert model.latent_shape(RES) == (4, 2, 4, 4)
+    assert model.image_seq_len(RES) == 2 * 2 * 2
+    with torch.no_grad():
+        frames = model.decode(noise(model, 2))
+    assert frames.shape == (2, FRAMES, 3, RES, RES) and frames.min() >= 0 and frames.max() <= 1
+
+
+def test_frame_counts_are_checked():
+    with pytest.raises(UserError, match="4k \\+ 1"):
+        load_config(preset="tiny-sd3", overrides=["sampling.num_frames=6"])
+    with pytest.raises(UserError, match="makes images"):
+        load_flow_model(ModelConfig(name="tiny-sd3"), num_frames=5)
+
+
+def test_sigmas_are_the_euler_schedule_with_wans_flow_shift():
+    """The pipeline's UniPC scheduler has flow_shift 3: the sampler's sigmas are FlowMatchEuler's with shift 3."""
+    model = load()
+    assert model.pipe.scheduler.config.flow_shift == 3.0
+    euler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    euler.set_timesteps(10)
+    sigmas = model.sigmas(10, RES)
+    torch.testing.assert_close(sigmas, euler.sigmas.float())
+    unshifted = FlowMatchEulerDiscreteScheduler()
+    unshifted.set_timesteps(10)
+    assert bool((sigmas[1:-1] > unshifted.sigmas[1:-1]).all())  # the shift keeps more steps near the noise
+
+
+@pytest.mark.parametrize("guidance_scale", [1.0, 5.0])
+def test_euler_ode_reproduces_pipeline(guidance_scale):
+    """z_{i+1} = z_i + (sigma_{i+1} - sigma_i) v(z_i, sigma_i) from the same noise equals WanPipeline.__call__ with
+    FlowMatchEulerDiscreteScheduler(shift=flow_shift) swapped in (timestep 1000 sigma, CFG with the negative prompt,
+    decoding with the VAE's latents_mean/std)."""
+    model = load(guidance_scale=guidance_scale, negative_prompt="ugly")
+    z0 = noise(model, len(PROMPTS), seed=1)
+    sigmas = model.sigmas(STEPS, RES)
+    z, frames = euler_ode(model, z0, sigmas, model.conditioning(PROMPTS))
+
+    model.pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=model.pipe.scheduler.config.flow_shift)
+    output, latents = pipeline_with_final_latents(
+        model.pipe, prompt=PROMPTS, negative_prompt=["ugly"] * len(PROMPTS), guidance_scale=guidance_scale,
+        height=RES, width=RES, num_frames=FRAMES, num_inference_steps=STEPS, latents=z0.clone(),
+        max_sequence_length=16, output_type="pt")
+    torch.testing.assert_close(model.pipe.scheduler.sigmas, sigmas, atol=1e-6, rtol=0)
+    torch.testing.assert_close(z, latents, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(frames, output.frames.float(), atol=1e-4, rtol=1e-4)
+
+
+def test_saved_lora_loads_back_with_wan_load_lora_weights(tmp_path):
+    model = load()
+    add_moved_lora(model)
+    z, sigma, cond = noise(model, 2), torch.tensor([0.8, 0.3]), model.conditioning(PROMPTS)
+    trained, base = adapter_and_base_velocity(model, z, sigma, cond)
+    assert not torch.allclose(trained, base, atol=1e-3)
+    model.save_lora(tmp_path)
+
+    fresh = build_tiny_pipeline("tiny-wan")
+    assert isinstance(fresh, WanPipeline)
+    fresh.load_lora_weights(str(tmp_path))
+    with torch.no_grad():
+        reloaded = type(model)(fresh, model.config, num_frames=FRAMES).velocity(z, sigma, cond)
+    torch.testing.assert_close(reloaded, trained, atol=1e-5, rtol=1e-5)
+
+
+def test_the_real_arch_with_random_weights_conditions_and_predicts_at_the_real_widths():
+    model = load_flow_model(ModelConfig(name="random:wan21-t2v-1.3b@1", max_sequence_length=16), num_frames=5)
+    assert type(model.text_encoders[0]).__name__ == "UMT5EncoderModel"
+    assert model.pipe.scheduler.config.flow_shift == 3.0 and len(model.transformer.blocks) == 1
+    cond = model.conditioning(PROMPTS[:1])
+    assert cond["prompt_embeds"].shape == (1, 16, 4096)
+    z = torch.randn(1, *model.latent_shape(64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        velocity = model.velocity(z, torch.tensor(0.7), cond)
+    assert velocity.shape == z.shape == (1, 16, 2, 8, 8) and torch.isfinite(velocity).all()
+
+
+def test_memory_plan_of_the_real_arch_counts_the_video_tokens():
+    """Wan 2.1 1.3B at 480 px and 33 frames: 9 latent frames of 60 x 60, 8100 tokens. The plan (of a smaller run,
+    for time) holds the decoded frames of every video of the rollout batch."""
+    name = "random:wan21-t2v-1.3b@1"
+    model = WanModel(meta_pipeline(name), ModelConfig(name=name), "meta", num_frames=33)
+    assert model.latent_shape(480) == (16, 9, 60, 60) and model.image_seq_len(480) == 8100
+    config = load_config(preset="wan21-t2v-1.3b-pickscore-24gb", overrides=[
+        f"model.name={name}", "sampling.resolution=128", "sampling.num_frames=17", "grpo.num_generations=4"])
+    plan = plan_memory(config)
+    assert plan.family == "wan"
+    frames = 4 * 2 * 17 * 3 * 128 * 128 * 4  # the rollout batch's decoded frames, float32
+    assert plan.phase_parts["backward"] - plan.phase_parts["VAE decode"] >= frames  # the images part
+
+
+# ----- rewards on videos ----------------------------------------------------------------------------
+class Brightness(Reward):
+    """The mean pixel value of each image; records the prompts it was called with."""
+
+    name = "brightness"
+
+    def __call__(self, images, prompts):
+        self.prompts = list(prompts)
+        return images.mean(dim=(1, 2, 3))
+
+
+def graded_videos(levels: list[float], count: int = 2) -> torch.Tensor:
+    """``count`` videos whose frame f is flat at ``levels[f]`` (video n: levels + n / 10)."""
+    frames = torch.tensor(levels).view(1, -1, 1, 1, 1) + torch.arange(count).view(-1, 1, 1, 1, 1) / 10
+    return frames.expand(count, len(levels), 3, 8, 8).clone()
+
+
+def test_frame_indices_are_evenly_spaced_first_to_last():
+    assert frame_indices(81, 4) == [0, 27, 53, 80]
+    assert frame_indices(5, 3) == [0, 2, 4]
+    assert frame_indices(5, 8) == [0, 1, 2, 3, 4]
+    assert frame_indices(33, 1) == [0]
+
+
+def test_image_rewards_average_their_evenly_spaced_frames():
+    reward = Brightness(options=NoOptions())
+    videos = graded_videos([0.0, 0.1, 0.5, 0.3, 0.4])
+    total, parts = CombinedReward([reward], [2.0], ["brightness"], reward_frames=3)(videos, ["a", "b"])
+    torch.testing.assert_close(parts["brightness"], torch.tensor([0.3, 0.4]))  # frames 0, 2, 4
+    torch.testing.assert_close(total, 2 * parts["brightness"])
+    assert reward.prompts == ["a"] * 3 + ["b"] * 3
+    for count, expected in ((2, [0.2, 0.3]), (8, [0.26, 0.36])):  # frames 0 and 4; all 5 frames
+        _, scored = CombinedReward([reward], [1.0], ["b"], reward_frames=count)(videos, ["a", "b"])
+        torch.testing.assert_close(scored["b"], torch.tensor(expected))
+    images = videos[:, 2]
+    _, plain = CombinedReward([reward], [1.0], ["b"], reward_frames=3)(images, ["a", "b"])
+    torch.testing.assert_close(plain["b"], torch.tensor([0.5, 0.6]))  # images go to the reward as they are
+
+
+def test_temporal_consistency_is_the_mean_cosine_of_consecutive_frames(tiny_clip):
+    folder, _ = tiny_clip
+    reward = build_reward(RewardSpec(name="temporal_consistency", options={"model_id": folder}))
+    generator = torch.Generator().manual_seed(0)
+    a, b = torch.rand((2, 3, 32, 32), generator=generator)
+    still = torch.stack([a] * 5)[None]
+    flicker = torch.stack([a, b, a, b, a])[None]
+    scores = reward(torch.cat([still, flicker]), ["x", "y"])
+    embeds = reward.image_embeds(torch.stack([a, b]))
+    cos_ab = float((embeds[0] * embeds[1]).sum())
+    torch.testing.assert_close(scores, torch.tensor([1.0, cos_ab]), atol=1e-5, rtol=0)
+    assert cos_ab < 0.999
+    with pytest.raises(UserError, match="video"):
+        reward(torch.rand((2, 3, 32, 32)), ["x", "y"])
+
+
+# ----- a run -------------------------------------------------------------------------------------------
+def read_mp4(path) -> tuple[dict, list[np.ndarray]]:
+    reader = imageio_ffmpeg.read_frames(str(path))
+    meta = next(reader)
+    width, height = meta["size"]
+    return meta, [np.frombuffer(f, np.uint8).reshape(height, width, 3) for f in reader]
+
+
+def test_two_iterations_on_tiny_wan_write_mp4s_and_strips_and_the_adapter_loads_back(tmp_path, tiny_clip):
+    """GRPO with a JAGG window of 3 (one interpolated step) and its audit, an image reward on 2 frames of each video
+    and the temporal-consistency reward, through the CLI."""
+    out, rewards = tmp_path / "run", (f"rewards=[{{name: jpeg_compressibility}}, {{name: temporal_consistency, "
+                                      f"weight: 0.5, options: {{model_id: '{tiny_clip[0]}'}}}}]")
+    result = run_cli("--preset", "tiny-sd3", "--output-dir", str(out), "--set", "model.name=tiny-wan",
+                     "--set", "sampling.num_frames=5", "--set", "sampling.fps=8", "--set", "sampling.resolution=32",
+                     "--set", "sampling.num_steps=4", "--set", "train.iterations=2", "--set", "grpo.num_generations=2",
+                     "--set", "prompts.eval_count=2", "--set", "backward.window=3", "--set", "backward.audit_every=2",
+                     "--set", "sampling.reward_frames=2", "--set", "model.max_sequence_length=16", "--set", rewards)
+    assert result.returncode == 0, result.stderr[-2000:]
+    run = RunDirectory(out)
+    assert run.read_status()["state"] == "finished"
+    rows = run.read_metrics()
+    assert [row["iteration"] for row in rows] == [0, 1, 2]
+    assert abs(rows[2]["reward/temporal_consistency"]) <= 1 + 1e-5 and abs(rows[2]["jagg/grad_cosine"]) <= 1 + 1e-5
+    for samples in (run.samples(0), run.samples(2), run.rollouts()):
+        assert len(samples.videos) == len(samples.images) == len(samples.prompts)
+        meta, frames = read_mp4(samples.videos[0])
+        assert len(frames) == 5 and meta["size"] == (32, 32) and meta["fps"] == 8
+        with Image.open(samples.images[0]) as strip:
+            assert strip.size == (5 * 32, 32)  # every frame of a 5-frame video, side by side
+    with Image.open(run.grid_file(2)) as grid:
+        assert grid.width == 2 * 128
+    assert json.loads((run.samples_dir(2) / "info.json").read_text())["iteration"] == 2
+    video, label = live.latest_video(out)  # what the page's gr.Video shows
+    assert video == str(run.samples(2).videos[0]) and "iteration 2" in label
+    snapshot = read_run(out)
+    card = str(build_model_card(snapshot, "alice/wan-lora"))
+    assert "pipeline_tag: text-to-video" in card and '<video src="samples/000.mp4"' in card
+    assert "export_to_video(frames" in card
+    assert publish_files(snapshot, "alice/wan-lora")["samples/000.mp4"] == run.samples(2).videos[0]
+
+    pipe = build_tiny_pipeline("tiny-wan")  # the run's base model: tiny-wan drawn from train.seed 0
+    pipe.load_lora_weights(str(run.lora_dir))
+    model = WanModel(pipe, ModelConfig(name="tiny-wan", max_sequence_length=16), num_frames=5)
+    tuned, base = adapter_and_base_velocity(model, noise(model, 1), torch.tensor([0.6]),
+                                            model.conditioning(PROMPTS[:1]))
+    assert not torch.equal(tuned, base)  # two updates moved the adapter's zero-initialised B
