@@ -292,10 +292,17 @@ def _reference_velocities(model: FlowModel, plan: BackwardPlan, batch: Trajector
         for k in range(0, len(plan.pass_steps), group):
             steps = plan.pass_steps[k:k + group]
             references.update(zip(steps, forward(steps)))
+    return {**references, **_endpoint_corrected(plan, batch, references)}
+
+
+def _endpoint_corrected(plan: BackwardPlan, batch: Trajectory, at_endpoints: dict[int, torch.Tensor]
+                        ) -> dict[int, torch.Tensor]:
+    """At every interpolated step j of window a..b, the rollout velocity corrected by the endpoints' change from
+    the rollout's, ``v_j_old + (1 - alpha_j)(u_a - v_a_old) + alpha_j (u_b - v_b_old)``, where ``u`` is
+    ``at_endpoints`` (the current velocities, or the reference's)."""
     old = batch.velocities
-    for j, (a, b, alpha) in plan.interpolated.items():
-        references[j] = old[j] + (1 - alpha) * (references[a] - old[a]) + alpha * (references[b] - old[b])
-    return references
+    return {j: old[j] + (1 - alpha) * (at_endpoints[a] - old[a]) + alpha * (at_endpoints[b] - old[b])
+            for j, (a, b, alpha) in plan.interpolated.items()}
 
 
 def _intermediate_velocities(plan: BackwardPlan, batch: Trajectory, forward, on_policy: bool) -> dict[int, torch.Tensor]:
@@ -314,6 +321,4 @@ def _intermediate_velocities(plan: BackwardPlan, batch: Trajectory, forward, on_
         if on_policy:
             return {j: batch.velocities[j] for j in plan.interpolated}
         endpoints = sorted({e for a, b, _ in plan.interpolated.values() for e in (a, b)})
-        now = dict(zip(endpoints, forward(endpoints)))
-        return {j: batch.velocities[j] + (1 - alpha) * (now[a] - batch.velocities[a])
-                + alpha * (now[b] - batch.velocities[b]) for j, (a, b, alpha) in plan.interpolated.items()}
+        return _endpoint_corrected(plan, batch, dict(zip(endpoints, forward(endpoints))))
