@@ -106,6 +106,7 @@ ADVANCED_KNOBS = (
     Knob("grpo.trained_start", "First trained step", "int"),
     Knob("grpo.slide_every", "Slide the trained steps every", "int"),
     Knob("grpo.shared_prefix", "Shared prefix per prompt", "bool"),
+    Knob("grpo.branch_factor", "Tree rollout branch factor", "int"),
     Knob("grpo.kl_reference", "KL reference", "choice", choices=(("training pass", "train"), ("rollout", "rollout"))),
     Knob("grpo.kl_form", "KL form", "choice", choices=(("Gaussian step KL", "step"), ("Flow-GRPO's", "flow_grpo"))),
     Knob("backward.audit_every", "Fidelity audit every", "int"),

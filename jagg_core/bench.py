@@ -3,7 +3,7 @@
     python -m jagg_core.bench [--quick] [--json OUT.json] [--table OUT.md] [--plot OUT.png] [--models A,B]
     python -m jagg_core.bench --arch NAME --random-weights [--layers N] [--resolution R] [--quantize nf4|int8]
     python -m jagg_core.bench --fidelity ROLLOUTS ...     (adds section 5)
-    python -m jagg_core.bench --training [--flow-grpo] [--models M] [--json|--table|--plot OUT]
+    python -m jagg_core.bench --training [--setups flow_grpo,exact,default,tree] [--models M] [--json|--table|--plot OUT]
 
 Every comparison runs in one process on the same model, the same rollout batch and the same seeds,
 through the project's own code: :class:`~jagg_core.trainer.Trainer` (set-up, rollout, iterations),
@@ -22,7 +22,7 @@ through the project's own code: :class:`~jagg_core.trainer.Trainer` (set-up, rol
    while there is none) and ``bench-sd3-31m``, a DiT large enough to be compute-bound on a CPU.
 3. **Whole iterations** (rollout + train) of short trainings on each model, alternating
    iteration by iteration, for each seed: Flow-GRPO's default (every step SDE, exact backward, reference in the
-   rollout), the exact backward with the default's rollout, and the default
+   rollout), the exact backward with the default's rollout, the default, and the default with tree rollouts
    (:func:`~jagg_core.training_bench.comparison_setups`); reward
    against wall-clock goes to ``--plot``. The default's training is audited at every iteration
    (``backward.audit_every``), timed apart: the cost of one audit against an iteration's.
@@ -31,8 +31,8 @@ through the project's own code: :class:`~jagg_core.trainer.Trainer` (set-up, rol
 5. **Fidelity** (``--fidelity``, :mod:`jagg_core.fidelity_bench`): each window's audited gradient cosine along the
    trajectory, and how well the routing predictors rank it (section ``fidelity``).
 
-``--training`` runs instead whole trainings, the default against the exact backward (and with ``--flow-grpo``
-Flow-GRPO's default iteration) over three seeds (:mod:`jagg_core.training_bench`).
+``--training`` runs instead whole trainings of the setups ``--setups`` (default: the exact backward and the default)
+over three seeds (:mod:`jagg_core.training_bench`).
 
 Every train-phase row also has the seconds of one rollout of the same batch (``rollout_s``, timed once per
 repeat among the variants), so ``iteration_s = rollout_s + train_s`` and ``iteration_speedup`` compare whole
@@ -144,6 +144,8 @@ class BenchOptions:
     repeats: int = 5
     warmup: int = 1
     memory: bool = True
+    #: sections 1, 2 and 4 (the train phase of each variant); False: only the whole iterations (and fidelity)
+    train_phase: bool = True
     iterations: int = 20
     seeds: tuple[int, ...] = (0, 1)
     #: rollouts of the fidelity section (:mod:`jagg_core.fidelity_bench`, on the first model); 0 = skip
@@ -429,11 +431,8 @@ def bench_iterations(model: str, options: BenchOptions) -> list[dict]:
         for seed in options.seeds:
             trainers = {}
             for name, changes in setups.items():
-                # the measured iterations neither sample nor checkpoint: both happen at iteration N + 1
-                beyond = options.iterations + 1
                 config = bench_config(model, [*options.overrides, *changes, f"train.seed={seed}",
-                                              f"train.iterations={beyond}", f"train.sample_every={beyond}",
-                                              f"train.checkpoint_every={beyond}",
+                                              f"train.iterations={options.iterations}",
                                               f"backward.audit_every={int(name == 'default')}"])
                 configs[name] = config
                 trainers[name] = Trainer(config, Path(root) / f"{name}-{seed}")
@@ -441,7 +440,7 @@ def bench_iterations(model: str, options: BenchOptions) -> list[dict]:
                 curves[name][str(seed)] = []
             for iteration in range(1, options.iterations + 1):
                 for name, trainer in trainers.items():
-                    row = trainer.iteration(iteration)
+                    row = trainer.iteration(iteration, evaluate=False)  # no held-out eval, no checkpoint
                     elapsed = row[metrics.TIME_ROLLOUT] + row[metrics.TIME_TRAIN]
                     curve = curves[name][str(seed)]
                     curve.append([(curve[-1][0] if curve else 0.0) + elapsed, row[metrics.REWARD_MEAN]])
@@ -481,7 +480,7 @@ def bench_iterations(model: str, options: BenchOptions) -> list[dict]:
 def run_bench(options: BenchOptions, threads: int = 2, log=print) -> list[dict]:
     """All sections for ``options``; returns the rows."""
     rows = []
-    for index, model in enumerate(options.models):
+    for index, model in enumerate(options.models if options.train_phase else []):
         variants = options.grid(index)
         log(f"[bench] {model}: train phase, {len(variants)} variants x {options.repeats} repeats")
         rows += bench_train_phase(model, variants, options, threads)
@@ -586,11 +585,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, help="timed repeats per variant")
     parser.add_argument("--iterations", type=int, help="iterations of each short training (0: skip)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurements")
+    parser.add_argument("--no-train-phase", action="store_true", help="skip the train phase of every variant "
+                        "(sections 1, 2, 4): only the whole iterations (and --fidelity)")
     parser.add_argument("--training", action="store_true", help="instead: full-length trainings of the first model's "
                         "task (default: the default preset) with the exact and its JAGG backward, same seeds 0, 1, 2: "
                         "held-out gain, wall clock and gain per minute with their spread (jagg_core.training_bench)")
-    parser.add_argument("--flow-grpo", action="store_true", help="with --training: also train Flow-GRPO's default "
-                        "iteration (every step SDE, exact backward, reference in the rollout)")
+    parser.add_argument("--setups", default="exact,default", help="with --training: the setups trained, of "
+                        f"{','.join(SETUP_LABELS)} (flow_grpo: Flow-GRPO's default iteration, every step SDE, exact "
+                        "backward, reference in the rollout; tree: the default with tree rollouts); default "
+                        "exact,default")
     parser.add_argument("--fidelity", type=int, metavar="ROLLOUTS", help="also the per-window fidelity along the "
                         "trajectory and the Spearman correlation of the routing predictors with it, over ROLLOUTS "
                         "rollouts of the first model at noise levels 0.7 and 1.2 (jagg_core.fidelity_bench)")
@@ -628,7 +631,10 @@ def run_training(args: argparse.Namespace) -> None:
     """``--training``: the trainings of :mod:`jagg_core.training_bench`, written to ``--json``/``--table``/``--plot``
     and printed."""
     model = args.models.split(",")[0] if args.models else EMBEDDED_MODEL
-    setups = ("flow_grpo", "exact", "default") if args.flow_grpo else ("exact", "default")
+    setups = [name.strip() for name in args.setups.split(",") if name.strip()]
+    unknown = [name for name in setups if name not in SETUP_LABELS]
+    if unknown or not setups:
+        raise UserError(f"--setups {args.setups}: choose from {', '.join(SETUP_LABELS)}")
     rows = training_rows(bench_config(model, args.overrides), setups=setups)
     table = format_training(rows)
     for path, write in ((args.json, lambda p: p.write_text(json.dumps(rows, indent=1))),
@@ -645,6 +651,8 @@ def bench_options(args: argparse.Namespace) -> BenchOptions:
                                              ("fidelity_rollouts", args.fidelity)) if value is not None}
     if args.no_memory:
         changes["memory"] = False
+    if args.no_train_phase:
+        changes["train_phase"] = False
     if args.arch or args.random_weights:
         if args.models:
             raise UserError("--models and --arch exclude each other")

@@ -12,6 +12,7 @@ form shows the same descriptions as its help text.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
@@ -169,6 +170,11 @@ class GrpoConfig(_Section):
     shared_prefix: bool = Field(False, description="the num_generations samples of a prompt draw share their initial "
                                 "noise, and the ODE steps before the first noisy step (grpo.ode_after_trained with "
                                 "trained steps after step 0) are computed once per prompt draw, then branched")
+    branch_factor: int = Field(0, ge=0, description="tree rollouts (BranchGRPO): 0 = off; b >= 2 = the "
+                               "num_generations samples of a prompt draw start from one noise and split b ways at k "
+                               "of the trained steps, spread evenly over them (first and last included), where "
+                               "b^k = num_generations; paths share their steps before a split, whose velocities "
+                               "(rollout and training pass) are computed once per branch")
     ode_after_trained: bool = Field(False, description="rollouts take the ODE step at every step that is not trained "
                                     "(before and after a range, between random blocks), so only trained steps inject "
                                     "noise (Flow-GRPO-Fast, MixGRPO)")
@@ -333,6 +339,13 @@ class RunConfig(_Section):
         if self.grpo.slide_every and self.grpo.window_placement != "range":
             raise ValueError("grpo.slide_every moves a range placement: set grpo.window_placement range or "
                              "slide_every 0")
+        factor, group = self.grpo.branch_factor, self.grpo.num_generations
+        if factor:
+            splits = round(math.log(group, factor)) if factor > 1 else 0
+            if factor < 2 or factor ** splits != group or splits > count:
+                raise ValueError(f"grpo.branch_factor {factor} must split the group of grpo.num_generations {group} "
+                                 f"in k splits with {factor}^k = {group} and k <= the {count} trained steps (e.g. "
+                                 "branch_factor 2 with num_generations 4 or 8), or be 0 (off)")
         if self.grpo.window_placement == "range" and self.grpo.trained_start + count > self.sampling.num_steps:
             raise ValueError(f"grpo.trained_start {self.grpo.trained_start} + {count} trained steps exceeds "
                              f"sampling.num_steps {self.sampling.num_steps}")

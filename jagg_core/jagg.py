@@ -55,7 +55,7 @@ import torch
 from .config import BackwardConfig
 from .grpo import LossSettings, loss_scale, step_loss
 from .models.base import Conditioning, FlowModel
-from .sampler import Trajectory
+from .sampler import Trajectory, shared_velocity
 
 
 @dataclass(frozen=True)
@@ -232,10 +232,14 @@ def run_backward(model: FlowModel, plan: BackwardPlan, batch: Trajectory, cond: 
     loss_total = 0.0
 
     def forward(steps: list[int]) -> list[torch.Tensor]:
+        """The velocities at ``steps``, stacked into one call; once per node of a group rollout's tree."""
         z = torch.cat([batch.latents[j] for j in steps])
         sigma = torch.cat([batch.sigmas[j].expand(batch.latents.shape[1]) for j in steps]).to(z.device)
+        nodes = None
+        if batch.node_ids is not None:  # ids made distinct across the stacked steps
+            nodes = torch.cat([batch.node_ids[j] + k * (int(batch.node_ids.max()) + 1) for k, j in enumerate(steps)])
         with autocast():
-            v = model.velocity(z, sigma, FlowModel.tile_conditioning(cond, len(steps)))
+            v = shared_velocity(model, z, sigma, FlowModel.tile_conditioning(cond, len(steps)), nodes)
         return list(v.float().chunk(len(steps)))
 
     group = 2 if plan.joint else 1  # pass steps per forward

@@ -19,7 +19,7 @@ policy is not updated.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +71,8 @@ class Trajectory:
     std_t: torch.Tensor            # [T]
     ref_velocities: torch.Tensor | None = None  # [S, B, *latent]: the S noisy steps' in order, adapters disabled
     #                                             (grpo.kl_reference: rollout; else the training pass computes them)
+    node_ids: torch.Tensor | None = None        # [T + 1, B]: samples of a group rollout with the same id at level i
+    #                                             hold the same z_i (group_node_ids); None: all distinct
 
     @property
     def num_steps(self) -> int:
@@ -87,8 +89,9 @@ class Trajectory:
     def select(self, index: torch.Tensor | slice) -> "Trajectory":
         """The sub-batch of samples ``index``."""
         ref = self.ref_velocities[:, index] if self.ref_velocities is not None else None
+        nodes = self.node_ids[:, index] if self.node_ids is not None else None
         return Trajectory(self.latents[:, index], self.velocities[:, index], self.log_probs[:, index],
-                          self.sigmas, self.std_t, ref)
+                          self.sigmas, self.std_t, ref, nodes)
 
 
 def initial_noise(model: FlowModel, batch: int, resolution: int, generator: torch.Generator) -> torch.Tensor:
@@ -101,23 +104,72 @@ def select_conditioning(cond: Conditioning, index: torch.Tensor | slice) -> Cond
     return {key: value[index] for key, value in cond.items()}
 
 
+def group_node_ids(batch: int, group_size: int, splits: Mapping[int, int], num_steps: int) -> torch.Tensor:
+    """``[T + 1, B]``: the node of every sample at every level ``i`` (the latent ``z_i``) of its group's tree; samples
+    with the same id hold the same ``z_i``. Every ``G = group_size`` consecutive samples are one group, which starts
+    as one node (shared initial noise); step ``i`` splits every node into ``splits[i]`` children (1 if absent), so at
+    level ``i`` a group has ``m_i = prod_{s < i} splits[s]`` nodes and its sample ``k`` is at node
+    ``floor(k / (G / m_i))``. The id is ``group * G + node``."""
+    sample = torch.arange(batch)
+    levels, nodes = [], 1
+    for i in range(num_steps + 1):
+        levels.append(sample // group_size * group_size + sample % group_size // (group_size // nodes))
+        nodes *= splits.get(i, 1)
+    return torch.stack(levels)
+
+
+def distinct_rows(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``first, inverse``: the first row of every distinct id (in the order of ``torch.unique``), and for every row
+    the index of its id in ``first``, so ``x[first][inverse]`` is ``x`` whenever rows with the same id are equal."""
+    unique, inverse = torch.unique(ids, return_inverse=True)
+    rows = torch.arange(len(ids))
+    first = torch.full((len(unique),), len(ids)).scatter_reduce(0, inverse, rows, "amin")
+    return first, inverse
+
+
+def shared_velocity(model: FlowModel, z: torch.Tensor, sigma: torch.Tensor, cond: Conditioning,
+                    node_ids: torch.Tensor | None, chunk_size: int | None = None) -> torch.Tensor:
+    """``model.velocity`` of the batch, computed once per distinct node id (rows with one id hold the same latent,
+    sigma and conditioning) and copied to the others, ``chunk_size`` distinct rows per call (default: all); under
+    autograd the copies' gradients add up at their node. ``node_ids`` None: every row is its own."""
+    first, inverse = distinct_rows(node_ids) if node_ids is not None else (torch.arange(len(z)), None)
+    first = first.to(z.device)
+    parts = [model.velocity(z[rows], sigma if sigma.dim() == 0 else sigma[rows], select_conditioning(cond, rows))
+             for rows in first.split(chunk_size or len(first))]
+    v = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return v if inverse is None else v[inverse.to(z.device)]
+
+
+def branch_splits(trained: Sequence[int], group_size: int, factor: int) -> dict[int, int]:
+    """Tree rollouts (BranchGRPO): a group of ``G = factor^k`` samples splits ``factor`` ways at ``k`` of the trained
+    steps, spread evenly over them, first and last included: ``trained[round(q (n - 1) / (k - 1))]``,
+    ``q = 0..k-1`` (``k = 1``: the first)."""
+    k = round(math.log(group_size, factor))
+    if factor ** k != group_size or k > len(trained):
+        raise ValueError(f"a group of {group_size} cannot split {factor} ways at {len(trained)} trained steps")
+    n = len(trained)
+    return {trained[round(q * (n - 1) / (k - 1)) if k > 1 else 0]: factor for q in range(k)}
+
+
 @torch.no_grad()
 def sde_rollout(model: FlowModel, cond: Conditioning, sigmas: torch.Tensor, noise_level: float,
                 z0: torch.Tensor, generator: torch.Generator, with_reference: bool = False,
                 sde_steps: Sequence[int] | None = None, chunk_size: int | None = None,
-                group_size: int = 1) -> Trajectory:
+                group_size: int = 1, splits: Mapping[int, int] | None = None) -> Trajectory:
     """Sample ``z_0 -> z_T`` recording latents, velocities and log-probs: the SDE step at the steps
     ``sde_steps`` (default: all), the Euler ODE step at the others.
 
-    The noise of every SDE step is drawn first, step by step for the whole batch (the order of drawing
-    one batch step by step), then the batch is denoised ``chunk_size`` samples at a time (default: all
-    at once): a rollout in chunks holds the activations of one chunk and samples exactly what one batch
-    would.
+    The noise of every SDE step is drawn first, step by step for the whole batch, then the batch is
+    denoised step by step, ``chunk_size`` samples per transformer call (default: all at once): a rollout in
+    chunks holds the activations of one chunk and samples exactly what one call would.
 
     ``group_size = G > 1``: every G consecutive samples share their conditioning and initial noise (rows of
-    ``z0`` repeated G times), so their paths agree up to the first SDE step ``p``: the ODE steps ``0..p-1`` are
-    taken once per group, by the group's first sample, and copied to the others (shared prefix). The trajectory
-    is that of the unshared rollout of the same ``z0``."""
+    ``z0`` repeated G times) and form a tree (:func:`group_node_ids`): step ``i`` splits each node into
+    ``splits[i]`` children, which draw their own noise from step ``i`` on, and before a split the children's paths
+    are one. Default ``{first SDE step: G}``: the shared prefix, ODE steps taken once per group, then G branches;
+    tree rollouts (:func:`branch_splits`) split at several SDE steps. Every step's velocity (and reference) is
+    computed once per node. The trajectory is that of the unshared rollout of the same initial noise with the
+    noise of each step drawn once per node; ``Trajectory.node_ids`` records the tree."""
     num_steps = len(sigmas) - 1
     noisy = torch.zeros(num_steps, dtype=torch.bool)
     noisy[list(range(num_steps) if sde_steps is None else sde_steps)] = True
@@ -125,45 +177,34 @@ def sde_rollout(model: FlowModel, cond: Conditioning, sigmas: torch.Tensor, nois
     noise = torch.zeros((num_steps, *z0.shape))
     for i in noisy.nonzero().flatten().tolist():
         noise[i] = torch.randn(z0.shape, generator=generator, dtype=torch.float32)
-    prefix = int(noisy.int().argmax()) if group_size > 1 and noisy.any() else 0
-    if prefix == 0:
-        return _rollout(model, cond, sigmas, std_t, z0, noise, with_reference, chunk_size)
-    heads = torch.arange(0, z0.shape[0], group_size)
-    if not torch.equal(z0, z0[heads].repeat_interleave(group_size, dim=0)):
-        raise ValueError(f"a shared-prefix rollout needs the same initial noise within each group of {group_size}")
-    shared = _rollout(model, select_conditioning(cond, heads), sigmas[:prefix + 1], std_t[:prefix], z0[heads],
-                      noise[:prefix, heads], False, chunk_size)
-    branched = _rollout(model, cond, sigmas[prefix:], std_t[prefix:],
-                        shared.latents[-1].repeat_interleave(group_size, dim=0), noise[prefix:], with_reference,
-                        chunk_size)
-    copied = shared.select(torch.arange(len(heads)).repeat_interleave(group_size))
-    return Trajectory(torch.cat([copied.latents[:-1], branched.latents]),
-                      torch.cat([copied.velocities, branched.velocities]),
-                      torch.cat([copied.log_probs, branched.log_probs]), sigmas, std_t, branched.ref_velocities)
+    node_ids = None
+    if group_size > 1:
+        heads = torch.arange(0, z0.shape[0], group_size)
+        if not torch.equal(z0, z0[heads].repeat_interleave(group_size, dim=0)):
+            raise ValueError(f"a group rollout needs the same initial noise within each group of {group_size}")
+        if splits is None:
+            splits = {int(noisy.int().argmax()): group_size}
+        elif math.prod(splits.values()) != group_size or not all(noisy[step] for step in splits):
+            raise ValueError(f"splits {dict(splits)} must be at SDE steps and multiply to the group size {group_size}")
+        node_ids = group_node_ids(z0.shape[0], group_size, splits, num_steps)
+        for i in noisy.nonzero().flatten().tolist():
+            first, inverse = distinct_rows(node_ids[i + 1])
+            noise[i] = noise[i][first[inverse]]  # one draw per node of level i + 1
+    return _rollout(model, cond, sigmas, std_t, z0, noise, with_reference, chunk_size, node_ids)
 
 
 def _rollout(model: FlowModel, cond: Conditioning, sigmas: torch.Tensor, std_t: torch.Tensor, z0: torch.Tensor,
-             noise: torch.Tensor, with_reference: bool, chunk_size: int | None) -> Trajectory:
-    """The rollout of ``z0`` through ``sigmas`` given each step's noise, ``chunk_size`` samples at a time."""
-    chunks = torch.arange(z0.shape[0]).split(chunk_size or z0.shape[0])
-    parts = [_rollout_chunk(model, select_conditioning(cond, index), sigmas, std_t, z0[index], noise[:, index],
-                            with_reference) for index in chunks]
-    refs = [part.ref_velocities for part in parts]
-    return Trajectory(torch.cat([part.latents for part in parts], dim=1),
-                      torch.cat([part.velocities for part in parts], dim=1),
-                      torch.cat([part.log_probs for part in parts], dim=1), sigmas, std_t,
-                      torch.cat(refs, dim=1) if with_reference else None)
-
-
-def _rollout_chunk(model: FlowModel, cond: Conditioning, sigmas: torch.Tensor, std_t: torch.Tensor, z0: torch.Tensor,
-                   noise: torch.Tensor, with_reference: bool) -> Trajectory:
-    """The rollout of one chunk of samples, given the noise ``noise[i]`` of each step ``i`` (the SDE steps are those
-    with ``std_t > 0``)."""
+             noise: torch.Tensor, with_reference: bool, chunk_size: int | None,
+             node_ids: torch.Tensor | None) -> Trajectory:
+    """The rollout of ``z0`` through ``sigmas`` given the noise ``noise[i]`` of each step ``i`` (the SDE steps are
+    those with ``std_t > 0``), each step's velocities computed once per node of ``node_ids``, ``chunk_size`` of them
+    per transformer call."""
     latents, velocities, log_probs, refs = [z0.float()], [], [], []
     z = z0.float()
     for i in range(len(sigmas) - 1):
         s, s_next, sd = float(sigmas[i]), float(sigmas[i + 1]), float(std_t[i])
-        v = model.velocity(z, sigmas[i].to(z.device), cond).float()
+        ids = node_ids[i] if node_ids is not None else None
+        v = shared_velocity(model, z, sigmas[i].to(z.device), cond, ids, chunk_size).float()
         velocities.append(v)
         if sd == 0:
             z = z + v * (s_next - s)
@@ -172,14 +213,14 @@ def _rollout_chunk(model: FlowModel, cond: Conditioning, sigmas: torch.Tensor, s
             continue
         if with_reference:
             with model.adapters_disabled():
-                refs.append(model.velocity(z, sigmas[i].to(z.device), cond).float())
+                refs.append(shared_velocity(model, z, sigmas[i].to(z.device), cond, ids, chunk_size).float())
         mean = sde_step_mean(z, v, s, s_next, sd)
         std = step_std(s, s_next, sd)
         z = mean + std * noise[i].to(z.device)
         latents.append(z)
         log_probs.append(gaussian_log_prob(z, mean, std))
     return Trajectory(torch.stack(latents), torch.stack(velocities), torch.stack(log_probs), sigmas, std_t,
-                      torch.stack(refs) if with_reference else None)
+                      torch.stack(refs) if with_reference else None, node_ids)
 
 
 @torch.no_grad()

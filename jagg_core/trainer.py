@@ -42,7 +42,7 @@ from .placement import trained_spans, trained_steps
 from .prompts import run_prompts
 from .rewards import build_rewards
 from .rundir import OPTIMIZER_FILE, TRAINING_STATE_FILE, RunDirectory
-from .sampler import EVAL_BATCH, Trajectory, initial_noise, ode_sample, sde_rollout
+from .sampler import EVAL_BATCH, Trajectory, branch_splits, initial_noise, ode_sample, sde_rollout
 from .sharding import Sharding, fsdp_requested
 from .stopping import STOP, StopRequested
 from .tracking import log_eval_grid, log_row, start_trackers
@@ -256,14 +256,15 @@ class Trainer:
         sample_prompts = [p for p in prompts for _ in range(group)]
         cond = self.model.conditioning(sample_prompts)
         generator = torch.Generator().manual_seed(iteration_seed(cfg.train.seed, iteration, self.rank, 1))
-        shared = group if cfg.grpo.shared_prefix else 1  # samples per initial noise
+        shared = group if cfg.grpo.shared_prefix or cfg.grpo.branch_factor else 1  # samples per initial noise
+        splits = branch_splits(trained_steps(spans), group, cfg.grpo.branch_factor) if cfg.grpo.branch_factor else None
         z0 = initial_noise(self.model, len(sample_prompts) // shared, cfg.sampling.resolution, generator)
         with self.accelerator.autocast():
             traj = sde_rollout(self.model, cond, self.sigmas, cfg.sampling.noise_level,
                                z0.repeat_interleave(shared, dim=0), generator,
                                with_reference=cfg.grpo.kl_beta > 0 and cfg.grpo.kl_reference == "rollout",
                                sde_steps=trained_steps(spans) if cfg.grpo.ode_after_trained else None,
-                               chunk_size=cfg.sampling.rollout_batch_size, group_size=shared)
+                               chunk_size=cfg.sampling.rollout_batch_size, group_size=shared, splits=splits)
             with torch.no_grad():
                 images = self.model.decode(traj.latents[-1])
         rewards, parts = self.reward(images, sample_prompts)
@@ -483,9 +484,14 @@ class Trainer:
         local = torch.tensor([STOP.requested or 0], device=self.accelerator.device)
         return int(self.accelerator.gather(local).max())
 
-    def iteration(self, iteration: int) -> dict:
-        """One GRPO iteration (rollout, update, and the eval when due); returns its metrics row. :meth:`fit`
-        appends the row and writes the checkpoints."""
+    def eval_due(self, iteration: int) -> bool:
+        """Whether iteration ``iteration`` ends with the held-out eval (``train.sample_every``, and the last)."""
+        total = self.config.train.iterations
+        return iteration % effective_interval(self.config.train.sample_every, total) == 0 or iteration == total
+
+    def iteration(self, iteration: int, evaluate: bool | None = None) -> dict:
+        """One GRPO iteration (rollout, update, and the eval when due, or as ``evaluate`` says); returns its metrics
+        row. :meth:`fit` appends the row and writes the checkpoints."""
         cfg = self.config
         t0 = time.perf_counter()
         rollout = self.rollout(iteration)
@@ -516,8 +522,7 @@ class Trainer:
                **{metrics.reward_part(name): float(v.mean()) for name, v in rollout.reward_parts.items()},
                **stats, metrics.LEARNING_RATE: learning_rate,
                metrics.TIME_ROLLOUT: time_rollout, metrics.TIME_TRAIN: time_train}
-        if iteration % effective_interval(cfg.train.sample_every, cfg.train.iterations) == 0 \
-                or iteration == cfg.train.iterations:
+        if self.eval_due(iteration) if evaluate is None else evaluate:
             if self.is_main:
                 row.update(self.evaluate(iteration))
             elif self.sharding.enabled:

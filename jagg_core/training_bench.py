@@ -25,6 +25,7 @@ from pathlib import Path
 
 from . import metrics
 from .config import BackwardConfig, RunConfig, with_overrides
+from .errors import UserError
 from .report import markdown_table, plot_curves
 from .rundir import RunDirectory
 from .trainer import Trainer
@@ -65,18 +66,31 @@ def comparison_setups(config: RunConfig) -> dict[str, list[str]]:
       reference velocities in the rollout;
     - ``exact``: the config's own rollout settings with the exact backward;
     - ``default``: the config as it is (on the CPU models the project's default task: JAGG, ODE outside the trained
-      steps, the reference in the training pass)."""
+      steps, the reference in the training pass);
+    - ``tree``: the config with tree rollouts, ``grpo.branch_factor`` :data:`TREE_BRANCH_FACTOR` (when the group
+      size is a power of it and the trained steps hold the splits)."""
     steps = config.sampling.num_steps
     flow_grpo_steps = int(FLOW_GRPO_TIMESTEP_FRACTION * steps)
-    return {"flow_grpo": ["grpo.ode_after_trained=false", "grpo.shared_prefix=false", "grpo.kl_reference=rollout",
-                          "grpo.window_placement=range", "grpo.trained_start=0", "grpo.slide_every=0",
-                          f"grpo.timestep_fraction={(flow_grpo_steps - 0.5) / steps}", "backward.mode=exact"],
-            "exact": ["backward.mode=exact"],
-            "default": []}
+    setups = {"flow_grpo": ["grpo.ode_after_trained=false", "grpo.shared_prefix=false", "grpo.kl_reference=rollout",
+                            "grpo.window_placement=range", "grpo.trained_start=0", "grpo.slide_every=0",
+                            "grpo.branch_factor=0", f"grpo.timestep_fraction={(flow_grpo_steps - 0.5) / steps}",
+                            "backward.mode=exact"],
+              "exact": ["backward.mode=exact"],
+              "default": []}
+    tree = [f"grpo.branch_factor={TREE_BRANCH_FACTOR}"]
+    try:
+        with_overrides(config, tree)
+    except UserError:  # the group cannot split that way
+        return setups
+    return {**setups, "tree": tree}
 
+
+#: the branch factor of the ``tree`` setup (BranchGRPO's)
+TREE_BRANCH_FACTOR = 2
 
 #: the setups' names in tables and plots
-SETUP_LABELS = {"flow_grpo": "Flow-GRPO default", "exact": "exact, same rollout", "default": "default"}
+SETUP_LABELS = {"flow_grpo": "Flow-GRPO default", "exact": "exact, same rollout", "default": "default",
+                "tree": "default, tree rollout"}
 
 
 def backward_label(backward: BackwardConfig) -> str:
@@ -87,11 +101,14 @@ def backward_label(backward: BackwardConfig) -> str:
     return f"{mode} W={backward.window}"
 
 
-
 def training_rows(base: RunConfig, seeds=SEEDS, setups=("exact", "default")) -> list[dict]:
     """One row per setup (of :func:`comparison_setups`): each seed's run, and the mean and spread of its
     figures."""
     changes = comparison_setups(base)
+    missing = [name for name in setups if name not in changes]
+    if missing:
+        raise UserError(f"setup {', '.join(missing)} does not apply to this task (tree: grpo.num_generations must be "
+                        f"a power of {TREE_BRANCH_FACTOR}); choose from {', '.join(changes)}")
     runs: dict[str, dict[int, dict]] = {name: {} for name in setups}
     configs = {name: with_overrides(base, [*changes[name], "backward.audit_every=0"]) for name in setups}
     with tempfile.TemporaryDirectory() as root:

@@ -89,7 +89,7 @@ def test_rows_have_the_required_keys(rows):
     assert [(r["section"], r.get("setup"), r["mode"], r["window"]) for r in rows] == [
         ("train_phase", None, "exact", 1), ("train_phase", None, "cached", 2), ("train_phase", None, "cached", 3),
         ("iteration", "flow_grpo", "exact", 1), ("iteration", "exact", "exact", 1),
-        ("iteration", "default", "cached", 5)]
+        ("iteration", "default", "cached", 5), ("iteration", "tree", "cached", 5)]
     for row in rows:
         assert set(ROW_KEYS) <= set(row), set(ROW_KEYS) - set(row)
         assert row["model"] == "tiny-sd3" and row["params_m"] > 0 and row["seconds"] > 0
@@ -100,17 +100,18 @@ def test_rows_have_the_required_keys(rows):
 
 
 def test_whole_iterations_compare_the_default_with_flow_grpos_default_and_the_exact_backward(rows):
-    flow_grpo, exact, default = (r for r in rows if r["section"] == "iteration")
+    flow_grpo, exact, default, tree = (r for r in rows if r["section"] == "iteration")
     assert (flow_grpo["trained_steps"], flow_grpo["sde_every_step"], flow_grpo["backward"]) == (9, True, "exact")
     assert (default["trained_steps"], default["backward"]) == (10, "cached W=5")  # the tiny-sd3 preset's
-    for row in (flow_grpo, exact, default):
+    assert (tree["trained_steps"], tree["backward"]) == (10, "cached W=5")
+    for row in (flow_grpo, exact, default, tree):
         assert row["seconds"] == pytest.approx(row["rollout_s"] + row["train_s"])
         assert row["whole_iteration_speedup"] == pytest.approx(flow_grpo["seconds"] / row["seconds"])
         assert row["speedup"] == pytest.approx(exact["seconds"] / row["seconds"])
 
 
 def test_the_jagg_iteration_row_has_the_cost_of_one_audit(rows):
-    _, exact, jagg = (r for r in rows if r["section"] == "iteration")
+    _, exact, jagg, _ = (r for r in rows if r["section"] == "iteration")
     assert exact["audit_s"] is None and exact["audit_ratio"] is None  # the exact backward has nothing to audit
     assert jagg["audit_s"] > 0 and jagg["audit_ratio"] == pytest.approx(jagg["audit_s"] / jagg["seconds"])
     assert -1 <= jagg["audit_cosine"] <= 1

@@ -48,13 +48,13 @@ def test_every_field_has_a_one_line_description(key):
     assert "\n" not in description
 
 
-def test_all_81_keys_are_covered():
+def test_all_82_keys_are_covered():
     """56 keys; train.lr_scheduler, lr_warmup_steps, lr_num_cycles, ema_decay and report_to; model.quantize (was
     quantize_4bit), cache_text_embeddings, vae_slicing and sampling.rollout_batch_size; backward.audit_every and
     audit_samples; grpo.window_placement, trained_start, kl_form, group_by and global_std; backward.min_fidelity and
     route_by; prompts.eval_source; model.condition_resolution; grpo.kl_reference, slide_every and shared_prefix;
-    sampling.num_frames, fps and reward_frames (video)."""
-    assert len(_keys()) == 81
+    sampling.num_frames, fps and reward_frames (video); grpo.branch_factor."""
+    assert len(_keys()) == 82
 
 
 def test_readme_reference_is_the_generated_one():

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 
 from jagg_core.bench import format_tables
+from jagg_core.config import with_overrides
+from jagg_core.errors import UserError
 from jagg_core.fidelity_bench import fidelity_rows, ranks, spearman
 
 from conftest import tiny_config
@@ -33,9 +35,9 @@ def test_training_comparison_reports_gain_time_and_spread(tmp_path, offline):
     from jagg_core.training_bench import format_training, plot_training, training_rows
 
     config = tiny_config(train__iterations=1, backward__audit_every=1)
-    rows = training_rows(config, seeds=(0, 1), setups=("flow_grpo", "exact", "default"))
+    rows = training_rows(config, seeds=(0, 1), setups=("flow_grpo", "exact", "default", "tree"))
     assert [(r["setup"], r["backward"]) for r in rows] == [("flow_grpo", "exact"), ("exact", "exact"),
-                                                           ("default", "cached W=3")]
+                                                           ("default", "cached W=3"), ("tree", "cached W=3")]
     for row in rows:
         assert set(row["runs"]) == {"0", "1"} and row["gain_std"] is not None and row["minutes"] > 0
         for run in row["runs"].values():
@@ -43,5 +45,8 @@ def test_training_comparison_reports_gain_time_and_spread(tmp_path, offline):
             assert run["gain_per_minute"] == pytest.approx(run["gain"] / run["minutes"])
             assert 0 < run["train_minutes"] < run["minutes"]
     assert "train-phase minutes" in format_training(rows) and "| Flow-GRPO default | exact |" in format_training(rows)
+    assert "| default, tree rollout | cached W=3 |" in format_training(rows)
+    with pytest.raises(UserError, match="setup tree does not apply"):  # a group of 3 cannot split 2 ways
+        training_rows(with_overrides(config, ["grpo.num_generations=3"]), setups=("tree",))
     plot_training(rows, tmp_path / "training.png")
     assert (tmp_path / "training.png").stat().st_size > 0

@@ -361,3 +361,49 @@ def test_a_placement_other_than_the_prefix_trains_exactly_its_steps(window):
     run_backward(model, plan, traj, cond, adv, on_policy=True)
     got = torch.cat([p.grad.flatten() for p in params_of(model)])
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+
+
+class CountingModel(AffineJacobianModel):
+    """Counts the rows it computes a velocity for."""
+
+    rows = 0
+
+    def velocity(self, z, sigma, cond):
+        self.rows += z.shape[0]
+        return super().velocity(z, sigma, cond)
+
+
+@pytest.mark.parametrize("config", [BackwardConfig(mode="exact"),
+                                    BackwardConfig(mode="jagg", window=3, shared_knots=True, joint=False)],
+                         ids=["exact", "jagg W=3 shared"])
+def test_a_tree_rollout_trains_each_shared_node_once_with_the_gradient_of_its_paths(config):
+    """Tree rollouts (grpo.branch_factor): the training pass computes a velocity once per node of the tree and the
+    gradient flows back from every path through it, so loss, KL and gradient equal training every path as its own
+    sample, at fewer forwards."""
+    model = CountingModel(curvature=True)
+    group, splits = 4, {0: 2, 4: 2}
+    gen = torch.Generator().manual_seed(3)
+    sigmas = torch.linspace(1, 0, STEPS + 1) ** 1.5
+    z0 = torch.randn(2, 12, generator=gen).repeat_interleave(group, dim=0)
+    cond = {"c": torch.zeros(8, 1)}
+    traj = sde_rollout(model, cond, sigmas, 0.7, z0, gen, sde_steps=range(6), group_size=group, splits=splits)
+    adv = group_advantages(torch.randn(8, generator=gen), group, 5.0)
+    with torch.no_grad():  # off the reference, so the KL has a gradient
+        model.A.add_(0.05)
+    settings = LossSettings(clip_range=0.2, kl_beta=0.5)
+    plan = make_plan(config, traj, [range(6)], settings)
+    results, gradients, rows = [], [], []
+    for batch in (traj, replace(traj, node_ids=None)):
+        for p in params_of(model):
+            p.grad = None
+        model.rows = 0
+        results.append(run_backward(model, plan, batch, cond, adv, on_policy=True))
+        gradients.append(torch.cat([p.grad.flatten() for p in params_of(model)]))
+        rows.append(model.rows)
+    torch.testing.assert_close(gradients[0], gradients[1], rtol=1e-5, atol=1e-7)
+    assert gradients[0].abs().sum() > 0
+    assert results[0].loss == pytest.approx(results[1].loss, rel=1e-6)
+    assert results[0].kl == pytest.approx(results[1].kl, rel=1e-6) and results[0].kl > 0
+    # nodes per prompt at z_0 .. z_5: 1 2 2 2 2 4; each pass step: a forward and a reference forward
+    nodes = {0: 1, 1: 2, 2: 2, 3: 2, 4: 2, 5: 4}
+    assert rows[0] == 2 * 2 * sum(nodes[e] for e in plan.pass_steps) and rows[1] == 2 * 8 * len(plan.pass_steps)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -89,3 +91,26 @@ def test_a_shared_prefix_sliding_window_trains_end_to_end(tmp_path, offline):
     trainer.fit()
     rows = [r for r in RunDirectory(tmp_path).read_metrics() if r["iteration"] > 0]
     assert len(rows) == 2 and all(r["train/grad_norm"] > 0 and r["train/kl"] >= 0 for r in rows)
+
+
+def test_a_tree_rollout_trains_end_to_end(tmp_path, offline):
+    """grpo.branch_factor 2 with groups of 4: each group starts from one noise and splits at the first and the last
+    trained step (steps 0 and 2), so its latents hold 1, 2, 2, 4 distinct values at z_0 .. z_3; the run trains and
+    its gradients are finite."""
+    config = tiny_config(grpo__timestep_fraction=0.5, grpo__branch_factor=2, grpo__num_generations=4,
+                         grpo__ode_after_trained=True, grpo__kl_beta=0.1)
+    trainer = Trainer(config, tmp_path)
+    trainer.setup()
+    rollout = trainer.rollout(1)
+    latents = rollout.trajectory.latents.unflatten(1, (2, 4))  # [steps + 1, prompt, sample of its group, ...]
+    distinct = [len(torch.unique(latents[step][0], dim=0)) for step in range(len(latents))]
+    assert distinct == [1, 2, 2, 4, 4, 4, 4]
+    trainer.fit()
+    rows = [r for r in RunDirectory(tmp_path).read_metrics() if r["iteration"] > 0]
+    assert len(rows) == 2 and all(r["train/grad_norm"] > 0 and math.isfinite(r["train/grad_norm"]) for r in rows)
+
+
+@pytest.mark.parametrize("factor, group", [(2, 6), (3, 4), (1, 4), (2, 16)])
+def test_a_branch_factor_that_cannot_split_the_group_is_a_clear_error(factor, group):
+    with pytest.raises(UserError, match="grpo.branch_factor"):
+        tiny_config(grpo__timestep_fraction=0.5, grpo__branch_factor=factor, grpo__num_generations=group)

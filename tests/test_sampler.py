@@ -173,7 +173,9 @@ def test_a_shared_prefix_rollout_is_the_unshared_rollout_of_the_same_noise_at_a_
     assert (shared.latents[-1][::group] != shared.latents[-1][1::group]).all()  # the group branched
     per_sample = {size: model.samples / (prompts * group) for size, model in models.items()}
     assert per_sample[1] == 8 + len(noisy)  # 8 policy steps, 3 reference forwards
-    assert per_sample[group] == 4 / group + 4 + len(noisy)  # the 4 prefix steps once per group
+    # steps 0-4 and the reference at step 4 once per group (z_0 .. z_4 are shared), then the 3 branched steps and 2
+    # references for every sample
+    assert per_sample[group] == 5 / group + 1 / group + 3 + 2
 
 
 def test_a_shared_prefix_needs_the_same_noise_within_a_group():
@@ -181,3 +183,45 @@ def test_a_shared_prefix_needs_the_same_noise_within_a_group():
     with pytest.raises(ValueError, match="same initial noise"):
         sde_rollout(CountingVelocity(), {"c": torch.zeros(4, 1)}, torch.linspace(1, 0, 5), 0.7, z0,
                     torch.Generator(), sde_steps=[2, 3], group_size=2)
+
+
+def test_a_tree_rollout_is_a_rollout_of_its_paths_with_each_node_computed_once():
+    """BranchGRPO-style: a group of 8 splits 2 ways at steps 1, 3 and 5. Samples on one node share their latent;
+    each path is a valid rollout (its velocities, the SDE steps and their log-probs are those of computing every
+    sample alone); every node's velocity and reference are computed once."""
+    prompts, group, noisy, splits = 2, 8, [1, 2, 3, 4, 5], {1: 2, 3: 2, 5: 2}
+    sigmas = torch.linspace(1, 0, 9) ** 1.2
+    z0 = torch.randn(prompts, 6, generator=torch.Generator().manual_seed(0)).repeat_interleave(group, dim=0)
+    cond = {"c": torch.arange(prompts, dtype=torch.float32).repeat_interleave(group)[:, None] / 10}
+    model = CountingVelocity()
+    traj = sde_rollout(model, cond, sigmas, 0.9, z0, torch.Generator().manual_seed(1), with_reference=True,
+                       sde_steps=noisy, chunk_size=3, group_size=group, splits=splits)
+    nodes_per_group = [1, 1, 2, 2, 4, 4, 8, 8, 8]  # at the latents z_0 .. z_8
+    for i, nodes in enumerate(nodes_per_group):
+        latents = traj.latents[i].unflatten(0, (prompts, nodes, group // nodes))
+        assert (latents == latents[:, :, :1]).all(), i  # one latent per node
+        assert len(torch.unique(traj.latents[i], dim=0)) == prompts * nodes, i
+        assert torch.equal(traj.node_ids[i] // group, torch.arange(prompts).repeat_interleave(group))
+    std_t = step_noise_std(sigmas, 0.9)
+    for i in range(8):
+        v = model.field(traj.latents[i], sigmas[i]) + cond["c"]
+        torch.testing.assert_close(traj.velocities[i], v, rtol=0, atol=1e-6)
+        if i in noisy:
+            s, s_next = float(sigmas[i]), float(sigmas[i + 1])
+            mean = traj.latents[i] + (v + std_t[i] ** 2 / (2 * s) * (traj.latents[i] + (1 - s) * v)) * (s_next - s)
+            std = float(std_t[i]) * math.sqrt(s - s_next)
+            torch.testing.assert_close(traj.log_probs[i], gaussian_log_prob(traj.latents[i + 1], mean, std))
+        else:
+            torch.testing.assert_close(traj.latents[i + 1], traj.latents[i] + v * float(sigmas[i + 1] - sigmas[i]))
+    policy = sum(nodes_per_group[:8])
+    reference = sum(nodes_per_group[i] for i in noisy)
+    assert model.samples == prompts * (policy + reference)  # 24 + 13 per group, against 64 + 40 unshared
+
+
+def test_branch_splits_spread_over_the_trained_steps():
+    from jagg_core.sampler import branch_splits
+    assert branch_splits(range(5), 8, 2) == {0: 2, 2: 2, 4: 2}
+    assert branch_splits(range(3, 7), 4, 2) == {3: 2, 6: 2}
+    assert branch_splits(range(5), 4, 4) == {0: 4}
+    with pytest.raises(ValueError, match="cannot split"):
+        branch_splits(range(2), 8, 2)
