@@ -414,9 +414,9 @@ def bench_iterations(model: str, options: BenchOptions) -> list[dict]:
     One row per setup: per-iteration seconds over every iteration but the first (the warm-up, unless
     there is only one), as the minimum of the rollout plus the minimum of the train phase (every
     iteration does the same work, so the minimum is the figure least disturbed by other processes,
-    as in the train phase) and as the median; ``speedup`` = exact's seconds / the setup's (the same rollout),
-    ``whole_iteration_speedup`` = Flow-GRPO's default's / the setup's; and each seed's reward curve as
-    ``[cumulative seconds, rollout reward mean]`` points. The default setup runs the fidelity audit
+    as in the train phase) and as the median; ``speedup`` = exact's seconds / the setup's (exact has the
+    default's rollout), ``whole_iteration_speedup`` = Flow-GRPO's default's / the setup's; and each seed's reward
+    curve as ``[cumulative seconds, rollout reward mean]`` points. The default setup runs the fidelity audit
     (:mod:`jagg_core.audit`) at every iteration, on the config's ``backward.audit_samples``: it changes nothing
     of the training and is timed apart, so its row also has the seconds of one audit (``audit_s``, the minimum),
     their ratio to the iteration's (``audit_ratio``) and the mean audited cosine (``audit_cosine``).
@@ -533,9 +533,9 @@ def format_tables(rows: list[dict]) -> str:
     iteration = [r for r in rows if r["section"] == "iteration"]
     if iteration:
         parts.append("Whole iterations of short trainings of the default task (section 3); speed-up against the exact "
-                     "backward with the same rollout, and against Flow-GRPO's default:\n\n" + markdown_table(
+                     "backward with the default's rollout, and against Flow-GRPO's default:\n\n" + markdown_table(
                          ["model", "setup", "backward", "trained steps", "SDE", "reference", "rollout s", "train s",
-                          "iteration s", "vs exact", "vs Flow-GRPO", "iteration s (median)",
+                          "iteration s", "vs exact (default rollout)", "vs Flow-GRPO", "iteration s (median)",
                           "final reward (mean of seeds)", "audit s", "audit / iteration", "audit cosine"],
                          [[r["model"], SETUP_LABELS[r["setup"]], r["backward"], str(r["trained_steps"]),
                            "every step" if r["sde_every_step"] else "trained steps", r["reference"] or "-",

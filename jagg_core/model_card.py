@@ -170,6 +170,7 @@ def _recipe(config: dict, snap: RunSnapshot) -> str:
     spent = f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
     hardware = snap.run_info.get("hardware")
     compute = f"{spent} of rollouts, updates and evals" + (f" on {hardware}" if hardware else "")
+    tree = f", tree rollouts splitting {grpo['branch_factor']} ways" if grpo.get("branch_factor") else ""
     return f"""## Training recipe
 
 | reward | weight | options |
@@ -180,7 +181,7 @@ def _recipe(config: dict, snap: RunSnapshot) -> str:
 - **Iterations:** {done}, learning rate {train.get('learning_rate')}, {schedule}
 - **Compute:** {compute}
 - **GRPO:** {grpo.get('num_generations')} images per prompt, {grpo.get('prompts_per_iteration')} prompts per \
-iteration, clip range {grpo.get('clip_range')}, KL beta {grpo.get('kl_beta')}
+iteration, clip range {grpo.get('clip_range')}, KL beta {grpo.get('kl_beta')}{tree}
 - **Backward:** {backward_text}
 - **LoRA:** rank {lora.get('rank')}, alpha {lora.get('alpha')}{init}
 - **Sampling:** {sampling.get('resolution')} px, {sampling.get('num_steps')} steps, SDE noise level \

@@ -26,7 +26,7 @@ def plot_curves(series: list[tuple[str, dict[str, list]]], title: str, xlabel: s
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    fig, ax = plt.subplots(figsize=(10, 4.2), dpi=110)
     for (name, curves), colour in zip(series, ("tab:gray", "tab:blue", "tab:orange", "tab:green")):
         for k, (seed, curve) in enumerate(curves.items()):
             xs, ys = zip(*curve)
@@ -36,7 +36,7 @@ def plot_curves(series: list[tuple[str, dict[str, list]]], title: str, xlabel: s
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the curves, never over them
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

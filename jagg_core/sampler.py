@@ -14,6 +14,11 @@ A rollout may inject noise only at the steps ``sde_steps`` and take the ODE step
 Flow-GRPO-Fast and MixGRPO, with the trained steps): then every difference between the samples of a
 group comes from the steps that are trained, and the group's rewards carry less noise from steps whose
 policy is not updated.
+
+A group rollout (``group_size``) starts the G samples of a prompt from one initial noise and grows a tree: the
+shared prefix (one split into G at the first SDE step) or BranchGRPO-style branching (``splits``: a factor at each
+of several SDE steps). Samples on one node of the tree hold the same latent, so its velocity is computed once, in
+the rollout and, through ``Trajectory.node_ids``, in the training pass.
 """
 
 from __future__ import annotations
@@ -132,6 +137,8 @@ def shared_velocity(model: FlowModel, z: torch.Tensor, sigma: torch.Tensor, cond
     """``model.velocity`` of the batch, computed once per distinct node id (rows with one id hold the same latent,
     sigma and conditioning) and copied to the others, ``chunk_size`` distinct rows per call (default: all); under
     autograd the copies' gradients add up at their node. ``node_ids`` None: every row is its own."""
+    if node_ids is None and not chunk_size:
+        return model.velocity(z, sigma, cond)
     first, inverse = distinct_rows(node_ids) if node_ids is not None else (torch.arange(len(z)), None)
     first = first.to(z.device)
     parts = [model.velocity(z[rows], sigma if sigma.dim() == 0 else sigma[rows], select_conditioning(cond, rows))

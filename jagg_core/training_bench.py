@@ -55,15 +55,18 @@ def train_once(config: RunConfig, run_dir: Path) -> dict:
 
 #: Flow-GRPO trains int(0.99 N) of the N rollout steps (its default timestep_fraction)
 FLOW_GRPO_TIMESTEP_FRACTION = 0.99
+#: Flow-GRPO's default noise level a (its configs' sample.noise_level)
+FLOW_GRPO_NOISE_LEVEL = 0.7
 
 
 def comparison_setups(config: RunConfig) -> dict[str, list[str]]:
     """The setups compared, in whole iterations (``python -m jagg_core.bench``, section 3) and whole trainings, as
     changes to ``config``:
 
-    - ``flow_grpo``: Flow-GRPO's default iteration: every step SDE, the exact backward over its trained steps
-      (``int(0.99 N)`` from the noise end: the fraction is written half a step under that count, for our ceil), the
-      reference velocities in the rollout;
+    - ``flow_grpo``: Flow-GRPO's default iteration: every step SDE at its noise level
+      (:data:`FLOW_GRPO_NOISE_LEVEL`), the exact backward over its trained steps (``int(0.99 N)`` from the noise
+      end: the fraction is written half a step under that count, for our ceil), the reference velocities in the
+      rollout;
     - ``exact``: the config's own rollout settings with the exact backward;
     - ``default``: the config as it is (on the CPU models the project's default task: JAGG, ODE outside the trained
       steps, the reference in the training pass);
@@ -71,7 +74,7 @@ def comparison_setups(config: RunConfig) -> dict[str, list[str]]:
       size is a power of it and the trained steps hold the splits)."""
     steps = config.sampling.num_steps
     flow_grpo_steps = int(FLOW_GRPO_TIMESTEP_FRACTION * steps)
-    setups = {"flow_grpo": ["grpo.ode_after_trained=false", "grpo.shared_prefix=false", "grpo.kl_reference=rollout",
+    setups = {"flow_grpo": [f"sampling.noise_level={FLOW_GRPO_NOISE_LEVEL}", "grpo.ode_after_trained=false", "grpo.shared_prefix=false", "grpo.kl_reference=rollout",
                             "grpo.window_placement=range", "grpo.trained_start=0", "grpo.slide_every=0",
                             "grpo.branch_factor=0", f"grpo.timestep_fraction={(flow_grpo_steps - 0.5) / steps}",
                             "backward.mode=exact"],

@@ -9,6 +9,7 @@ import torch
 
 from jagg_core import metrics
 from jagg_core.errors import UserError
+from jagg_core.model_card import build_model_card, read_run
 from jagg_core.placement import most_trained_steps, trained_spans, trained_steps
 from jagg_core.rundir import RunDirectory
 from jagg_core.trainer import Trainer
@@ -108,6 +109,7 @@ def test_a_tree_rollout_trains_end_to_end(tmp_path, offline):
     trainer.fit()
     rows = [r for r in RunDirectory(tmp_path).read_metrics() if r["iteration"] > 0]
     assert len(rows) == 2 and all(r["train/grad_norm"] > 0 and math.isfinite(r["train/grad_norm"]) for r in rows)
+    assert "tree rollouts splitting 2 ways" in str(build_model_card(read_run(tmp_path), "me/tree"))
 
 
 @pytest.mark.parametrize("factor, group", [(2, 6), (3, 4), (1, 4), (2, 16)])
