@@ -59,6 +59,20 @@ def _fill(page, elem_id: str, value: str) -> None:
     field.blur()
 
 
+def _select_run(page, run: str) -> None:
+    """Pick ``run`` in the run dropdown. A run directory made while the page is open is listed at the page's next
+    refresh tick, so the pick is tried again until the dropdown holds it (a busy machine delays the tick)."""
+    field = page.locator("#run-select input")
+    for _ in range(120):
+        field.fill(run)
+        field.press("Enter")
+        field.blur()
+        if field.input_value() == run:
+            return
+        page.wait_for_timeout(500)
+    raise AssertionError(f"the run dropdown never listed {run}")
+
+
 def _open(page, accordion: str) -> None:
     page.locator(f"#{accordion} .label-wrap").first.click()
 
@@ -203,8 +217,7 @@ def test_publish_checks_the_adapter_then_the_repo_id_then_the_token(studio):
     result = page.locator("#push-result")
 
     def push(run: str, repo_id: str, expected: str) -> None:
-        _fill(page, "run-select", run)
-        page.locator("#run-select input").press("Enter")
+        _select_run(page, run)
         _fill(page, "push-repo", repo_id)
         page.locator("#push-btn").click()
         expect(result).to_contain_text(expected, timeout=30_000)
@@ -220,8 +233,7 @@ def test_the_page_shows_the_machine_and_deletes_a_run(studio):
     page, runs = studio
     expect(page.locator("#hardware")).to_contain_text(re.compile(r"No CUDA GPU|GPU 0:"))
     empty = runs / "no-adapter-20250101-000000"
-    _fill(page, "run-select", empty.name)
-    page.locator("#run-select input").press("Enter")
+    _select_run(page, empty.name)
     page.once("dialog", lambda dialog: dialog.accept())
     page.locator("#delete-btn").click()
     expect(page.locator("#run-message")).to_contain_text(f"Deleted {empty.name}", timeout=30_000)
