@@ -174,7 +174,7 @@ class GrpoConfig(_Section):
                                "num_generations samples of a prompt draw start from one noise and split b ways at k "
                                "of the trained steps, spread evenly over them (first and last included), where "
                                "b^k = num_generations; paths share their steps before a split, whose velocities "
-                               "(rollout and training pass) are computed once per branch")
+                               "(rollout and training pass) are computed once per node of the tree")
     ode_after_trained: bool = Field(False, description="rollouts take the ODE step at every step that is not trained "
                                     "(before and after a range, between random blocks), so only trained steps inject "
                                     "noise (Flow-GRPO-Fast, MixGRPO)")

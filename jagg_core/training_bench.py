@@ -74,10 +74,10 @@ def comparison_setups(config: RunConfig) -> dict[str, list[str]]:
       size is a power of it and the trained steps hold the splits)."""
     steps = config.sampling.num_steps
     flow_grpo_steps = int(FLOW_GRPO_TIMESTEP_FRACTION * steps)
-    setups = {"flow_grpo": [f"sampling.noise_level={FLOW_GRPO_NOISE_LEVEL}", "grpo.ode_after_trained=false", "grpo.shared_prefix=false", "grpo.kl_reference=rollout",
+    setups = {"flow_grpo": [f"sampling.noise_level={FLOW_GRPO_NOISE_LEVEL}", "grpo.ode_after_trained=false",
+                            "grpo.shared_prefix=false", "grpo.branch_factor=0", "grpo.kl_reference=rollout",
                             "grpo.window_placement=range", "grpo.trained_start=0", "grpo.slide_every=0",
-                            "grpo.branch_factor=0", f"grpo.timestep_fraction={(flow_grpo_steps - 0.5) / steps}",
-                            "backward.mode=exact"],
+                            f"grpo.timestep_fraction={(flow_grpo_steps - 0.5) / steps}", "backward.mode=exact"],
               "exact": ["backward.mode=exact"],
               "default": []}
     tree = [f"grpo.branch_factor={TREE_BRANCH_FACTOR}"]
