@@ -126,7 +126,8 @@ class SamplingConfig(_Section):
 
 
 class GrpoConfig(_Section):
-    """GRPO: groups of samples per prompt, group-normalized advantages, the per-step PPO-clip loss and its KL term."""
+    """GRPO: groups of samples per prompt, group-normalized advantages, the per-step PPO-clip loss and its KL term
+    (the groups and their advantages, num_generations to global_std, also serve nft and awm)."""
 
     num_generations: int = Field(4, ge=2, description="group size G: images sampled per prompt; each image's "
                                  "advantage is relative to its group")
@@ -223,6 +224,48 @@ class BackwardConfig(_Section):
                                "windows) on these samples")
 
 
+class NftConfig(_Section):
+    """DiffusionNFT (train.algorithm nft): forward-process RL with implicit positive and negative policies
+    (jagg_core/algorithms/nft.py has the loss)."""
+
+    beta: float = Field(1.0, gt=0.0, description="beta: mixes the implicit policies, v+ = beta v + (1 - beta) v_old and "
+                        "v- = (1 + beta) v_old - beta v, and divides the loss")
+    kl_beta: float = Field(1e-4, ge=0.0, description="weight of the velocity's mean squared distance to the base "
+                           "model's (adapter disabled); 0 = off (no reference forwards)")
+    timestep_fraction: float = Field(0.99, gt=0.0, le=1.0, description="each sample is trained at int(num_steps x "
+                                     "fraction) of the schedule's steps, a random permutation's first, fresh noise "
+                                     "each")
+    old_decay_rate: float = Field(0.001, ge=0.0, description="the sampling (old) policy trails the trained one: after "
+                                  "iteration k, old = d old + (1 - d) theta with d = min(old_decay_max, old_decay_rate "
+                                  "x max(0, k - old_decay_delay))")
+    old_decay_max: float = Field(0.5, ge=0.0, lt=1.0, description="the largest decay d of the old policy's update")
+    old_decay_delay: int = Field(0, ge=0, description="iterations before the old policy starts to trail (d = 0, it "
+                                 "copies the trained weights)")
+
+
+class AwmConfig(_Section):
+    """Advantage Weighted Matching (train.algorithm awm): the flow-matching loss of the rollout's samples weighted by
+    their advantages (jagg_core/algorithms/awm.py has the loss)."""
+
+    train_timesteps: int = Field(6, ge=1, description="schedule steps K each sample is trained at, drawn stratified "
+                                 "from steps 1..int(num_steps x awm.timestep_fraction), fresh noise each")
+    timestep_fraction: float = Field(0.9, gt=0.0, le=1.0, description="the trained steps lie in 1..int(num_steps x "
+                                     "fraction)")
+    weighting: Literal["ghuber", "uniform"] = Field(
+        "ghuber", description="the per-sample loss of the squared velocity error e: ghuber = the sigma-weighted "
+        "generalized Huber ((e + 1e-10)^p - 1e-10^p) sigma / p; uniform = e")
+    ghuber_power: float = Field(0.25, gt=0.0, le=1.0, description="the power p of the generalized Huber weighting")
+    advantage_max: float = Field(1.0, gt=0.0, description="advantages clamped to +-grpo.adv_clip are rescaled to "
+                                 "+-advantage_max")
+    kl_beta: float = Field(1e-3, ge=0.0, description="weight of the velocity's mean squared distance to the base "
+                           "model's (adapter disabled); 0 = off")
+    ema_kl_beta: float = Field(1.0, ge=0.0, description="weight of the velocity's mean squared distance to a "
+                               "lagging EMA of the LoRA; 0 = off")
+    ema_kl_decay_rate: float = Field(0.001, ge=0.0, description="after iteration k, ema = d ema + (1 - d) theta with "
+                                     "d = min(ema_kl_decay_max, ema_kl_decay_rate x k)")
+    ema_kl_decay_max: float = Field(0.3, ge=0.0, lt=1.0, description="the largest decay d of the EMA regularizer")
+
+
 class RewardSpec(_Section):
     """One term of the reward: an image's reward is the weighted sum r = sum_k w_k r_k over the list ``rewards``."""
 
@@ -249,7 +292,13 @@ class PromptsConfig(_Section):
 
 
 class TrainConfig(_Section):
-    """The optimizer, precision and memory options, seeds, and how often to sample and checkpoint."""
+    """The algorithm, the optimizer, precision and memory options, seeds, and how often to sample and checkpoint."""
+
+    algorithm: Literal["grpo", "nft", "awm"] = Field(
+        "grpo", description="grpo = GRPO on SDE rollouts with the exact or JAGG backward (backward, most of grpo); "
+        "nft = DiffusionNFT and awm = Advantage Weighted Matching, forward-process losses on ODE rollouts (the nft, "
+        "awm sections); all use the grpo section's groups (num_generations, prompts_per_iteration, adv_clip, "
+        "group_by, global_std)")
 
     iterations: int = Field(10, ge=1, description="GRPO iterations, each a rollout batch, its rewards and "
                             "grpo.inner_epochs optimizer steps")
@@ -320,6 +369,8 @@ class RunConfig(_Section):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     grpo: GrpoConfig = Field(default_factory=GrpoConfig)
     backward: BackwardConfig = Field(default_factory=BackwardConfig)
+    nft: NftConfig = Field(default_factory=NftConfig)
+    awm: AwmConfig = Field(default_factory=AwmConfig)
     rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec(name="shapes")])
     prompts: PromptsConfig = Field(default_factory=PromptsConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
@@ -349,7 +400,39 @@ class RunConfig(_Section):
         if self.grpo.window_placement == "range" and self.grpo.trained_start + count > self.sampling.num_steps:
             raise ValueError(f"grpo.trained_start {self.grpo.trained_start} + {count} trained steps exceeds "
                              f"sampling.num_steps {self.sampling.num_steps}")
+        self._algorithm_consistent()
         return self
+
+    def _algorithm_consistent(self) -> None:
+        """Keys of another algorithm than ``train.algorithm`` must keep their defaults (they would do nothing)."""
+        algorithm = self.train.algorithm
+        for owner, keys in ALGORITHM_KEYS.items():
+            for key in keys if owner != algorithm else ():
+                changed = _changed_key(_at(self.model_dump(mode="json"), key), _at(default_values(), key), key)
+                if changed:
+                    raise ValueError(f"{changed} applies to train.algorithm {owner} only; remove it, or set "
+                                     f"train.algorithm {owner}")
+        if algorithm != "grpo" and self.model.guidance_scale > 1:
+            raise ValueError(f"train.algorithm {algorithm} trains without classifier-free guidance (as its paper); "
+                             "set model.guidance_scale 1")
+        if algorithm == "awm":
+            last = int(self.sampling.num_steps * self.awm.timestep_fraction)
+            if last < 1 or self.awm.train_timesteps > last:
+                raise ValueError(f"awm.train_timesteps {self.awm.train_timesteps} must be at most the {max(last, 0)} "
+                                 "steps 1..int(sampling.num_steps x awm.timestep_fraction)")
+
+    def for_algorithm(self, algorithm: str, overrides: list[str] = ()) -> "RunConfig":
+        """This config under ``algorithm``, with every other algorithm's keys (:data:`ALGORITHM_KEYS`) at their
+        defaults, then the ``overrides`` (``section.key=value``)."""
+        data = self.model_dump(mode="json")
+        for owner, keys in ALGORITHM_KEYS.items():
+            for key in keys if owner != algorithm else ():
+                *sections, name = key.split(".")
+                _at(data, ".".join(sections))[name] = _at(default_values(), key)
+        data["train"]["algorithm"] = algorithm
+        for text in overrides:
+            apply_override(data, *parse_override(text))
+        return validate_config(data)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
@@ -358,6 +441,37 @@ class RunConfig(_Section):
     def describe(cls, key: str) -> str:
         """The schema's description of the dotted config key ``key`` (``train.seed``, ``rewards.weight``)."""
         return schema_field(key).description or ""
+
+
+#: the config keys (a section stands for all of its keys) that only one algorithm reads; every other key applies to
+#: all of them
+ALGORITHM_KEYS: dict[str, list[str]] = {
+    "grpo": ["backward", "sampling.noise_level", "grpo.clip_range", "grpo.kl_beta", "grpo.kl_reference",
+             "grpo.kl_form", "grpo.timestep_fraction", "grpo.window_placement", "grpo.trained_start",
+             "grpo.slide_every", "grpo.shared_prefix", "grpo.branch_factor", "grpo.ode_after_trained",
+             "grpo.inner_epochs"],
+    "nft": ["nft"],
+    "awm": ["awm"],
+}
+
+
+def default_values() -> dict:
+    """Every key's default, as ``model_dump(mode="json")`` writes a config (unvalidated: no validator runs)."""
+    return RunConfig.model_construct().model_dump(mode="json")
+
+
+def _at(data: dict, key: str) -> Any:
+    """The value of the dotted ``key`` in a dumped config (``""``: all of it)."""
+    for part in filter(None, key.split(".")):
+        data = data[part]
+    return data
+
+
+def _changed_key(value: Any, default: Any, key: str) -> str | None:
+    """``key`` (or its first sub-key, for a section) with its value when ``value`` differs from ``default``."""
+    if isinstance(value, dict):
+        return next(filter(None, (_changed_key(value[k], default[k], f"{key}.{k}") for k in value)), None)
+    return f"{key} {value}" if value != default else None
 
 
 def list_presets() -> dict[str, str]:

@@ -174,23 +174,40 @@ def make_plan(config: BackwardConfig, batch: Trajectory, trained: int | list[ran
     windows = [win for span in spans for win in plan_windows(len(span), window, config.shared_knots, span.start)]
     if config.mode == "exact":
         plan = BackwardPlan(windows, [False] * len(windows), [1.0] * len(windows), [1.0] * len(windows), **common)
-    else:
-        linearity = [linearity_score(batch.velocities, batch.sigmas, w) for w in windows]
-        scores = [(audited or {}).get(w, 1.0) for w in windows] if config.route_by == "audit" else linearity
-        if agree is not None:
-            scores = [float(score) for score in agree(scores)]
-        plan = BackwardPlan(windows, route_windows(windows, scores, config.frac, config.min_fidelity), scores,
-                            linearity, joint=config.joint, velocities=config.velocities, **common)
+        return routed(plan, plan.scores, config, batch.sigmas)
+    linearity = [linearity_score(batch.velocities, batch.sigmas, w) for w in windows]
+    plan = BackwardPlan(windows, [True] * len(windows), linearity, linearity, joint=config.joint,
+                        velocities=config.velocities, **common)
+    return rescored(plan, config, batch.sigmas, agree, audited)
+
+
+def rescored(plan: BackwardPlan, config: BackwardConfig, sigmas: torch.Tensor,
+             agree: Callable[[list[float]], list[float]] | None = None,
+             audited: Mapping[Window, float] | None = None) -> BackwardPlan:
+    """``plan`` (a JAGG plan) routed again by its windows' scores under ``config`` (``route_by``): the linearity
+    scores it holds, or the cosines ``audited`` (a window not audited yet scores 1), made common by ``agree``."""
+    scores = [(audited or {}).get(w, 1.0) for w in plan.windows] if config.route_by == "audit" else plan.linearity
+    if agree is not None:
+        scores = [float(score) for score in agree(scores)]
+    return routed(plan, scores, config, sigmas)
+
+
+def routed(plan: BackwardPlan, scores: list[float], config: BackwardConfig, sigmas: torch.Tensor) -> BackwardPlan:
+    """``plan`` with its windows routed by ``scores`` (exact mode: none uses JAGG), and the pass and interpolated
+    steps that follow."""
+    use_jagg = [False] * len(plan.windows) if config.mode == "exact" else \
+        route_windows(plan.windows, scores, config.frac, config.min_fidelity)
     passes: set[int] = set()
-    for win, jagg in zip(plan.windows, plan.use_jagg):
+    interpolated: dict[int, tuple[int, int, float]] = {}
+    for win, jagg in zip(plan.windows, use_jagg):
         if jagg:
             passes.update({win.start, win.end})
-            alpha = interpolation_weights(batch.sigmas, win)
-            plan.interpolated.update({j: (win.start, win.end, alpha[j]) for j in win.intermediates})
+            alpha = interpolation_weights(sigmas, win)
+            interpolated.update({j: (win.start, win.end, alpha[j]) for j in win.intermediates})
         else:
             passes.update(win.steps)
-    plan.pass_steps = sorted(passes)
-    return plan
+    return replace(plan, use_jagg=use_jagg, scores=list(scores), pass_steps=sorted(passes),
+                   interpolated=interpolated)
 
 
 def window_plan(plan: BackwardPlan, win: Window, interpolate: bool) -> BackwardPlan:

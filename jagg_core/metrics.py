@@ -8,6 +8,9 @@ One JSON object per iteration, with namespaced keys (as TensorBoard and TRL grou
     eval/reward_mean       mean reward of the fixed-seed ODE samples of the held-out prompts (eval iterations)
     eval/reward/NAME       the same for each reward term
     train/loss, train/kl, train/ratio_mean, train/clip_frac, train/grad_norm, train/lr
+    train/policy_loss      nft, awm: the loss without its KL terms
+    train/lag_deviation    nft, awm: mean squared distance of the velocity to the lagging policy's (NFT's old policy,
+                           AWM's EMA regularizer) on the trained rows
     train/skipped          the update was skipped (non-finite reward or gradient)
     jagg/windows, jagg/routed_frac, jagg/linearity_mean, jagg/backward_passes
     jagg/grad_cosine, jagg/grad_rel_err, jagg/window_cosines   the fidelity audit (audited iterations only,
@@ -31,6 +34,8 @@ KL = "train/kl"
 RATIO_MEAN = "train/ratio_mean"
 CLIP_FRAC = "train/clip_frac"
 GRAD_NORM = "train/grad_norm"
+POLICY_LOSS = "train/policy_loss"
+LAG_DEVIATION = "train/lag_deviation"
 LEARNING_RATE = "train/lr"
 SKIPPED = "train/skipped"
 JAGG_WINDOWS = "jagg/windows"

@@ -231,10 +231,17 @@ def _rollout(model: FlowModel, cond: Conditioning, sigmas: torch.Tensor, std_t: 
 
 
 @torch.no_grad()
-def ode_sample(model: FlowModel, cond: Conditioning, sigmas: torch.Tensor, z0: torch.Tensor) -> torch.Tensor:
-    """Deterministic Euler sampling ``z' = z + v dt`` (the SDE with a = 0); returns the final latents."""
-    z = z0.float()
-    for i in range(len(sigmas) - 1):
-        v = model.velocity(z, sigmas[i].to(z.device), cond).float()
-        z = z + v * float(sigmas[i + 1] - sigmas[i])
-    return z
+def ode_sample(model: FlowModel, cond: Conditioning, sigmas: torch.Tensor, z0: torch.Tensor,
+               chunk_size: int | None = None) -> torch.Tensor:
+    """Deterministic Euler sampling ``z' = z + v dt`` (the SDE with a = 0); returns the final latents. ``chunk_size``
+    samples are denoised together (None: all)."""
+    chunk = chunk_size or z0.shape[0]
+    finals = []
+    for first in range(0, z0.shape[0], chunk):
+        z = z0[first:first + chunk].float()
+        part = select_conditioning(cond, slice(first, first + chunk))
+        for i in range(len(sigmas) - 1):
+            v = model.velocity(z, sigmas[i].to(z.device), part).float()
+            z = z + v * float(sigmas[i + 1] - sigmas[i])
+        finals.append(z)
+    return torch.cat(finals)

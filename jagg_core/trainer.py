@@ -1,5 +1,6 @@
-"""The GRPO training loop: rollout -> rewards -> advantages -> backward (exact | JAGG) -> step, with the fidelity
-audit of the JAGG backward (:mod:`jagg_core.audit`) before the step every ``backward.audit_every`` iterations.
+"""The training loop: rollout -> rewards -> advantages -> backward plan -> backward and optimizer step -> eval ->
+checkpoint, the same stages for every algorithm (``train.algorithm``: GRPO with the exact or the JAGG backward,
+DiffusionNFT, AWM; :mod:`jagg_core.algorithms`), which owns the sampler, the plan, the loss and its own state.
 
 Runs alone or under ``accelerate launch`` (data parallel: each process draws its own prompts, the
 LoRA gradients are averaged across processes before every optimizer step, so all ranks keep
@@ -16,7 +17,6 @@ import random
 import re
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 from contextlib import contextmanager, nullcontext
@@ -28,28 +28,23 @@ from diffusers.training_utils import EMAModel
 from tqdm.auto import tqdm
 
 from . import metrics
-from .audit import audit_indices, run_audit
-from .config import BackwardConfig, RunConfig
+from .algorithms import make_algorithm
+from .algorithms.base import Rollout, TrainingContext, iteration_seed
+from .config import RunConfig
 from .errors import UserError
-from .grpo import LossSettings, group_advantages
+from .grpo import group_advantages
 from .hubclient import resolve_lora
 from .images import captioned_grid, sample_pictures, still_frames, to_pil
-from .jagg import BackwardPlan, BackwardResult, Window, make_plan, run_backward
 from .models import load_flow_model
-from .models.base import Conditioning, FlowModel
+from .models.base import FlowModel
 from .models.text_embeddings import load_embeddings, save_embeddings
-from .placement import trained_spans, trained_steps
 from .prompts import run_prompts
 from .rewards import build_rewards
 from .rundir import OPTIMIZER_FILE, TRAINING_STATE_FILE, RunDirectory
-from .sampler import EVAL_BATCH, Trajectory, branch_splits, initial_noise, ode_sample, sde_rollout
+from .sampler import EVAL_BATCH, initial_noise, ode_sample
 from .sharding import Sharding, fsdp_requested
 from .stopping import STOP, StopRequested
 from .tracking import log_eval_grid, log_row, start_trackers
-
-
-def iteration_seed(seed: int, iteration: int, rank: int, stream: int) -> int:
-    return (seed * 1_000_003 + iteration * 9_176 + rank * 131 + stream) % (2 ** 63)
 
 
 #: a run fails, instead of skipping updates for ever, after this many iterations in a row with a non-finite reward
@@ -74,19 +69,6 @@ def make_optimizer(name: str, params, lr: float, weight_decay: float) -> torch.o
     return optimizer
 
 
-@dataclass
-class Rollout:
-    """One iteration's rollout batch on this process, samples prompt-major (``G`` per prompt)."""
-
-    trajectory: Trajectory
-    cond: Conditioning
-    prompts: list[str]                       # the prompt of each sample
-    images: torch.Tensor                     # [N, 3, H, W] in [0, 1] (a video model: [N, F, 3, H, W])
-    spans: list[range]                       # the trained steps (jagg_core.placement)
-    rewards: torch.Tensor                    # [N] combined reward
-    reward_parts: dict[str, torch.Tensor]    # each reward term, [N]
-
-
 class Trainer:
     def __init__(self, config: RunConfig, run_dir: str | Path, *, resume: bool = False):
         self.config = config
@@ -98,7 +80,6 @@ class Trainer:
         self.start_iteration = 1
         self.resume = resume
         self.non_finite_streak = 0  # iterations in a row whose reward had a NaN/inf (updates skipped)
-        self.audited_cosines: dict[Window, float] = {}  # each window's cosine in its latest audit (route_by: audit)
 
     # ----- set-up ----------------------------------------------------------------------
     def setup(self) -> None:
@@ -125,6 +106,9 @@ class Trainer:
         self.sigmas = self.model.sigmas(cfg.sampling.num_steps, cfg.sampling.resolution)
         self.eval_sigmas = self.model.sigmas(cfg.sampling.eval_num_steps or cfg.sampling.num_steps,
                                              cfg.sampling.resolution)
+        self.algorithm = make_algorithm(TrainingContext(
+            cfg, self.model, self.params, self.sigmas, self.accelerator.device, self.accelerator.backward,
+            self.accelerator.autocast, cfg.train.seed, self.rank, self.sharding))
         if self.resume:
             self._load_checkpoint()
         if self.is_main:
@@ -191,10 +175,9 @@ class Trainer:
 
     def _training_state(self) -> dict:
         """What a checkpoint needs beyond the adapter file and the optimizer: the schedule, the EMA and the LoRA
-        weights being trained (the adapter file holds the average when EMA is on), and the audited window cosines
-        that route windows."""
-        return {"lr_scheduler": self.lr_scheduler.state_dict(),
-                "audited_cosines": [[win.start, win.end, cosine] for win, cosine in self.audited_cosines.items()],
+        weights being trained (the adapter file holds the average when EMA is on), and the algorithm's state (GRPO:
+        the audited window cosines that route windows; NFT, AWM: their lagging policy)."""
+        return {**self.algorithm.state_dict(), "lr_scheduler": self.lr_scheduler.state_dict(),
                 "ema": self.ema.state_dict() if self.ema is not None else None,
                 "lora": [param.detach().cpu() for param in self.params]}
 
@@ -205,7 +188,7 @@ class Trainer:
             return
         state = torch.load(path, map_location="cpu", weights_only=False)
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        self.audited_cosines = {Window(start, end): cosine for start, end, cosine in state.get("audited_cosines", [])}
+        self.algorithm.load_state_dict(state)
         if self.ema is not None and state["ema"] is not None:
             self.ema.load_state_dict(state["ema"])
         with torch.no_grad():
@@ -238,37 +221,43 @@ class Trainer:
             self.run.write_status("running", phase=phase, message=message)
             self._log(message)
 
-    # ----- one iteration -------------------------------------------------------------------
-    def trained_spans(self, iteration: int) -> list[range]:
-        """The steps iteration ``iteration`` trains (``grpo.window_placement``), the same on every process."""
-        cfg = self.config
-        return trained_spans(cfg.sampling.num_steps, cfg.grpo.timestep_fraction, cfg.grpo.window_placement,
-                             cfg.grpo.trained_start, cfg.backward.window,
-                             seed=iteration_seed(cfg.train.seed, iteration, 0, 2), iteration=iteration,
-                             slide_every=cfg.grpo.slide_every)
-
+    # ----- the stages of an iteration -------------------------------------------------------
     def rollout(self, iteration: int) -> Rollout:
+        """This process's prompts of iteration ``iteration``, their samples by the algorithm's sampler, decoded and
+        scored."""
         cfg = self.config
-        spans = self.trained_spans(iteration)
         group = cfg.grpo.num_generations
         picker = random.Random(iteration_seed(cfg.train.seed, iteration, self.rank, 0))
         prompts = [picker.choice(self.train_prompts) for _ in range(cfg.grpo.prompts_per_iteration)]
         sample_prompts = [p for p in prompts for _ in range(group)]
         cond = self.model.conditioning(sample_prompts)
         generator = torch.Generator().manual_seed(iteration_seed(cfg.train.seed, iteration, self.rank, 1))
-        shared = group if cfg.grpo.shared_prefix or cfg.grpo.branch_factor else 1  # samples per initial noise
-        splits = branch_splits(trained_steps(spans), group, cfg.grpo.branch_factor) if cfg.grpo.branch_factor else None
-        z0 = initial_noise(self.model, len(sample_prompts) // shared, cfg.sampling.resolution, generator)
         with self.accelerator.autocast():
-            traj = sde_rollout(self.model, cond, self.sigmas, cfg.sampling.noise_level,
-                               z0.repeat_interleave(shared, dim=0), generator,
-                               with_reference=cfg.grpo.kl_beta > 0 and cfg.grpo.kl_reference == "rollout",
-                               sde_steps=trained_steps(spans) if cfg.grpo.ode_after_trained else None,
-                               chunk_size=cfg.sampling.rollout_batch_size, group_size=shared, splits=splits)
+            sampled = self.algorithm.sample(iteration, cond, generator)
             with torch.no_grad():
-                images = self.model.decode(traj.latents[-1])
+                images = self.model.decode(sampled.latents)
         rewards, parts = self.reward(images, sample_prompts)
-        return Rollout(traj, cond, sample_prompts, images, spans, rewards, parts)
+        return Rollout(sampled, cond, sample_prompts, images, rewards, parts)
+
+    def keep_rollout_images(self, iteration: int, rollout: Rollout) -> None:
+        """The latest rollout's images, for the page (``RUN/rollouts``)."""
+        if self.is_main:
+            pictures, videos = sample_pictures(rollout.images)
+            self.run.write_images(self.run.rollouts_dir, pictures, rollout.prompts, videos=videos,
+                                  fps=self.config.sampling.fps, rewards=rollout.rewards.tolist(), iteration=iteration)
+
+    def rewards_usable(self, all_rewards: torch.Tensor, iteration: int) -> bool:
+        """Whether every process's rewards are finite; a non-finite one skips the update (with a warning), and
+        :data:`MAX_NON_FINITE_STREAK` of them in a row fail the run."""
+        if torch.isfinite(all_rewards).all():
+            self.non_finite_streak = 0
+            return True
+        self.non_finite_streak += 1
+        if self.non_finite_streak >= MAX_NON_FINITE_STREAK:
+            raise UserError(f"the reward was missing or non-finite in {self.non_finite_streak} iterations in a row "
+                            f"(last at iteration {iteration}); check the reward (server) and resume")
+        warnings.warn(f"iteration {iteration}: non-finite reward; this update is skipped", stacklevel=2)
+        return False
 
     def advantages(self, rollout: Rollout) -> torch.Tensor:
         """The rollout's advantages (:func:`~jagg_core.grpo.group_advantages` under the ``grpo`` section), on the
@@ -278,80 +267,15 @@ class Trainer:
         return group_advantages(rollout.rewards, grpo.num_generations, grpo.adv_clip, prompts=prompts,
                                 global_std=grpo.global_std).to(self.accelerator.device)
 
-    def plan_backward(self, traj: Trajectory, spans: list[range], backward: BackwardConfig) -> BackwardPlan:
-        """The backward plan of the trained steps ``spans`` of one rollout batch under ``backward``, with this run's
-        loss settings."""
-        grpo = self.config.grpo
-        loss = LossSettings(grpo.clip_range, grpo.kl_beta, kl_form=grpo.kl_form)
-        if not self.sharding.enabled:
-            return make_plan(backward, traj, spans, loss, audited=self.audited_cosines)
-        plan = make_plan(backward, traj, spans, loss, agree=self.sharding.agree,  # same routing everywhere
-                         audited=self.audited_cosines)
-        self.sharding.check_same_plan(plan)
-        return plan
-
-    def accumulate_gradients(self, traj: Trajectory, cond: Conditioning, advantages: torch.Tensor,
-                             plan: BackwardPlan, on_policy: bool,
-                             samples: torch.Tensor | None = None) -> list[BackwardResult]:
-        """Add the LoRA gradient of the whole rollout batch to ``.grad`` following ``plan``, one micro-batch at a
-        time (``train.gradient_accumulation_steps`` of them); or only that of the batch's ``samples`` (indices), in
-        micro-batches no larger than those."""
-        n = advantages.shape[0]
-        count = min(self.config.train.gradient_accumulation_steps, n)
-        chunks = torch.arange(n).tensor_split(count) if samples is None else samples.split(math.ceil(n / count))
-        return [run_backward(self.model, plan, traj.select(index), {k: v[index] for k, v in cond.items()},
-                             advantages[index], on_policy=on_policy, backward=self.accelerator.backward,
-                             autocast=self.accelerator.autocast)
-                for index in chunks]
-
-    def train_on(self, rollout: Rollout, audit: bool = False) -> dict:
-        """``grpo.inner_epochs`` optimizer steps on one rollout batch, all following one backward plan; the
-        first is on-policy. ``audit``: the fidelity audit (:meth:`audit`) first, when the plan interpolates a step:
-        of that plan, or under ``backward.route_by: audit`` of every window under JAGG (so a window routed exact is
-        measured again), before routing, so this iteration already routes by it."""
-        cfg = self.config
-        advantages = self.advantages(rollout)
-        audited = {}
-        if audit and cfg.backward.route_by == "audit":
-            unrouted = cfg.backward.model_copy(update={"frac": 1.0, "min_fidelity": None})
-            candidate = self.plan_backward(rollout.trajectory, rollout.spans, unrouted)
-            audited = self.audit(rollout, advantages, candidate) if candidate.interpolated else {}
-        plan = self.plan_backward(rollout.trajectory, rollout.spans, cfg.backward)
-        if audit and cfg.backward.route_by == "linearity" and plan.interpolated:
-            audited = self.audit(rollout, advantages, plan)
-        results, grad_norms, skipped = [], [], False
-        for epoch in range(cfg.grpo.inner_epochs):
-            results += self.accumulate_gradients(rollout.trajectory, rollout.cond, advantages, plan,
-                                                 on_policy=epoch == 0)
+    def optimizer_steps(self, rollout: Rollout, advantages: torch.Tensor, plan) -> dict:
+        """The algorithm's optimizer steps on one rollout batch, each its backward then the step; the algorithm's
+        statistics, the last step's gradient norm and whether any step was skipped."""
+        steps, skipped = [], False
+        for step in range(self.algorithm.optimizer_steps):
+            steps.append(self.algorithm.backward(rollout, advantages, plan, step))
             grad_norm, step_skipped = self._optimizer_step()
-            grad_norms.append(grad_norm)
             skipped = skipped or step_skipped
-        count = len(results)
-        # each micro-batch's loss is already weighted by its share of the batch: sum them, average epochs
-        return {metrics.LOSS: sum(r.loss for r in results) / cfg.grpo.inner_epochs,
-                metrics.KL: sum(r.kl for r in results) / count,
-                metrics.RATIO_MEAN: sum(r.ratio_mean for r in results) / count,
-                metrics.CLIP_FRAC: sum(r.clip_frac for r in results) / count, metrics.GRAD_NORM: grad_norms[-1],
-                metrics.SKIPPED: skipped, metrics.JAGG_WINDOWS: len(plan.windows),
-                metrics.JAGG_ROUTED_FRAC: plan.routed_frac, metrics.JAGG_LINEARITY_MEAN: plan.linearity_mean,
-                metrics.BACKWARD_PASSES: len(plan.pass_steps), **audited}
-
-    def audit(self, rollout: Rollout, advantages: torch.Tensor, plan: BackwardPlan) -> dict:
-        """The fidelity audit of ``plan`` on ``backward.audit_samples`` samples of the rollout (:mod:`jagg_core.audit`),
-        on-policy, before the update and leaving it as it would be; its metrics and seconds. The cosine of each
-        interpolated window is kept for routing (``audited_cosines``)."""
-        began = time.perf_counter()
-        samples = audit_indices(len(rollout.prompts), self.config.backward.audit_samples)
-
-        def backward_of(part: BackwardPlan) -> None:
-            self.accumulate_gradients(rollout.trajectory, rollout.cond, advantages, part, on_policy=True,
-                                      samples=samples)
-
-        fidelity = run_audit(self.params, plan, backward_of, self.accelerator.device)
-        self.audited_cosines.update({win: cosine for win, cosine, jagg in
-                                     zip(plan.windows, fidelity.window_cosines, plan.use_jagg) if jagg})
-        return {metrics.JAGG_GRAD_COSINE: fidelity.cosine, metrics.JAGG_GRAD_REL_ERR: fidelity.rel_err,
-                metrics.JAGG_WINDOW_COSINES: fidelity.window_cosines, metrics.TIME_AUDIT: time.perf_counter() - began}
+        return {**self.algorithm.summarize(plan, steps), metrics.GRAD_NORM: grad_norm, metrics.SKIPPED: skipped}
 
     def _optimizer_step(self) -> tuple[float, bool]:
         """Average gradients over processes, clip, step; skip (and warn) if anything is non-finite."""
@@ -490,31 +414,26 @@ class Trainer:
         return iteration % effective_interval(self.config.train.sample_every, total) == 0 or iteration == total
 
     def iteration(self, iteration: int, evaluate: bool | None = None) -> dict:
-        """One GRPO iteration (rollout, update, and the eval when due, or as ``evaluate`` says); returns its metrics
-        row. :meth:`fit` appends the row and writes the checkpoints."""
+        """One iteration, its stages in order (the algorithm's: :mod:`jagg_core.algorithms.base`): rollout and
+        rewards, advantages, the backward plan, the optimizer steps (each a backward and a step), the algorithm's
+        state update, and the eval when due (or as ``evaluate`` says); returns its metrics row. :meth:`fit` appends
+        the row and writes the checkpoints."""
         cfg = self.config
-        t0 = time.perf_counter()
+        began = time.perf_counter()
         rollout = self.rollout(iteration)
-        time_rollout = time.perf_counter() - t0
-        if self.is_main:
-            pictures, videos = sample_pictures(rollout.images)
-            self.run.write_images(self.run.rollouts_dir, pictures, rollout.prompts, videos=videos,
-                                  fps=cfg.sampling.fps, rewards=rollout.rewards.tolist(), iteration=iteration)
+        time_rollout = time.perf_counter() - began
+        self.keep_rollout_images(iteration, rollout)
         all_rewards = self.accelerator.gather(rollout.rewards.to(self.accelerator.device)).cpu()
         learning_rate = self.lr_scheduler.get_last_lr()[0]  # the rate of this iteration's (first) update
-        t1 = time.perf_counter()
-        if torch.isfinite(all_rewards).all():
-            every = cfg.backward.audit_every
-            stats = self.train_on(rollout, audit=every > 0 and iteration % every == 0)
-            self.non_finite_streak = 0
+        began = time.perf_counter()
+        if self.rewards_usable(all_rewards, iteration):
+            advantages = self.advantages(rollout)
+            plan = self.algorithm.plan(rollout, advantages, iteration)
+            stats = self.optimizer_steps(rollout, advantages, plan)
+            self.algorithm.after_update(iteration)
         else:
-            self.non_finite_streak += 1
-            if self.non_finite_streak >= MAX_NON_FINITE_STREAK:
-                raise UserError(f"the reward was missing or non-finite in {self.non_finite_streak} iterations in a row "
-                                f"(last at iteration {iteration}); check the reward (server) and resume")
-            warnings.warn(f"iteration {iteration}: non-finite reward; this update is skipped", stacklevel=2)
             stats = {metrics.SKIPPED: True}
-        time_train = time.perf_counter() - t1 - stats.get(metrics.TIME_AUDIT, 0.0)  # the update's; the audit's apart
+        time_train = time.perf_counter() - began - stats.get(metrics.TIME_AUDIT, 0.0)  # the update's; the audit's apart
         finite = all_rewards[torch.isfinite(all_rewards)]
         row = {metrics.ITERATION: iteration,
                metrics.REWARD_MEAN: float(finite.mean()) if finite.numel() else float("nan"),

@@ -79,8 +79,8 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
-def run(run_dir: Path, *extra: str, hook: str | None = None) -> subprocess.CompletedProcess:
-    args = [*ARGS, "--output-dir", str(run_dir), *extra]
+def run(run_dir: Path, *extra: str, hook: str | None = None, base: list[str] = ARGS) -> subprocess.CompletedProcess:
+    args = [*base, "--output-dir", str(run_dir), *extra]
     command = [sys.executable, "-c", INJECT, hook, *args] if hook else [sys.executable, "-m", "jagg_core.run", *args]
     return subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True)
 
@@ -122,6 +122,22 @@ def test_every_kill_then_resume_gives_each_row_once_and_the_unkilled_adapter(unk
     expected, got = adapter(unkilled), adapter(run_dir)
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
     assert not [p for p in run_dir.rglob("*") if ".tmp" in p.name]
+
+
+@pytest.mark.parametrize("algorithm", ["nft", "awm"])
+def test_a_killed_forward_process_run_resumes_to_the_unkilled_adapter(algorithm, tmp_path):
+    """The lagging policy (NFT's old policy, AWM's EMA regularizer) and the rows' draws resume exactly too."""
+    window = ARGS.index("backward.window=2")  # a GRPO key: refused under another algorithm
+    base = [*ARGS[:window - 1], *ARGS[window + 1:], "--set", f"train.algorithm={algorithm}"]
+    straight = run(tmp_path / "straight", base=base)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    killed = run(tmp_path / "run", hook="after-metrics:2", base=base)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    resumed = run(tmp_path / "run", "--resume", base=base)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [row[metrics.ITERATION] for row in RunDirectory(tmp_path / "run").read_metrics()] == [0, 1, 2, 3]
+    expected, got = adapter(tmp_path / "straight"), adapter(tmp_path / "run")
+    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
 
 
 def test_a_full_disk_fails_in_one_line_cleans_up_and_resumes_to_the_unkilled_adapter(unkilled, tmp_path):

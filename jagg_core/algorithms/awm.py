@@ -1,0 +1,100 @@
+"""Advantage Weighted Matching (Xue et al., arXiv 2509.25050; reference code scxue/advantage_weighted_matching
+``scripts/train_sd3_awm.py``, ``config/dgx_awm.py``): the flow-matching loss of the rollout's clean samples weighted
+by their advantages (``train.algorithm: awm``).
+
+Rollout: on-policy ODE samples ``x0`` (CFG-free). Rewards -> group advantages ``A`` (the ``grpo`` section's groups,
+clamped to ``+-c``, ``c = grpo.adv_clip``), rescaled ``A' = A / c * awm.advantage_max``. Each sample is trained at
+``K = awm.train_timesteps`` schedule steps drawn stratified from ``1 .. n`` with ``n = int(T awm.timestep_fraction)``
+(the reference's ``discrete_wo_init``: with ``b = linspace(1, n, K + 1)``, step ``i`` is uniform in
+``[int(b_i), int(b_{i+1}))``, or ``int(b_i)`` when that range is empty), fresh noise each (:mod:`.forward_process`).
+At a row, ``e = mean_k (v_theta(x_t) - (eps - x0))^2`` (float64) gives the per-row log-likelihood surrogate::
+
+    ghuber:   l = -((e + 1e-10)^p - (1e-10)^p) sigma / p         (p = awm.ghuber_power, the paper's default)
+    uniform:  l = -e
+
+and the loss (one optimizer step per rollout, so the ratio ``exp(l - sg(l))`` is 1 and its PPO clip never acts)::
+
+    L = mean_rows[ -A' exp(l - sg(l)) ] + awm.kl_beta mean_rows mean_k (v - v_ref)^2
+                                         + awm.ema_kl_beta mean_rows mean_k (v - v_ema)^2
+
+``v_ref``: the base model (adapter disabled); ``v_ema``: a lagging copy of the LoRA, after each iteration ``k``
+``theta_ema = d theta_ema + (1 - d) theta`` with ``d = min(ema_kl_decay_max, ema_kl_decay_rate k)`` (the reference's
+``kl_ema_decay_type: linear``).
+
+Where this differs from the reference code: the rollout is our Euler ODE sampler (theirs an SA-solver with its SDE
+fraction 0, deterministic); each sample draws its own steps (theirs one draw per training micro-batch of 3
+samples); the reference's per-prompt advantages with global std are ``grpo.group_by: prompt`` with
+``grpo.global_std: true``; the EMA of the weights used for its evals is ``train.ema_decay``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import metrics
+from .base import LaggingPolicy
+from .forward_process import ForwardProcessAlgorithm, RowBatch, per_row_mean
+
+#: the offset that keeps the generalized Huber weighting's gradient finite at e = 0
+GHUBER_EPS = 1e-10
+
+
+def stratified_steps(count: int, last: int, samples: int, generator: torch.Generator) -> torch.Tensor:
+    """[samples, count] steps, each row one stratified draw from ``1 .. last`` (the module's ``discrete_wo_init``)."""
+    bounds = torch.linspace(1, last, count + 1)
+    lower, upper = bounds[:-1].long(), bounds[1:].long()
+    u = torch.rand((samples, count), generator=generator)
+    return lower + (u * (upper - lower)).long()
+
+
+def awm_log_likelihood(v: torch.Tensor, rows: RowBatch, weighting: str, power: float) -> torch.Tensor:
+    """Each row's ``l`` (the module's formula), float64, [R]."""
+    error = per_row_mean((v.double() - (rows.noise.double() - rows.x0.double())) ** 2)
+    if weighting == "uniform":
+        return -error
+    return -((error + GHUBER_EPS) ** power - GHUBER_EPS ** power) * rows.sigmas.double() / power
+
+
+class AwmAlgorithm(ForwardProcessAlgorithm):
+    name = "awm"
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        awm = self.config.awm
+        self.ema = LaggingPolicy(ctx.params, awm.ema_kl_decay_rate, awm.ema_kl_decay_max)
+
+    def draw_steps(self, samples: int, generator: torch.Generator) -> torch.Tensor:
+        awm = self.config.awm
+        return stratified_steps(awm.train_timesteps, int(self.config.sampling.num_steps * awm.timestep_fraction),
+                                samples, generator)
+
+    def companions(self):
+        awm, policies = self.config.awm, {}
+        if awm.kl_beta > 0:
+            policies["reference"] = self.ctx.model.adapters_disabled
+        if awm.ema_kl_beta > 0:
+            policies["ema"] = self.ema.swapped_in
+        return policies
+
+    def loss(self, v, others, rows):
+        awm = self.config.awm
+        weights = rows.advantages.to(v.device).double() / self.config.grpo.adv_clip * awm.advantage_max
+        log_likelihood = awm_log_likelihood(v, rows, awm.weighting, awm.ghuber_power)
+        policy = (-weights * torch.exp(log_likelihood - log_likelihood.detach())).mean()
+        loss, stats = policy, {metrics.POLICY_LOSS: float(policy.detach())}
+        for name, beta, key in (("reference", awm.kl_beta, metrics.KL), ("ema", awm.ema_kl_beta, metrics.LAG_DEVIATION)):
+            if name in others:
+                distance = per_row_mean((v.double() - others[name].double()) ** 2).mean()
+                loss = loss + beta * distance
+                stats[key] = float(distance.detach())
+        return loss, stats
+
+    def after_update(self, iteration: int) -> None:
+        self.ema.update(iteration)
+
+    def state_dict(self) -> dict:
+        return {"awm_ema_policy": self.ema.state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "awm_ema_policy" in state:
+            self.ema.load(state["awm_ema_policy"])

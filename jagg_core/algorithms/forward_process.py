@@ -1,0 +1,137 @@
+"""What the forward-process algorithms (DiffusionNFT, AWM) share: ODE rollouts, and a loss on the rollout's clean
+samples re-noised at the schedule's discrete sigmas.
+
+No log-probabilities, no SDE trajectory and no per-step backward of the sampling chain: a rollout is Euler ODE
+sampling (:func:`~jagg_core.sampler.ode_sample`) of ``x0``, and the loss is computed on *rows* ``(b, k, eps)``: the
+sample ``b``'s clean latent noised to the schedule's sigma of step ``k`` with fresh noise (DESIGN.md's convention)::
+
+    x_t = (1 - sigma_k) x0_b + sigma_k eps,      target velocity eps - x0_b,      timestep = 1000 sigma_k
+
+Each sample gets the same number of rows (the algorithm's :meth:`ForwardProcessAlgorithm.draw_steps`); the loss
+is the mean over all rows of the batch, so the rows are split into ``train.gradient_accumulation_steps``
+micro-batches, each backpropagated with its share ``R_micro / R`` of that mean: the same gradient at any split.
+Each micro-batch is one forward with grad over its rows, plus the no-grad forwards of the algorithm's companion
+policies (the base model, a lagging copy of the LoRA) at the same rows. The draws (steps and noise) come from a
+generator seeded by (``train.seed``, iteration, process), so a resumed run draws them again the same.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .. import metrics
+from ..models.base import Conditioning
+from ..sampler import initial_noise, ode_sample
+from .base import Algorithm, Rollout, Sampled, iteration_seed
+
+#: the random stream of the forward-process loss's draws (steps and noise) in :func:`~.base.iteration_seed`
+ROWS_STREAM = 3
+
+
+@dataclass
+class Rows:
+    """The rows one rollout batch is trained on, sample-major."""
+
+    samples: torch.Tensor    # [R] the sample b of each row
+    steps: torch.Tensor      # [R] the schedule step k of each row
+    sigmas: torch.Tensor     # [R] sigma_k, float32
+    noise: torch.Tensor      # [R, *latent] eps, float32
+
+
+@dataclass
+class RowBatch:
+    """One micro-batch of rows with everything its loss needs (float32, on the model's device)."""
+
+    x0: torch.Tensor         # clean latents [R', *latent]
+    noise: torch.Tensor      # eps
+    x_t: torch.Tensor        # (1 - sigma) x0 + sigma eps
+    sigmas: torch.Tensor     # [R']
+    advantages: torch.Tensor  # [R'] the group advantage of each row's sample
+
+
+def per_row_mean(x: torch.Tensor) -> torch.Tensor:
+    """The mean over every dimension but the first (a row's latent elements)."""
+    return x.mean(dim=tuple(range(1, x.dim())))
+
+
+def broadcast_rows(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``values`` [R] shaped to broadcast against ``like`` [R, ...]."""
+    return values.view(-1, *([1] * (like.dim() - 1)))
+
+
+class ForwardProcessAlgorithm(Algorithm):
+    """ODE rollouts and a loss on re-noised rows; a subclass gives the rollout's policy, the rows' steps, the
+    companion velocities and the loss."""
+
+    def sampling_policy(self) -> AbstractContextManager:
+        """The weights the rollout samples with (the trained ones unless overridden)."""
+        return nullcontext()
+
+    @abstractmethod
+    def draw_steps(self, samples: int, generator: torch.Generator) -> torch.Tensor:
+        """[samples, K] schedule steps (indices into the rollout schedule) each sample is trained at."""
+
+    @abstractmethod
+    def companions(self) -> dict[str, Callable[[], AbstractContextManager]]:
+        """Name -> a context under which the model gives that companion's velocity (no grad)."""
+
+    @abstractmethod
+    def loss(self, v: torch.Tensor, others: dict[str, torch.Tensor], rows: RowBatch) -> tuple[torch.Tensor, dict]:
+        """The mean loss over ``rows`` (a scalar with grad through ``v``) and its detached statistics (metric key ->
+        mean over the rows)."""
+
+    # ----- the stages ------------------------------------------------------------------
+    def sample(self, iteration: int, cond: Conditioning, generator: torch.Generator) -> Sampled:
+        """Euler ODE samples from independent noise, under :meth:`sampling_policy`."""
+        cfg, model = self.config, self.ctx.model
+        count = next(iter(cond.values())).shape[0]
+        z0 = initial_noise(model, count, cfg.sampling.resolution, generator)
+        with self.sampling_policy():
+            latents = ode_sample(model, cond, self.ctx.sigmas, z0, chunk_size=cfg.sampling.rollout_batch_size)
+        return Sampled(latents)
+
+    def plan(self, rollout: Rollout, advantages: torch.Tensor, iteration: int) -> Rows:
+        """Every sample's steps and noise, drawn once per iteration."""
+        generator = torch.Generator().manual_seed(iteration_seed(self.ctx.seed, iteration, self.ctx.rank, ROWS_STREAM))
+        latents = rollout.sampled.latents
+        steps = self.draw_steps(latents.shape[0], generator)
+        per_sample = steps.shape[1]
+        samples = torch.arange(latents.shape[0]).repeat_interleave(per_sample)
+        steps = steps.flatten()
+        noise = torch.randn((len(steps), *latents.shape[1:]), generator=generator, dtype=torch.float32)
+        return Rows(samples, steps, self.ctx.sigmas[steps].float(), noise)
+
+    def backward(self, rollout: Rollout, advantages: torch.Tensor, plan: Rows, step: int) -> dict[str, float]:
+        """The loss's gradient, one micro-batch of rows at a time, each weighted by its share of the rows."""
+        model, device = self.ctx.model, self.ctx.device
+        total = len(plan.samples)
+        count = min(self.config.train.gradient_accumulation_steps, total)
+        sums: dict[str, float] = {}
+        for index in torch.arange(total).tensor_split(count):
+            samples = plan.samples[index]
+            x0 = rollout.sampled.latents[samples.to(rollout.sampled.latents.device)].float().to(device)
+            noise, sigmas = plan.noise[index].to(device), plan.sigmas[index].to(device)
+            t = broadcast_rows(sigmas, x0)
+            rows = RowBatch(x0, noise, (1 - t) * x0 + t * noise, sigmas, advantages[samples.to(advantages.device)])
+            cond = {key: value[samples.to(value.device)] for key, value in rollout.cond.items()}
+            others = {}
+            for name, policy in self.companions().items():
+                with torch.no_grad(), policy(), self.ctx.autocast():
+                    others[name] = model.velocity(rows.x_t, sigmas, cond).float()
+            with self.ctx.autocast():
+                v = model.velocity(rows.x_t, sigmas, cond).float()
+            loss, stats = self.loss(v, others, rows)
+            share = len(index) / total
+            self.ctx.backward(loss * share)
+            for key, value in {metrics.LOSS: float(loss.detach()), **stats}.items():
+                sums[key] = sums.get(key, 0.0) + share * float(value)
+        return sums
+
+    def summarize(self, plan: Rows, steps: list[dict[str, float]]) -> dict:
+        """Each statistic's mean over the optimizer steps (one per iteration)."""
+        return {key: sum(s[key] for s in steps) / len(steps) for key in steps[0]}

@@ -1,0 +1,203 @@
+"""The forward-process algorithms (DiffusionNFT, AWM) behind the trainer's one seam: their losses against independent
+float64 computations of the papers' formulas, their draws, two training iterations on every family, a held-out
+gain on the embedded task, and the config's refusals of meaningless combinations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jagg_core import metrics
+from jagg_core.algorithms import ALGORITHMS
+from jagg_core.algorithms.awm import stratified_steps
+from jagg_core.config import ALGORITHM_KEYS, RunConfig, load_config
+from jagg_core.errors import UserError
+from jagg_core.rundir import RunDirectory
+from jagg_core.trainer import Trainer
+
+from conftest import tiny_config
+
+FORWARD_PROCESS = ["nft", "awm"]
+
+
+def algorithm_config(algorithm: str, model: str = "tiny-sd3", **overrides) -> RunConfig:
+    """:func:`tiny_config` under ``algorithm`` (the GRPO-only keys back at their defaults; AWM's steps fit the 6-step
+    schedule), with ``section__key=value`` overrides."""
+    settings = {"awm__train_timesteps": 4} if algorithm == "awm" else {}
+    settings.update(overrides)
+    return tiny_config(model).for_algorithm(algorithm, [f"{k.replace('__', '.')}={v}" for k, v in settings.items()])
+
+
+def set_up(config: RunConfig, run_dir) -> Trainer:
+    trainer = Trainer(config, run_dir)
+    trainer.setup()
+    return trainer
+
+
+def perturbed(trainer: Trainer, scale: float = 0.05) -> None:
+    """Move the LoRA and the algorithm's lagging copy off their initial values (the LoRA starts as the base model:
+    its B matrices are zero), to different points, so every velocity of the loss differs."""
+    generator = torch.Generator().manual_seed(7)
+    lag = getattr(trainer.algorithm, "old", None) or trainer.algorithm.ema
+    with torch.no_grad():
+        for param, lagging in zip(trainer.params, lag.weights):
+            param.add_(scale * torch.randn(param.shape, generator=generator))
+            lagging.copy_(param + scale * torch.randn(param.shape, generator=generator))
+
+
+def velocities_of_rows(trainer: Trainer, rollout, plan, policy=None) -> tuple[torch.Tensor, ...]:
+    """x0, eps, sigma, advantage row by row and the model's velocity at every row (with grad unless ``policy``)."""
+    x0 = rollout.sampled.latents[plan.samples].float()
+    sigma = plan.sigmas
+    t = sigma.view(-1, *([1] * (x0.dim() - 1)))
+    x_t = (1 - t) * x0 + t * plan.noise
+    cond = {k: v[plan.samples] for k, v in rollout.cond.items()}
+    if policy is None:
+        return x0, plan.noise, sigma, x_t, trainer.model.velocity(x_t, sigma, cond).float()
+    with torch.no_grad(), policy():
+        return trainer.model.velocity(x_t, sigma, cond).float()
+
+
+def nft_loss_by_hand(v, v_old, v_ref, x0, eps, sigma, advantages, beta, clip, kl_beta):
+    """DiffusionNFT's loss (train_nft_sd3.py), row by row in float64."""
+    rows = []
+    for i in range(len(sigma)):
+        s = float(sigma[i])
+        x_t = (1 - s) * x0[i].double() + s * eps[i].double()
+        r = min(max(float(advantages[i]) / clip / 2 + 0.5, 0.0), 1.0)
+        vi, vo = v[i].double(), v_old[i].double()
+        terms = []
+        for prediction in (beta * vi + (1 - beta) * vo, (1 + beta) * vo - beta * vi):
+            x0_hat = x_t - s * prediction
+            weight = max(float((x0_hat - x0[i].double()).abs().mean().detach()), 1e-5)
+            terms.append(((x0_hat - x0[i].double()) ** 2).mean() / weight)
+        rows.append(clip * (r * terms[0] + (1 - r) * terms[1]) / beta)
+    kl = torch.stack([((v[i].double() - v_ref[i].double()) ** 2).mean() for i in range(len(sigma))]).mean()
+    return torch.stack(rows).mean() + kl_beta * kl
+
+
+def awm_loss_by_hand(v, v_ref, v_ema, x0, eps, sigma, advantages, awm, clip):
+    """AWM's loss (train_sd3_awm.py, ghuber weighting, on-policy), row by row in float64."""
+    rows = []
+    for i in range(len(sigma)):
+        error = ((v[i].double() - (eps[i].double() - x0[i].double())) ** 2).mean()
+        p = awm.ghuber_power
+        log_likelihood = -((error + 1e-10) ** p - 1e-10 ** p) * float(sigma[i]) / p
+        ratio = torch.exp(log_likelihood - log_likelihood.detach())
+        rows.append(-(float(advantages[i]) / clip * awm.advantage_max) * ratio)
+    distance = [torch.stack([((v[i].double() - other[i].double()) ** 2).mean() for i in range(len(sigma))]).mean()
+                for other in (v_ref, v_ema)]
+    return torch.stack(rows).mean() + awm.kl_beta * distance[0] + awm.ema_kl_beta * distance[1]
+
+
+def gradient(params) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in params])
+
+
+@pytest.mark.parametrize("algorithm", FORWARD_PROCESS)
+def test_the_loss_and_its_gradient_are_the_formula_computed_independently_in_float64(algorithm, tmp_path, offline):
+    # two micro-batches: the rows are split, and the shares must add up to the whole batch's mean
+    trainer = set_up(algorithm_config(algorithm, train__gradient_accumulation_steps=2), tmp_path / "run")
+    perturbed(trainer)
+    rollout = trainer.rollout(1)
+    advantages = trainer.advantages(rollout)
+    assert advantages.abs().sum() > 0
+    plan = trainer.algorithm.plan(rollout, advantages, 1)
+    stats = trainer.algorithm.backward(rollout, advantages, plan, 0)
+    ours = gradient(trainer.params).clone()
+    for param in trainer.params:
+        param.grad = None
+
+    # the companions first: swapping a lagging copy in and out writes the LoRA parameters in place
+    v_ref = velocities_of_rows(trainer, rollout, plan, trainer.model.adapters_disabled)
+    lag = trainer.algorithm.old if algorithm == "nft" else trainer.algorithm.ema
+    v_lag = velocities_of_rows(trainer, rollout, plan, lag.swapped_in)
+    x0, eps, sigma, _, v = velocities_of_rows(trainer, rollout, plan)
+    row_advantages = advantages[plan.samples]
+    cfg = trainer.config
+    if algorithm == "nft":
+        v_old = v_lag
+        assert (v - v_old).abs().max() > 1e-4 and (v - v_ref).abs().max() > 1e-4
+        loss = nft_loss_by_hand(v, v_old, v_ref, x0, eps, sigma, row_advantages, cfg.nft.beta, cfg.grpo.adv_clip,
+                                cfg.nft.kl_beta)
+    else:
+        v_ema = v_lag
+        assert (v - v_ema).abs().max() > 1e-4 and (v - v_ref).abs().max() > 1e-4
+        loss = awm_loss_by_hand(v, v_ref, v_ema, x0, eps, sigma, row_advantages, cfg.awm, cfg.grpo.adv_clip)
+    loss.backward()
+    assert stats[metrics.LOSS] == pytest.approx(float(loss), rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(ours, gradient(trainer.params), rtol=1e-4, atol=1e-7)
+
+
+def test_nft_trains_each_sample_at_distinct_steps_of_the_schedule_and_awm_stratified_ones():
+    config = algorithm_config("nft")
+    steps = config.sampling.num_steps
+    generator = torch.Generator().manual_seed(0)
+    draws = torch.stack([torch.randperm(steps, generator=generator)[:5] for _ in range(3)])
+    assert all(len(set(row.tolist())) == 5 for row in draws)
+    # AWM: with 10 steps and fraction 0.9 the strata of 1..9 are [1], [2], [3, 4], [5], [6], [7, 8]
+    strata = stratified_steps(6, 9, 400, torch.Generator().manual_seed(0))
+    assert [sorted(set(column.tolist())) for column in strata.T] == [[1], [2], [3, 4], [5], [6], [7, 8]]
+
+
+@pytest.mark.parametrize("algorithm", FORWARD_PROCESS)
+def test_the_rollout_samples_with_the_policy_the_paper_says(algorithm, tmp_path, offline):
+    """NFT samples with the lagging old policy, AWM on-policy: the same noise gives different samples after the
+    trained weights move, for AWM only."""
+    trainer = set_up(algorithm_config(algorithm), tmp_path / "run")
+    before = trainer.rollout(1).sampled.latents
+    with torch.no_grad():
+        for param in trainer.params:
+            param.add_(0.1)
+    after = trainer.rollout(1).sampled.latents
+    assert torch.equal(before, after) == (algorithm == "nft")
+
+
+FAMILY_SETTINGS = {
+    "tiny-sd3": {}, "tiny-flux": {}, "tiny-qwen": {},
+    "tiny-flux-kontext": {"prompts__source": "edits", "model__condition_resolution": 16,
+                          "model__max_sequence_length": 64},
+    "tiny-qwen-edit": {"prompts__source": "edits", "model__condition_resolution": 16,
+                       "model__max_sequence_length": 64},
+    "tiny-wan": {"sampling__num_frames": 5},
+    "tiny-flux2": {"prompts__source": "few"}, "tiny-zimage": {"prompts__source": "few"},
+}
+
+
+@pytest.mark.parametrize("algorithm", FORWARD_PROCESS)
+@pytest.mark.parametrize("family_model", list(FAMILY_SETTINGS))
+def test_two_iterations_on_every_family(family_model, algorithm, tmp_path, offline):
+    settings = dict(FAMILY_SETTINGS[family_model])
+    if settings.get("prompts__source") == "few":  # set-up encodes every prompt; FLUX.2's encoder is deep
+        path = tmp_path / "prompts.txt"
+        path.write_text("".join(f"a {colour} {shape}\n" for colour in ("red", "blue") for shape in ("cat", "cup")))
+        settings["prompts__source"] = str(path)
+    config = algorithm_config(algorithm, family_model, sampling__num_steps=4, **settings)
+    trainer = set_up(config, tmp_path / "run")
+    before = [p.detach().clone() for p in trainer.params]
+    trainer.fit()
+    rows = RunDirectory(tmp_path / "run").read_metrics()
+    assert [r[metrics.ITERATION] for r in rows] == [0, 1, 2]
+    assert all(r[metrics.SKIPPED] is False and r[metrics.GRAD_NORM] > 0 and metrics.POLICY_LOSS in r
+               for r in rows[1:])
+    assert any(not torch.equal(a, p) for a, p in zip(before, trainer.params))
+    state = torch.load(RunDirectory(tmp_path / "run").latest_checkpoint() / "training_state.pt", weights_only=False)
+    assert f"{algorithm}_{'old' if algorithm == 'nft' else 'ema'}_policy" in state
+
+
+def test_every_algorithm_of_the_config_is_registered():
+    choices = RunConfig.model_fields["train"].annotation.model_fields["algorithm"].annotation.__args__
+    assert set(choices) == set(ALGORITHMS) == set(ALGORITHM_KEYS)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["train.algorithm=nft", "backward.window=3"], "backward.window 3 applies to train.algorithm grpo only"),
+    (["train.algorithm=awm", "sampling.noise_level=1.2"], "sampling.noise_level 1.2 applies to train.algorithm grpo"),
+    (["nft.beta=0.5"], "nft.beta 0.5 applies to train.algorithm nft only"),
+    (["train.algorithm=nft", "awm.kl_beta=0"], "awm.kl_beta 0.0 applies to train.algorithm awm only"),
+    (["train.algorithm=nft", "model.guidance_scale=4.5"], "trains without classifier-free guidance"),
+    (["train.algorithm=awm", "awm.train_timesteps=12"], "awm.train_timesteps 12 must be at most the 9 steps"),
+])
+def test_meaningless_combinations_are_one_line(overrides, message):
+    with pytest.raises(UserError, match=message):
+        load_config(preset="tiny-sd3", overrides=overrides)
