@@ -40,6 +40,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
+from .algorithms import ALGORITHMS
 from .archs import arch_folder, arch_for_model, is_random_model
 from .config import RunConfig
 from .errors import UserError
@@ -333,6 +334,7 @@ def _text_encoder_activations(encoder: torch.nn.Module, tokens: int, element: in
 def plan_memory(config: RunConfig) -> MemoryPlan:
     """The memory plan of ``config`` (see the module docstring)."""
     cfg = config
+    forward_process = ALGORITHMS[cfg.train.algorithm] if cfg.train.algorithm != "grpo" else None
     pipe = meta_pipeline(cfg.model.name, cfg.model.revision)
     family_class = FAMILIES[type(pipe).__name__]
     dtype = DTYPES[cfg.model.dtype]
@@ -371,8 +373,10 @@ def plan_memory(config: RunConfig) -> MemoryPlan:
         param.data = param.data.to(autocast or torch.float32)
     state_bytes = 2 if cfg.train.optimizer == "adamw8bit" else 8
     ema = 4 if cfg.train.ema_decay > 0 else 0
-    plan.resident[f"LoRA ({_count(lora_count)}): weights, AdamW states{', EMA' if ema else ''} (fp32)"] = \
-        lora_count * (4 + state_bytes + ema)
+    lagging = 4 if forward_process else 0  # NFT's old policy, AWM's EMA regularizer
+    extras = ", EMA" * bool(ema) + ", lagging copy" * bool(lagging)
+    plan.resident[f"LoRA ({_count(lora_count)}): weights, AdamW states{extras} (fp32)"] = \
+        lora_count * (4 + state_bytes + ema + lagging)
 
     # ----- set-up: the text encoders encode every prompt, then leave
     if cfg.model.cache_text_embeddings and encoders:
@@ -391,6 +395,10 @@ def plan_memory(config: RunConfig) -> MemoryPlan:
     # reference velocities: the rollout's at every noisy step, or the training pass's at every trained step
     reference = (noisy if cfg.grpo.kl_reference == "rollout" else trained) if cfg.grpo.kl_beta > 0 else 0
     trajectory = samples * latent_numel * 4 * ((steps + 1) + steps + reference)
+    rows = samples  # the backward's batch: samples (GRPO), or (sample, step) rows (NFT, AWM)
+    if forward_process:  # the clean latents and each row's noise
+        rows = samples * forward_process.steps_per_sample(cfg)
+        trajectory = (samples + rows) * latent_numel * 4
     cond_shapes = model.conditioning_shapes()
     if model.use_cfg:
         cond_shapes.update({NEGATIVE + k: v for k, v in cond_shapes.items()})
@@ -421,8 +429,10 @@ def plan_memory(config: RunConfig) -> MemoryPlan:
     plan.phase_parts["VAE decode"] = trajectory + cond_bytes
     plan.phases["VAE decode"] = _traced(decode, weights)
 
-    micro = math.ceil(samples / cfg.train.gradient_accumulation_steps)
-    stacked = micro * (2 if cfg.backward.mode == "jagg" and cfg.backward.joint else 1)
+    micro = math.ceil(rows / cfg.train.gradient_accumulation_steps)
+    stacked = micro * (2 if _joint_passes(cfg) else 1)
+    # a micro-batch of forward-process rows holds x0, eps, x_t and its companions' velocities, float32
+    rows_held = micro * latent_numel * 4 * (3 + len(forward_process.companion_names(cfg))) if forward_process else 0
     if cfg.train.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     transformer.train()
@@ -432,9 +442,14 @@ def plan_memory(config: RunConfig) -> MemoryPlan:
         velocity = model.velocity(z, sigma.expand(stacked), conditioning(stacked))
         (velocity * torch.zeros_like(velocity)).sum().backward()
 
-    plan.phase_parts["backward"] = trajectory + cond_bytes + images + lora_count * 4
+    plan.phase_parts["backward"] = trajectory + cond_bytes + images + lora_count * 4 + rows_held
     plan.phases["backward"] = _traced(backward, weights) + _dequantized_weight(transformer, cfg.model.quantize)
     return plan
+
+
+def _joint_passes(cfg: RunConfig) -> bool:
+    """GRPO's JAGG backward runs its endpoint passes two at a time."""
+    return cfg.train.algorithm == "grpo" and cfg.backward.mode == "jagg" and cfg.backward.joint
 
 
 def _dequantized_weight(transformer: torch.nn.Module, quantize: str) -> int:
@@ -453,14 +468,15 @@ def _memory_savers(config: RunConfig) -> list[tuple[str, object]]:
     cfg = config
     samples = cfg.grpo.num_generations * cfg.grpo.prompts_per_iteration
     savers: list[tuple[str, object]] = []
-    if cfg.backward.mode == "jagg" and cfg.backward.joint:
+    if _joint_passes(cfg):
         savers.append(("backward.joint", False))
     if not cfg.train.gradient_checkpointing:
         savers.append(("train.gradient_checkpointing", True))
     chunk = cfg.sampling.rollout_batch_size or samples
     savers += [("sampling.rollout_batch_size", size) for size in (8, 4, 2, 1) if size < chunk]
-    micro = math.ceil(samples / cfg.train.gradient_accumulation_steps)
-    savers += [("train.gradient_accumulation_steps", math.ceil(samples / size)) for size in (8, 4, 2, 1)
+    rows = samples * (ALGORITHMS[cfg.train.algorithm].steps_per_sample(cfg) if cfg.train.algorithm != "grpo" else 1)
+    micro = math.ceil(rows / cfg.train.gradient_accumulation_steps)
+    savers += [("train.gradient_accumulation_steps", math.ceil(rows / size)) for size in (8, 4, 2, 1)
                if size < micro]
     if cfg.train.optimizer == "adamw":
         savers.append(("train.optimizer", "adamw8bit"))

@@ -148,18 +148,13 @@ def _eval_reward(rows: list[dict]) -> tuple[dict | None, dict | None]:
 
 
 def _recipe(config: dict, snap: RunSnapshot) -> str:
-    """The training recipe section: rewards, prompts, iterations and the GRPO/JAGG settings."""
-    model, lora, sampling, grpo, backward, train, prompts = (
-        config.get(name) or {} for name in ["model", "lora", "sampling", "grpo", "backward", "train", "prompts"])
+    """The training recipe section: rewards, prompts, iterations and the algorithm's settings."""
+    model, lora, sampling, train, prompts = (
+        config.get(name) or {} for name in ["model", "lora", "sampling", "train", "prompts"])
     rewards = "\n".join(
         f"| `{r.get('name')}` | {r.get('weight', 1.0)} | {json.dumps(_scrub(r.get('options') or {}))} |"
         for r in config.get("rewards") or [])
     done = f"{snap.iteration} of {train.get('iterations')}" if snap.iteration is not None else train.get("iterations")
-    if backward.get("mode") == "jagg":
-        backward_text = (f"JAGG (window {backward.get('window')}, velocities `{backward.get('velocities')}`, "
-                         f"JAGG fraction {backward.get('frac')}){_audit_words(snap.metrics)}")
-    else:
-        backward_text = "exact per-step backward"
     init = f", started from `{lora['init_lora']}`" if lora.get("init_lora") else ""
     schedule = f"`{train.get('lr_scheduler', 'constant')}` learning-rate schedule"
     if train.get("lr_warmup_steps"):
@@ -170,7 +165,6 @@ def _recipe(config: dict, snap: RunSnapshot) -> str:
     spent = f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
     hardware = snap.run_info.get("hardware")
     compute = f"{spent} of rollouts, updates and evals" + (f" on {hardware}" if hardware else "")
-    tree = f", tree rollouts splitting {grpo['branch_factor']} ways" if grpo.get("branch_factor") else ""
     return f"""## Training recipe
 
 | reward | weight | options |
@@ -180,15 +174,59 @@ def _recipe(config: dict, snap: RunSnapshot) -> str:
 - **Prompts:** `{prompts.get('source')}` ({prompts.get('eval_count')} held out for evaluation)
 - **Iterations:** {done}, learning rate {train.get('learning_rate')}, {schedule}
 - **Compute:** {compute}
-- **GRPO:** {grpo.get('num_generations')} images per prompt, {grpo.get('prompts_per_iteration')} prompts per \
-iteration, clip range {grpo.get('clip_range')}, KL beta {grpo.get('kl_beta')}{tree}
-- **Backward:** {backward_text}
+{_algorithm_lines(config, snap)}
 - **LoRA:** rank {lora.get('rank')}, alpha {lora.get('alpha')}{init}
-- **Sampling:** {sampling.get('resolution')} px, {sampling.get('num_steps')} steps, SDE noise level \
-{sampling.get('noise_level')}; model dtype {model.get('dtype')}
+- **Sampling:** {sampling.get('resolution')} px, {sampling.get('num_steps')} steps{_sampler_words(config)}; \
+model dtype {model.get('dtype')}
 
 The full resolved configuration is in [config.yaml](config.yaml).
 """
+
+
+def run_algorithm(config: dict) -> str:
+    """The run's ``train.algorithm`` (configs written before it are GRPO's)."""
+    return (config.get("train") or {}).get("algorithm", "grpo")
+
+
+def algorithm_name(config: dict) -> str:
+    """The run's algorithm, in words."""
+    return ALGORITHM_NAMES[run_algorithm(config)]
+
+
+ALGORITHM_NAMES = {"grpo": "GRPO", "nft": "DiffusionNFT", "awm": "Advantage Weighted Matching (AWM)"}
+
+
+def _algorithm_lines(config: dict, snap: RunSnapshot) -> str:
+    """The recipe's lines of the run's algorithm and its settings."""
+    grpo, backward = config.get("grpo") or {}, config.get("backward") or {}
+    algorithm = run_algorithm(config)
+    groups = f"{grpo.get('num_generations')} images per prompt, {grpo.get('prompts_per_iteration')} prompts per " \
+             "iteration"
+    if algorithm == "nft":
+        nft = config.get("nft") or {}
+        return (f"- **DiffusionNFT:** {groups}, beta {nft.get('beta')}, KL beta {nft.get('kl_beta')}, trained at "
+                f"a {nft.get('timestep_fraction')} fraction of the steps; the old (sampling) policy trails with "
+                f"decay min({nft.get('old_decay_max')}, {nft.get('old_decay_rate')} x iteration)")
+    if algorithm == "awm":
+        awm = config.get("awm") or {}
+        return (f"- **AWM:** {groups}, {awm.get('train_timesteps')} trained steps per sample, `{awm.get('weighting')}`"
+                f" weighting (power {awm.get('ghuber_power')}), KL beta {awm.get('kl_beta')}, EMA KL beta "
+                f"{awm.get('ema_kl_beta')} (decay up to {awm.get('ema_kl_decay_max')})")
+    tree = f", tree rollouts splitting {grpo['branch_factor']} ways" if grpo.get("branch_factor") else ""
+    if backward.get("mode") == "jagg":
+        backward_text = (f"JAGG (window {backward.get('window')}, velocities `{backward.get('velocities')}`, "
+                         f"JAGG fraction {backward.get('frac')}){_audit_words(snap.metrics)}")
+    else:
+        backward_text = "exact per-step backward"
+    return (f"- **GRPO:** {groups}, clip range {grpo.get('clip_range')}, KL beta {grpo.get('kl_beta')}{tree}\n"
+            f"- **Backward:** {backward_text}")
+
+
+def _sampler_words(config: dict) -> str:
+    """How rollouts sample: GRPO's SDE with its noise level, or the forward-process methods' ODE."""
+    if run_algorithm(config) != "grpo":
+        return ", ODE rollouts"
+    return f", SDE noise level {(config.get('sampling') or {}).get('noise_level')}"
 
 
 def _results_table(first: dict, last: dict) -> str:
@@ -237,7 +275,9 @@ def build_model_card(snap: RunSnapshot, repo_id: str) -> ModelCard:
     base = snap.base_model
     reward_names = [str(r.get("name")) for r in snap.config.get("rewards") or []]
     family = snap.run_info.get("family")
-    tags = ["lora", "diffusers", "grpo", "jagg", *([family] if family else []), *reward_names]
+    algorithm = run_algorithm(snap.config)
+    tags = ["lora", "diffusers", algorithm, *(["jagg"] if algorithm == "grpo" else []), *([family] if family else []),
+            *reward_names]
     widget = [{"text": prompt, "output": {"url": f"{SAMPLES_DIR}/{i:03d}.png"}}
               for i, prompt in enumerate(snap.after.prompts[:WIDGET_SAMPLES])] if snap.after else None
     on_hub = bool(HUB_REPO_ID.match(base)) and not Path(base).exists()
@@ -254,7 +294,7 @@ def build_model_card(snap: RunSnapshot, repo_id: str) -> ModelCard:
     prompt = (snap.after or snap.before).prompts[0] if (snap.after or snap.before) else "a photo of a cat"
     base_text = f"[{base}](https://huggingface.co/{base})" if on_hub else f"`{base}`"
     parts = [f"# {name}\n",
-             f"A LoRA adapter for {base_text} fine-tuned with GRPO reinforcement learning in JAGG Studio "
+             f"A LoRA adapter for {base_text} fine-tuned with {algorithm_name(snap.config)} reinforcement learning in JAGG Studio "
              f"(rewards: {', '.join(f'`{n}`' for n in reward_names)}).\n"]
     if snap.config.get("description"):
         parts.append(f"{snap.config['description'].strip()}\n")

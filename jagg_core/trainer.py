@@ -375,7 +375,7 @@ class Trainer:
             self._log(f"iter 0/{total}  base eval reward {base[metrics.EVAL_REWARD_MEAN]:.4f}")
         self._phase("training", f"training iteration {self.start_iteration}/{total}")
         bar = tqdm(range(self.start_iteration, total + 1), initial=self.start_iteration - 1, total=total,
-                   desc="GRPO", disable=not self.is_main, dynamic_ncols=True)
+                   desc=cfg.train.algorithm.upper(), disable=not self.is_main, dynamic_ncols=True)
         for iteration in bar:
             with STOP.deferred():
                 row = self.iteration(iteration)

@@ -12,6 +12,7 @@ from jagg_core.algorithms import ALGORITHMS
 from jagg_core.algorithms.awm import stratified_steps
 from jagg_core.config import ALGORITHM_KEYS, RunConfig, load_config
 from jagg_core.errors import UserError
+from jagg_core.memory_plan import measured_peak, plan_memory
 from jagg_core.rundir import RunDirectory
 from jagg_core.trainer import Trainer
 
@@ -201,3 +202,13 @@ def test_every_algorithm_of_the_config_is_registered():
 def test_meaningless_combinations_are_one_line(overrides, message):
     with pytest.raises(UserError, match=message):
         load_config(preset="tiny-sd3", overrides=overrides)
+
+
+@pytest.mark.parametrize("algorithm", FORWARD_PROCESS)
+def test_the_plan_counts_the_rows_and_companions_within_25_percent_of_the_measured_peak(algorithm, tmp_path,
+                                                                                         offline):
+    config = algorithm_config(algorithm, sampling__resolution=64, grpo__num_generations=4)
+    trainer = set_up(config, tmp_path / "run")
+    measured = measured_peak(trainer)
+    planned = plan_memory(config).total
+    assert 0.75 <= planned / measured <= 1.25, f"planned {planned / 1e6:.2f} MB, measured {measured / 1e6:.2f} MB"

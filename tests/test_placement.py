@@ -53,13 +53,13 @@ def test_rollouts_are_noisy_only_at_the_trained_steps(placement, start, tmp_path
     trainer = Trainer(config, tmp_path)
     trainer.setup()
     rollout = trainer.rollout(3)
-    assert rollout.spans == trainer.trained_spans(3)
+    assert rollout.spans == trainer.algorithm.trained_spans(3)
     steps = trained_steps(rollout.spans)
     if placement == "range":
         assert steps == [2, 3, 4]
     noisy = (rollout.trajectory.std_t > 0).nonzero().flatten().tolist()
     assert noisy == steps and rollout.trajectory.ref_velocities.shape[0] == len(steps)
-    plan = trainer.plan_backward(rollout.trajectory, rollout.spans, config.backward)
+    plan = trainer.algorithm.plan_backward(rollout.trajectory, rollout.spans, config.backward)
     assert sorted({j for win in plan.windows for j in win.steps}) == steps
     torch.testing.assert_close(rollout.trajectory.reference_velocity(steps[-1]), rollout.trajectory.ref_velocities[-1])
 

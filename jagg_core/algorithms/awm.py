@@ -63,18 +63,22 @@ class AwmAlgorithm(ForwardProcessAlgorithm):
         awm = self.config.awm
         self.ema = LaggingPolicy(ctx.params, awm.ema_kl_decay_rate, awm.ema_kl_decay_max)
 
+    @staticmethod
+    def steps_per_sample(config) -> int:
+        return config.awm.train_timesteps
+
     def draw_steps(self, samples: int, generator: torch.Generator) -> torch.Tensor:
         awm = self.config.awm
         return stratified_steps(awm.train_timesteps, int(self.config.sampling.num_steps * awm.timestep_fraction),
                                 samples, generator)
 
-    def companions(self):
-        awm, policies = self.config.awm, {}
-        if awm.kl_beta > 0:
-            policies["reference"] = self.ctx.model.adapters_disabled
-        if awm.ema_kl_beta > 0:
-            policies["ema"] = self.ema.swapped_in
-        return policies
+    @staticmethod
+    def companion_names(config) -> list[str]:
+        awm = config.awm
+        return [*(["reference"] if awm.kl_beta > 0 else []), *(["ema"] if awm.ema_kl_beta > 0 else [])]
+
+    def policy(self, companion):
+        return self.ema.swapped_in if companion == "ema" else self.ctx.model.adapters_disabled
 
     def loss(self, v, others, rows):
         awm = self.config.awm

@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 
 from .. import metrics
+from ..config import RunConfig
 from ..models.base import Conditioning
 from ..sampler import initial_noise, ode_sample
 from .base import Algorithm, Rollout, Sampled, iteration_seed
@@ -72,13 +73,23 @@ class ForwardProcessAlgorithm(Algorithm):
         """The weights the rollout samples with (the trained ones unless overridden)."""
         return nullcontext()
 
+    @staticmethod
+    @abstractmethod
+    def steps_per_sample(config: RunConfig) -> int:
+        """K: the rows (schedule steps) each sample is trained at."""
+
     @abstractmethod
     def draw_steps(self, samples: int, generator: torch.Generator) -> torch.Tensor:
         """[samples, K] schedule steps (indices into the rollout schedule) each sample is trained at."""
 
+    @staticmethod
     @abstractmethod
-    def companions(self) -> dict[str, Callable[[], AbstractContextManager]]:
-        """Name -> a context under which the model gives that companion's velocity (no grad)."""
+    def companion_names(config: RunConfig) -> list[str]:
+        """The no-grad companion velocities each row's loss needs (the keys of :meth:`companions`)."""
+
+    @abstractmethod
+    def policy(self, companion: str) -> Callable[[], AbstractContextManager]:
+        """The context under which the model gives the velocity of ``companion`` (one of :meth:`companion_names`)."""
 
     @abstractmethod
     def loss(self, v: torch.Tensor, others: dict[str, torch.Tensor], rows: RowBatch) -> tuple[torch.Tensor, dict]:
@@ -120,8 +131,8 @@ class ForwardProcessAlgorithm(Algorithm):
             rows = RowBatch(x0, noise, (1 - t) * x0 + t * noise, sigmas, advantages[samples.to(advantages.device)])
             cond = {key: value[samples.to(value.device)] for key, value in rollout.cond.items()}
             others = {}
-            for name, policy in self.companions().items():
-                with torch.no_grad(), policy(), self.ctx.autocast():
+            for name in self.companion_names(self.config):
+                with torch.no_grad(), self.policy(name)(), self.ctx.autocast():
                     others[name] = model.velocity(rows.x_t, sigmas, cond).float()
             with self.ctx.autocast():
                 v = model.velocity(rows.x_t, sigmas, cond).float()

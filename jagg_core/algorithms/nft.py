@@ -70,17 +70,22 @@ class NftAlgorithm(ForwardProcessAlgorithm):
     def sampling_policy(self):
         return self.old.swapped_in()
 
+    @staticmethod
+    def steps_per_sample(config) -> int:
+        return max(1, int(config.sampling.num_steps * config.nft.timestep_fraction))
+
     def draw_steps(self, samples: int, generator: torch.Generator) -> torch.Tensor:
         """A random permutation's first ``K`` of the ``T`` steps, per sample."""
-        steps = self.config.sampling.num_steps
-        count = max(1, int(steps * self.config.nft.timestep_fraction))
-        return torch.stack([torch.randperm(steps, generator=generator)[:count] for _ in range(samples)])
+        count = self.steps_per_sample(self.config)
+        return torch.stack([torch.randperm(self.config.sampling.num_steps, generator=generator)[:count]
+                            for _ in range(samples)])
 
-    def companions(self):
-        policies = {"old": self.old.swapped_in}
-        if self.config.nft.kl_beta > 0:
-            policies["reference"] = self.ctx.model.adapters_disabled
-        return policies
+    @staticmethod
+    def companion_names(config) -> list[str]:
+        return ["old", *(["reference"] if config.nft.kl_beta > 0 else [])]
+
+    def policy(self, companion):
+        return self.old.swapped_in if companion == "old" else self.ctx.model.adapters_disabled
 
     def loss(self, v, others, rows):
         nft = self.config.nft
