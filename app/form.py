@@ -19,7 +19,8 @@ from typing import Any, Literal
 
 import yaml
 
-from jagg_core.config import DEFAULT_PRESET, RunConfig, apply_override, list_presets, preset_path, validate_config
+from jagg_core.config import (ALGORITHM_LABELS, DEFAULT_PRESET, RunConfig, apply_override, key_owner, list_presets,
+                              preset_path, reset_other_algorithms, validate_config)
 from jagg_core.errors import UserError
 from jagg_core.prompts import FILE_SUFFIXES, builtin_prompt_sets, load_prompts
 from jagg_core.preflight import check_references
@@ -54,6 +55,11 @@ class Knob:
     def info(self) -> str:
         """The schema's description of ``key`` (:meth:`RunConfig.describe`)."""
         return RunConfig.describe(self.key)
+
+    @property
+    def algorithm(self) -> str | None:
+        """The only algorithm (``train.algorithm``) that reads this knob's key; None: every algorithm does."""
+        return key_owner(self.key)
 
     @property
     def elem_id(self) -> str:
@@ -139,7 +145,24 @@ ADVANCED_KNOBS = (
     Knob("sampling.rollout_batch_size", "Rollout chunk", "int", optional=True),  # optional knobs last (API defaults)
 )
 
-KNOBS = MAIN_KNOBS + ADVANCED_KNOBS
+#: the algorithm and the knobs of the forward-process algorithms (each shown only when its algorithm is chosen)
+ALGORITHM_KNOBS = (
+    Knob("train.algorithm", "Algorithm", "choice",
+         choices=tuple((label, name) for name, label in ALGORITHM_LABELS.items())),
+    Knob("nft.beta", "NFT beta", "float"),
+    Knob("nft.kl_beta", "NFT KL beta", "float"),
+    Knob("nft.timestep_fraction", "NFT trained steps", "float"),
+    Knob("nft.old_decay_max", "NFT old-policy decay (max)", "float"),
+    Knob("nft.old_decay_rate", "NFT old-policy decay rate", "float"),
+    Knob("awm.train_timesteps", "AWM steps per sample", "int"),
+    Knob("awm.weighting", "AWM weighting", "choice",
+         choices=(("generalized Huber", "ghuber"), ("uniform", "uniform"))),
+    Knob("awm.kl_beta", "AWM KL beta", "float"),
+    Knob("awm.ema_kl_beta", "AWM EMA KL beta", "float"),
+    Knob("awm.ema_kl_decay_max", "AWM EMA decay (max)", "float"),
+)
+
+KNOBS = MAIN_KNOBS + ADVANCED_KNOBS + ALGORITHM_KNOBS
 
 
 @dataclass
@@ -330,6 +353,7 @@ def build_config(form: Form, run_dir: Path) -> RunConfig:
     for knob in KNOBS:
         if knob.key in form.knobs:
             apply_override(data, knob.key.split("."), knob.to_config(form.knobs[knob.key]))
+    reset_other_algorithms(data)  # the hidden knobs of the algorithms not chosen keep their defaults
     try:
         config = validate_config(data)
         check_references(config)

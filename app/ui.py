@@ -39,8 +39,8 @@ from jagg_core.rewards import available_rewards
 from jagg_core.rundir import RunDirectory
 
 from . import access, live
-from .form import (ADVANCED_KNOBS, KNOBS, MAIN_KNOBS, PROMPT_MODES, PROMPTS_BUILTIN, PROMPTS_TEXT, PROMPTS_UPLOAD,
-                   Form, Knob, build_config, cli_command, config_form, model_choices, preset_form, prompt_preview,
+from .form import (ADVANCED_KNOBS, ALGORITHM_KNOBS, KNOBS, MAIN_KNOBS, PROMPT_MODES, PROMPTS_BUILTIN, PROMPTS_TEXT,
+                   PROMPTS_UPLOAD, Form, Knob, build_config, cli_command, config_form, model_choices, preset_form, prompt_preview,
                    weight_rows)
 from .jobs import JobControl, runs_root
 from .system import hardware_words
@@ -70,9 +70,10 @@ SCROLL_LOG_TO_END = "() => { const box = document.querySelector('#log textarea')
 CONFIRM_DELETE = "(run) => (run && confirm(`Delete the run ${run} and all its files?`)) ? run : null"
 
 
-def _knob_component(knob: Knob, value: Any) -> gr.components.Component:
-    """The widget of one knob."""
-    common = {"label": knob.label, "info": knob.info or None, "elem_id": knob.elem_id}
+def _knob_component(knob: Knob, value: Any, algorithm: str) -> gr.components.Component:
+    """The widget of one knob; shown when every algorithm reads its key, or ``algorithm`` does."""
+    common = {"label": knob.label, "info": knob.info or None, "elem_id": knob.elem_id,
+              "visible": knob.algorithm in (None, algorithm)}
     if knob.kind == "bool":
         return gr.Checkbox(value=value, **common)
     if knob.kind == "choice":
@@ -86,8 +87,14 @@ def _grid(knobs: tuple[Knob, ...], values: dict, per_row: int) -> list[gr.compon
     components = []
     for start in range(0, len(knobs), per_row):
         with gr.Row():
-            components += [_knob_component(k, values[k.key]) for k in knobs[start:start + per_row]]
+            components += [_knob_component(k, values[k.key], values["train.algorithm"])
+                           for k in knobs[start:start + per_row]]
     return components
+
+
+def algorithm_chosen(algorithm: str) -> list:
+    """Every knob's visibility under ``algorithm``: those of the other algorithms hide."""
+    return [gr.update(visible=knob.algorithm in (None, algorithm)) for knob in KNOBS]
 
 
 def _colors(series: dict[str, str]) -> dict[str, str]:
@@ -469,8 +476,10 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                                        info="the fixed-seed eval samples' prompts, kept out of training; empty: "
                                             "'Eval prompts' of the set are held out", elem_id="eval-text")
                 knobs = _grid(MAIN_KNOBS, defaults.knobs, per_row=3)
+                algorithm_knobs = _grid(ALGORITHM_KNOBS, defaults.knobs, per_row=3)
                 with gr.Accordion("Advanced", open=False, elem_id="advanced"):
                     knobs += _grid(ADVANCED_KNOBS, defaults.knobs, per_row=3)
+                knobs += algorithm_knobs  # the order of KNOBS
                 with gr.Row():
                     start = gr.Button("Start", variant="primary", elem_id="start-btn")
                     plan = gr.Button("Plan memory", elem_id="plan-btn")
@@ -559,6 +568,8 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                       [preset_info, name, model, rewards, weights, prompt_mode, prompt_set, *knobs],
                       api_name="load_preset")
         rewards.change(weight_rows, [rewards, weights], weights, api_visibility="private")
+        algorithm = knobs[[knob.key for knob in KNOBS].index("train.algorithm")]
+        algorithm.change(algorithm_chosen, algorithm, knobs, api_visibility="private")
         prompt_mode.change(studio.prompt_mode_changed, [prompt_mode, prompt_set, prompt_text],
                            [prompt_set, prompt_file, prompt_text], api_visibility="private")
         start.click(_named(studio.start, START_PARAMS), form_inputs, [form_message, run_select], api_name="start")

@@ -425,11 +425,8 @@ class RunConfig(_Section):
         """This config under ``algorithm``, with every other algorithm's keys (:data:`ALGORITHM_KEYS`) at their
         defaults, then the ``overrides`` (``section.key=value``)."""
         data = self.model_dump(mode="json")
-        for owner, keys in ALGORITHM_KEYS.items():
-            for key in keys if owner != algorithm else ():
-                *sections, name = key.split(".")
-                _at(data, ".".join(sections))[name] = _at(default_values(), key)
-        data["train"]["algorithm"] = algorithm
+        data.setdefault("train", {})["algorithm"] = algorithm
+        reset_other_algorithms(data)
         for text in overrides:
             apply_override(data, *parse_override(text))
         return validate_config(data)
@@ -455,6 +452,16 @@ ALGORITHM_KEYS: dict[str, list[str]] = {
 }
 
 
+#: each algorithm's name on the page
+ALGORITHM_LABELS = {"grpo": "GRPO + JAGG (default)", "nft": "DiffusionNFT", "awm": "AWM"}
+
+
+def key_owner(key: str) -> str | None:
+    """The only algorithm that reads the config key ``key`` (:data:`ALGORITHM_KEYS`); None: all of them."""
+    return next((owner for owner, keys in ALGORITHM_KEYS.items()
+                 if any(key == k or key.startswith(k + ".") for k in keys)), None)
+
+
 def default_values() -> dict:
     """Every key's default, as ``model_dump(mode="json")`` writes a config (unvalidated: no validator runs)."""
     return RunConfig.model_construct().model_dump(mode="json")
@@ -465,6 +472,19 @@ def _at(data: dict, key: str) -> Any:
     for part in filter(None, key.split(".")):
         data = data[part]
     return data
+
+
+def reset_other_algorithms(data: dict) -> None:
+    """Put the keys of every algorithm but ``data``'s ``train.algorithm`` (:data:`ALGORITHM_KEYS`) back at their
+    defaults in the (possibly partial) config ``data``."""
+    algorithm = (data.get("train") or {}).get("algorithm", "grpo")
+    for owner, keys in ALGORITHM_KEYS.items():
+        for key in keys if owner != algorithm else ():
+            *sections, name = key.split(".")
+            node = data
+            for section in sections:
+                node = node.setdefault(section, {})
+            node[name] = _at(default_values(), key)
 
 
 def _changed_key(value: Any, default: Any, key: str) -> str | None:
