@@ -142,7 +142,7 @@ ADVANCED_KNOBS = (
     Knob("sampling.num_frames", "Video frames", "int"),
     Knob("sampling.fps", "Video fps", "int"),
     Knob("sampling.reward_frames", "Frames an image reward scores", "int"),
-    Knob("sampling.rollout_batch_size", "Rollout chunk", "int", optional=True),  # optional knobs last (API defaults)
+    Knob("sampling.rollout_batch_size", "Rollout chunk", "int", optional=True),
 )
 
 #: the algorithm and the knobs of the forward-process algorithms (each shown only when its algorithm is chosen)
@@ -162,7 +162,8 @@ ALGORITHM_KNOBS = (
     Knob("awm.ema_kl_decay_max", "AWM EMA decay (max)", "float"),
 )
 
-KNOBS = MAIN_KNOBS + ADVANCED_KNOBS + ALGORITHM_KNOBS
+#: every knob, the optional ones last (the page's API leaves them out: their default is null)
+KNOBS = tuple(sorted(MAIN_KNOBS + ADVANCED_KNOBS + ALGORITHM_KNOBS, key=lambda knob: knob.optional))
 
 
 @dataclass

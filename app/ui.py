@@ -83,12 +83,13 @@ def _knob_component(knob: Knob, value: Any, algorithm: str) -> gr.components.Com
     return gr.Number(value=value, precision=0 if knob.kind == "int" else None, **common)
 
 
-def _grid(knobs: tuple[Knob, ...], values: dict, per_row: int) -> list[gr.components.Component]:
-    components = []
+def _grid(knobs: tuple[Knob, ...], values: dict, per_row: int) -> dict[str, gr.components.Component]:
+    """The knobs' widgets, ``per_row`` a row; config key -> widget."""
+    components = {}
     for start in range(0, len(knobs), per_row):
         with gr.Row():
-            components += [_knob_component(k, values[k.key], values["train.algorithm"])
-                           for k in knobs[start:start + per_row]]
+            components |= {k.key: _knob_component(k, values[k.key], values["train.algorithm"])
+                           for k in knobs[start:start + per_row]}
     return components
 
 
@@ -475,11 +476,11 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                 eval_text = gr.Textbox("", lines=3, max_lines=12, label="Eval prompts of my own, one per line (optional)",
                                        info="the fixed-seed eval samples' prompts, kept out of training; empty: "
                                             "'Eval prompts' of the set are held out", elem_id="eval-text")
-                knobs = _grid(MAIN_KNOBS, defaults.knobs, per_row=3)
-                algorithm_knobs = _grid(ALGORITHM_KNOBS, defaults.knobs, per_row=3)
+                widgets = _grid(MAIN_KNOBS, defaults.knobs, per_row=3)
+                widgets |= _grid(ALGORITHM_KNOBS, defaults.knobs, per_row=3)
                 with gr.Accordion("Advanced", open=False, elem_id="advanced"):
-                    knobs += _grid(ADVANCED_KNOBS, defaults.knobs, per_row=3)
-                knobs += algorithm_knobs  # the order of KNOBS
+                    widgets |= _grid(ADVANCED_KNOBS, defaults.knobs, per_row=3)
+                knobs = [widgets[knob.key] for knob in KNOBS]
                 with gr.Row():
                     start = gr.Button("Start", variant="primary", elem_id="start-btn")
                     plan = gr.Button("Plan memory", elem_id="plan-btn")
@@ -568,8 +569,8 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                       [preset_info, name, model, rewards, weights, prompt_mode, prompt_set, *knobs],
                       api_name="load_preset")
         rewards.change(weight_rows, [rewards, weights], weights, api_visibility="private")
-        algorithm = knobs[[knob.key for knob in KNOBS].index("train.algorithm")]
-        algorithm.change(algorithm_chosen, algorithm, knobs, api_visibility="private")
+        widgets["train.algorithm"].change(algorithm_chosen, widgets["train.algorithm"], knobs,
+                                          api_visibility="private")
         prompt_mode.change(studio.prompt_mode_changed, [prompt_mode, prompt_set, prompt_text],
                            [prompt_set, prompt_file, prompt_text], api_visibility="private")
         start.click(_named(studio.start, START_PARAMS), form_inputs, [form_message, run_select], api_name="start")
