@@ -37,9 +37,9 @@ class _Section(BaseModel):
 
 def model_name_description() -> str:
     """``model.name``'s description, its lists of models as the families declare them (:mod:`.family_names`)."""
-    return (f"base model: a tiny test model ({', '.join(tiny_model_names())}), the embedded jagg-shapes, a Hub id "
-            f"owner/name, a local diffusers pipeline folder ({', '.join(f.label for f in declared_families())}), or "
-            f"random:ARCH[@LAYERS], a real architecture with random weights for benchmarks "
+    return (f"base model: an in-memory test model ({', '.join(tiny_model_names())}), the embedded jagg-shapes, "
+            f"a Hub id owner/name, a local diffusers pipeline folder ({', '.join(f.label for f in declared_families())}"
+            f"), or random:ARCH[@LAYERS], a real architecture with random weights for benchmarks "
             f"(ARCH: {', '.join(declared_hub_ids())})")
 
 
