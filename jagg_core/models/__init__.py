@@ -17,7 +17,7 @@ from ..archs import is_random_model
 from ..config import ModelConfig
 from ..errors import UserError
 from ..hubclient import hub_offline
-from ..model_index import ASSETS_DIR, embedded_models, model_source, read_model_index  # noqa: F401 (re-exported)
+from ..model_index import embedded_models, model_source, read_model_index  # noqa: F401 (embedded_models re-exported)
 from .base import TEXT_ENCODERS, FlowModel, drop_text_encoders
 from .quantize import (check_quantization, pipeline_quantization, quantize_in_memory, transformer_dtype,
                        transformer_quantization)
