@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic.fields import FieldInfo
 
 from .errors import UserError, exit_on_user_error
+from .family_names import declared_families, declared_hub_ids, tiny_model_names
 from .placement import trained_count
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"
@@ -34,16 +35,18 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
+def model_name_description() -> str:
+    """``model.name``'s description, its lists of models as the families declare them (:mod:`.family_names`)."""
+    return (f"base model: an in-memory test model ({', '.join(tiny_model_names())}), the embedded jagg-shapes, "
+            f"a Hub id owner/name, a local diffusers pipeline folder ({', '.join(f.label for f in declared_families())}"
+            f"), or random:ARCH[@LAYERS], a real architecture with random weights for benchmarks "
+            f"(ARCH: {', '.join(declared_hub_ids())})")
+
+
 class ModelConfig(_Section):
     """The base flow model, how it is loaded and how it is called (CFG, text length)."""
 
-    name: str = Field("jagg-shapes", description="base model: a tiny test model (tiny-sd3, tiny-flux, tiny-qwen, "
-                      "tiny-flux-kontext, tiny-qwen-edit, tiny-wan, tiny-flux2, tiny-zimage), the "
-                      "embedded jagg-shapes, a Hub id owner/name, a local diffusers pipeline folder "
-                      "(SD3/SD3.5, FLUX.1, FLUX.1 Kontext, FLUX.2 [klein], Qwen-Image, Qwen-Image-Edit, Z-Image, "
-                      "Wan 2.1 text-to-video), or random:ARCH[@LAYERS], a real architecture with random weights "
-                      "for benchmarks (ARCH: sd35-medium, sd35-large, flux-dev, flux-schnell, qwen-image, "
-                      "flux-kontext, qwen-image-edit, flux2-klein-4b, z-image-turbo, wan21-t2v-1.3b)")
+    name: str = Field("jagg-shapes", description=model_name_description())
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of model.name; "
                                  "null = the default branch")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(

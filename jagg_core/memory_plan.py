@@ -34,27 +34,23 @@ import math
 import weakref
 from unittest import mock
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from .algorithms import ALGORITHMS
-from .archs import arch_folder, arch_for_model, is_random_model
 from .config import RunConfig
 from .errors import UserError
-from .models import ASSETS_DIR, DTYPES, FAMILIES, embedded_models
+from .models import DTYPES, FAMILIES
 from .models.base import ENCODE_BATCH, NEGATIVE
 from .models.quantize import transformer_dtype
-from .models.random_weights import build_random_model_pipeline
-from .models.tiny import TINY_BUILDERS
+from .models.meta import META, meta_pipeline
 from .placement import most_trained_steps
 from .rewards.catalog import reward_entry
 from .sampler import EVAL_BATCH
 
 GB = 1e9
-META = torch.device("meta")
 #: bytes per weight of a quantized linear layer (see the module docstring)
 QUANTIZED_BYTES = {"nf4": 0.5 + 1 / 64 + 4 / (64 * 256), "int8": 1.0}
 #: the largest single accelerator on sale (GB); a plan above it cannot run on one
@@ -112,88 +108,6 @@ class LiveBytes(TorchDispatchMode):
             if isinstance(item, torch.Tensor):
                 self._follow(item)
         return out
-
-
-# ----- the model on the meta device ---------------------------------------------------------------------
-def _model_folder(name: str, revision: str | None) -> Path:
-    """The pipeline folder whose configs describe ``model.name`` (embedded, local, shipped or the Hub's)."""
-    if name in embedded_models():
-        return ASSETS_DIR / name
-    local = Path(name).expanduser()
-    if local.is_dir():
-        return local
-    arch = arch_for_model(name)
-    if arch is not None:
-        return arch_folder(arch)
-    return _hub_configs(name, revision)
-
-
-def _hub_configs(name: str, revision: str | None) -> Path:
-    """A Hub model's ``model_index.json`` and component ``config.json`` files (no weights); their snapshot folder."""
-    from .hubclient import download
-    if name.count("/") != 1 or name.startswith((".", "/", "~")):
-        raise UserError(f"model '{name}' is neither a tiny model, a local pipeline folder nor a Hub id (owner/name); "
-                        "a memory plan needs its configs")
-    purpose = f"plan the memory of '{name}'"
-    index_file = download(name, "model_index.json", purpose, revision=revision)
-    index = json.loads(index_file.read_text())
-    for component, value in index.items():
-        if isinstance(value, list) and value[0] in ("diffusers", "transformers") and not component.startswith("sched"):
-            if "tokenizer" not in component:
-                download(name, f"{component}/config.json", purpose, revision=revision)
-    return index_file.parent
-
-
-def _meta_component(folder: Path, component: str, library: str, class_name: str):
-    """One pipeline component instantiated on the meta device from its config."""
-    import importlib
-    cls = getattr(importlib.import_module(library), class_name)
-    path = folder / component
-    with META:
-        if library == "diffusers":
-            return cls.from_config(cls.load_config(path))
-        from transformers import AutoConfig
-        return cls._from_config(AutoConfig.from_pretrained(path))
-
-
-def meta_pipeline(name: str, revision: str | None = None):
-    """The pipeline of ``model.name`` with every weight on the meta device (tokenizers where shipped)."""
-    import diffusers
-    if name in TINY_BUILDERS:
-        with META:
-            return TINY_BUILDERS[name]()
-    if is_random_model(name):
-        return build_random_model_pipeline(name, device=META)
-    folder = _model_folder(name, revision)
-    index = json.loads((folder / "model_index.json").read_text())
-    pipeline_class = getattr(diffusers, index["_class_name"], None)
-    if index["_class_name"] not in FAMILIES or pipeline_class is None:
-        raise UserError(f"model '{name}' is a {index['_class_name']}; supported pipelines: {', '.join(FAMILIES)}")
-    parts = {}
-    for component, value in index.items():
-        if component.startswith("_") or not isinstance(value, list):
-            continue
-        library, class_name = value
-        if library is None:
-            parts[component] = None
-        elif component.startswith("scheduler"):
-            parts[component] = diffusers.FlowMatchEulerDiscreteScheduler()
-        elif "tokenizer" in component or component == "processor":  # a processor holds a tokenizer
-            parts[component] = _tokenizer(folder / component, library, class_name)
-        else:
-            parts[component] = _meta_component(folder, component, library, class_name)
-    return pipeline_class(**parts)
-
-
-def _tokenizer(path: Path, library: str, class_name: str):
-    """The component's tokenizer when its files are in the folder (the embedded model), else None."""
-    if not path.is_dir() or not any(path.iterdir()) or library != "transformers":
-        return None
-    import transformers
-    try:
-        return getattr(transformers, class_name).from_pretrained(path)
-    except (OSError, ValueError, TypeError):
-        return None
 
 
 # ----- the plan ------------------------------------------------------------------------------------------

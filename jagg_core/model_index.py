@@ -9,6 +9,7 @@ from pathlib import Path
 
 from .archs import RANDOM_PREFIX, arch_names
 from .errors import UserError
+from .family_names import tiny_model_names
 from .hubclient import download
 
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
@@ -20,11 +21,8 @@ def embedded_models() -> list[str]:
 
 
 def tiny_models() -> list[str]:
-    """The names of the tiny models built in memory (this imports torch, with the libraries' chatter quietened)."""
-    from .quiet import quiet_libraries
-    quiet_libraries()
-    from .models.tiny import TINY_BUILDERS
-    return list(TINY_BUILDERS)
+    """The names of the tiny models built in memory (as their families declare them; no torch)."""
+    return tiny_model_names()
 
 
 def model_source(name: str) -> str:

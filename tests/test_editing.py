@@ -21,11 +21,10 @@ from jagg_core.config import LoraConfig, ModelConfig, RewardSpec, list_presets, 
 from jagg_core.edit_prompts import EditPrompt, input_images, png_bytes
 from jagg_core.errors import UserError
 from jagg_core.memory_plan import measured_peak, plan_memory
-from jagg_core.models import load_flow_model
+from jagg_core.models import build_tiny_pipeline, load_flow_model
 from jagg_core.models.base import NEGATIVE
 from jagg_core.models.editing import IMAGE_LATENTS
 from jagg_core.models.text_embeddings import load_embeddings, save_embeddings
-from jagg_core.models.tiny import build_tiny_pipeline
 from jagg_core.prompts import builtin_prompt_sets, load_prompts, split_prompts
 from jagg_core.rewards import CombinedReward, build_reward
 from jagg_core.rewards.base import Reward

@@ -27,7 +27,7 @@ from jagg_core.config import RunConfig
 from jagg_core.errors import UserError
 from jagg_core.hub import push_if_configured, push_run, write_model_card
 from jagg_core.hubclient import resolve_lora, resolve_token
-from jagg_core.models.tiny import build_tiny_pipeline
+from jagg_core.models import build_tiny_pipeline
 from tests.fake_hub_server import FakeHub, validate_card_metadata
 
 TOKEN = "hf_aliceWriteToken1234567890"

@@ -16,10 +16,9 @@ from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
 
 from jagg_core.config import LoraConfig, ModelConfig
 from jagg_core.errors import UserError
-from jagg_core.models import FAMILIES, load_flow_model
+from jagg_core.models import FAMILIES, build_tiny_pipeline, load_flow_model
 from jagg_core.models.base import NEGATIVE
 from jagg_core.models.flux import FluxModel
-from jagg_core.models.tiny import build_tiny_pipeline
 
 from conftest import adapter_and_base_velocity, add_moved_lora, euler_ode, pipeline_with_final_latents
 
@@ -81,7 +80,7 @@ def test_tiny_models_load_with_their_family(name):
     assert sum(p.numel() for p in model.transformer.parameters()) < 1_000_000
 
 
-@pytest.mark.parametrize("name", [*NAMES, "tiny-flux2", "tiny-zimage"])  # FLUX.2, Z-Image: test_new_families.py
+@pytest.mark.parametrize("name", [*NAMES, "tiny-flux2", "tiny-zimage"])  # FLUX.2, Z-Image: test_flux2_zimage.py
 def test_local_folder_loads_and_family_is_detected(name, tmp_path):
     model = load(name)
     model.pipe.save_pretrained(tmp_path)
@@ -107,7 +106,7 @@ def test_flux_rejects_t5_sequences_longer_than_the_pipeline_allows():
 
 def test_families_are_registered_by_pipeline_class():
     """The image families here, Wan (video, tests/test_video.py), the editing families (tests/test_editing.py) and
-    FLUX.2 [klein] and Z-Image (tests/test_new_families.py)."""
+    FLUX.2 [klein] and Z-Image (tests/test_flux2_zimage.py)."""
     assert {cls.family for cls in FAMILIES.values()} == set(FAMILY.values()) | {"wan", "flux-kontext",
                                                                                 "qwen-image-edit", "flux2", "z-image"}
 

@@ -23,7 +23,7 @@ from jagg_core.config import BackwardConfig
 from jagg_core.errors import UserError
 from jagg_core.grpo import LossSettings
 from jagg_core.jagg import make_plan
-from jagg_core.models.tiny import build_tiny_pipeline
+from jagg_core.models import build_tiny_pipeline
 from jagg_core.rundir import RunDirectory
 from jagg_core.sharding import Sharding
 

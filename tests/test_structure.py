@@ -113,3 +113,60 @@ def test_iteration_names_and_incomplete_image_folders(tmp_path):
     assert run.samples(3) is None and run.sample_iterations() == []  # prompts.json is written last
     (folder / "prompts.json").write_text(json.dumps(["a", "b"]))
     assert run.sample_iterations() == [3] and run.samples(3).prompts == ["a"]
+
+
+def _string_constants(tree: ast.AST) -> list[ast.Constant]:
+    """The string constants of a module, its docstrings left out."""
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr)}
+    return [node for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings]
+
+
+def test_a_family_is_declared_once_in_its_file():
+    """A family's pipeline class and Hub ids are written only in its file (jagg_core/models/<family>.py), and no
+    other module keeps a table keyed by model names: the tables are derived from the declarations."""
+    from jagg_core.family_names import MODELS_DIR, declared_families
+
+    families = declared_families()
+    family_files = {MODELS_DIR / f"{family.module}.py" for family in families}
+    declared_strings = {name for family in families for name in (family.pipeline, *family.archs.values())}
+    model_names = {name for family in families for name in (*family.tiny_models, *family.archs)}
+    sources = [path for folder in ("app", "jagg_core", "scripts") for path in (ROOT / folder).rglob("*.py")
+               if path not in family_files]
+    written, tables = [], []
+    for path in sources:
+        tree = ast.parse(path.read_text())
+        written += [(path.name, node.value) for node in _string_constants(tree) if node.value in declared_strings]
+        tables += [(path.name, node.lineno) for node in ast.walk(tree) if isinstance(node, ast.Dict)
+                   and any(isinstance(key, ast.Constant) and key.value in model_names for key in node.keys)]
+    assert not written and not tables
+
+
+def test_the_derived_tables_agree_with_the_declarations():
+    from jagg_core.archs import ARCHS_DIR, HUB_IDS, transformer_config
+    from jagg_core.config import ModelConfig
+    from jagg_core.family_names import DeclaredFamily, declared_families
+    from jagg_core.model_index import tiny_models
+    from jagg_core.models import FAMILIES, TINY_BUILDERS
+    from jagg_core.models.registry import DECLARATIONS
+
+    families = declared_families()
+    assert list(DECLARATIONS) == [family.module for family in families]
+    for declared in families:  # the torch-free reading of each file is its declaration
+        family = DECLARATIONS[declared.module]
+        assert declared == DeclaredFamily(declared.module, family.label, family.pipeline,
+                                          tuple(family.tiny_builders), family.archs, family.depth_key)
+        assert FAMILIES[family.pipeline] is family.model
+        for arch in family.archs:  # an arch's shipped pipeline is its family's, its depth under the declared key
+            index = json.loads((ARCHS_DIR / arch / "model_index.json").read_text())
+            assert index["_class_name"] == family.pipeline and family.depth_key in transformer_config(arch)
+    assert len(FAMILIES) == len(families)  # one family per pipeline class
+    assert list(TINY_BUILDERS) == tiny_models() == [name for family in families for name in family.tiny_models]
+    assert HUB_IDS == {arch: repo for family in families for arch, repo in family.archs.items()}
+    assert sorted(HUB_IDS) == sorted(path.parent.name for path in ARCHS_DIR.glob("*/model_index.json"))
+    description = ModelConfig.model_fields["name"].description
+    listed = [f"({', '.join(TINY_BUILDERS)})", f"({', '.join(family.label for family in families)})",
+              f"(ARCH: {', '.join(HUB_IDS)})"]
+    assert all(names in description for names in listed)

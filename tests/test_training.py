@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from jagg_core import metrics
-from jagg_core.models.tiny import build_tiny_pipeline
+from jagg_core.models import build_tiny_pipeline
 from jagg_core.rundir import RunDirectory
 from jagg_core.errors import UserError
 from jagg_core.trainer import MAX_NON_FINITE_STREAK, Trainer

@@ -15,10 +15,10 @@ from PIL import Image
 from app import live
 from jagg_core.config import ModelConfig, RewardSpec, load_config
 from jagg_core.errors import UserError
-from jagg_core.memory_plan import meta_pipeline, plan_memory
+from jagg_core.memory_plan import plan_memory
 from jagg_core.model_card import build_model_card, publish_files, read_run
-from jagg_core.models import load_flow_model
-from jagg_core.models.tiny import build_tiny_pipeline
+from jagg_core.models import build_tiny_pipeline, load_flow_model
+from jagg_core.models.meta import meta_pipeline
 from jagg_core.models.wan import WanModel
 from jagg_core.rewards import CombinedReward, build_reward
 from jagg_core.rewards.base import Reward

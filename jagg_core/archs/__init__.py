@@ -15,21 +15,11 @@ import re
 from pathlib import Path
 
 from ..errors import UserError
+from ..family_names import DEFAULT_DEPTH_KEY, declared_hub_ids, other_depth_keys
 
 ARCHS_DIR = Path(__file__).resolve().parent
-#: arch -> the Hub id whose configs the folder holds
-HUB_IDS = {
-    "sd35-medium": "stabilityai/stable-diffusion-3.5-medium",
-    "sd35-large": "stabilityai/stable-diffusion-3.5-large",
-    "flux-dev": "black-forest-labs/FLUX.1-dev",
-    "flux-schnell": "black-forest-labs/FLUX.1-schnell",
-    "qwen-image": "Qwen/Qwen-Image",
-    "flux-kontext": "black-forest-labs/FLUX.1-Kontext-dev",
-    "qwen-image-edit": "Qwen/Qwen-Image-Edit",
-    "flux2-klein-4b": "black-forest-labs/FLUX.2-klein-4B",
-    "z-image-turbo": "Tongyi-MAI/Z-Image-Turbo",
-    "wan21-t2v-1.3b": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
-}
+#: arch -> the Hub id whose configs the folder holds (declared by its family, :mod:`jagg_core.family_names`)
+HUB_IDS = declared_hub_ids()
 #: ``model.name`` of a random-weight model: ``random:<arch>`` (the real depth) or ``random:<arch>@<layers>``
 RANDOM_PREFIX = "random:"
 _RANDOM_NAME = re.compile(r"random:(?P<arch>[A-Za-z0-9._-]+)(?:@(?P<layers>\d+))?")
@@ -83,9 +73,9 @@ def transformer_config(arch: str) -> dict:
 
 
 def _depth_key(config: dict) -> str:
-    """The key of a transformer config's block count: ``num_layers``, Z-Image's ``n_layers`` (its main blocks; the
-    two noise and two caption refiner blocks stay)."""
-    return "n_layers" if "n_layers" in config else "num_layers"
+    """The key of a transformer config's block count: ``num_layers``, or another a family declares that the config
+    has (Z-Image's ``n_layers``: its main blocks; the two noise and two caption refiner blocks stay)."""
+    return next((key for key in other_depth_keys() if key in config), DEFAULT_DEPTH_KEY)
 
 
 def transformer_depth(config: dict) -> int:

@@ -1,7 +1,8 @@
 """Load a base flow model by name: a tiny in-memory one, a real architecture with random weights
 (``random:<arch>[@<layers>]``, :mod:`.random_weights`), an embedded one, a local folder or a Hub id.
 
-The family is read from the pipeline's ``model_index.json`` (``_class_name``).
+The family is read from the pipeline's ``model_index.json`` (``_class_name``); each family declares itself in its
+own file (:mod:`.family`), the tables here (:mod:`.registry`) are derived from those declarations.
 """
 
 from __future__ import annotations
@@ -16,34 +17,14 @@ from ..archs import is_random_model
 from ..config import ModelConfig
 from ..errors import UserError
 from ..hubclient import hub_offline
-from ..model_index import ASSETS_DIR, embedded_models, model_source, read_model_index  # noqa: F401 (re-exported)
+from ..model_index import embedded_models, model_source, read_model_index  # noqa: F401 (embedded_models re-exported)
 from .base import TEXT_ENCODERS, FlowModel, drop_text_encoders
-from .flux import FluxModel
-from .flux2 import Flux2KleinModel
-from .flux_kontext import FluxKontextModel
 from .quantize import (check_quantization, pipeline_quantization, quantize_in_memory, transformer_dtype,
                        transformer_quantization)
-from .qwen_image import QwenImageModel
-from .qwen_image_edit import QwenImageEditModel
 from .random_weights import build_random_model_pipeline
-from .sd3 import SD3Model
-from .tiny import TINY_BUILDERS, build_tiny_pipeline
-from .wan import WanModel
-from .z_image import ZImageModel
+from .registry import FAMILIES, TINY_BUILDERS, build_tiny_pipeline, family_for  # noqa: F401 (re-exported)
 
-FAMILIES: dict[str, type[FlowModel]] = {"StableDiffusion3Pipeline": SD3Model, "FluxPipeline": FluxModel,
-                                         "QwenImagePipeline": QwenImageModel, "WanPipeline": WanModel,
-                                         "Flux2KleinPipeline": Flux2KleinModel, "ZImagePipeline": ZImageModel,
-                                         "FluxKontextPipeline": FluxKontextModel,
-                                         "QwenImageEditPipeline": QwenImageEditModel}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _family_for(pipeline_class: str, name: str) -> type[FlowModel]:
-    if pipeline_class not in FAMILIES:
-        supported = ", ".join(sorted(FAMILIES))
-        raise UserError(f"model '{name}' is a {pipeline_class}; supported pipelines: {supported}")
-    return FAMILIES[pipeline_class]
 
 
 def load_flow_model(config: ModelConfig, device: torch.device | str = "cpu", seed: int = 0, *,
@@ -74,7 +55,7 @@ def load_flow_model(config: ModelConfig, device: torch.device | str = "cpu", see
         later = defer and config.quantize != "none"  # a quantizer places the weights while loading them
         pipe = _load_pipeline(config, source, index, dtype, text_encoders, transformer=not later)
         prepare = partial(_load_quantized_transformer, pipe, config, source, index["transformer"]) if later else None
-    family = _family_for(type(pipe).__name__, config.name)
+    family = family_for(type(pipe).__name__, config.name)
     return family(pipe, config, device, defer_denoiser=defer, prepare_transformer=prepare,
                   place_transformer=place_transformer, num_frames=num_frames)
 
@@ -83,7 +64,7 @@ def _load_pipeline(config: ModelConfig, source: str, index: dict, dtype: torch.d
                    transformer: bool):
     """A pipeline from an embedded folder, a local folder or the Hub (``index``: its model_index.json), with only
     the components asked for."""
-    _family_for(index.get("_class_name", "unknown"), config.name)
+    family_for(index.get("_class_name", "unknown"), config.name)
     import diffusers
     pipeline_class = getattr(diffusers, index["_class_name"])
     # components saved as [null, null] (e.g. an SD3 without T5) must be passed as None explicitly

@@ -66,7 +66,8 @@ def drop_text_encoders(pipe) -> None:
 
 
 class FlowModel(ABC):
-    """A flow-matching text-to-image pipeline seen as ``v_theta(z, sigma, c)`` plus I/O."""
+    """A flow-matching pipeline (text-to-image, image editing or text-to-video) seen as ``v_theta(z, sigma, c)`` plus
+    I/O; one subclass per family, declared with it in its file (:mod:`.family`)."""
 
     family: str = ""
     default_lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")

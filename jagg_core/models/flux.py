@@ -11,10 +11,14 @@ with ``model.negative_prompt`` (the base class's ``v_neg + g (v_pos - v_neg)``).
 from __future__ import annotations
 
 import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+from transformers import CLIPTextModel, T5Config, T5EncoderModel
 
 from ..config import ModelConfig
 from ..errors import UserError
 from .base import Conditioning, PackedFlowModel, decode_scaled
+from .family import Family
+from .in_memory_parts import CLIP_HIDDEN, tiny_clip_config, tiny_clip_tokenizer, tiny_t5_tokenizer, tiny_vae
 
 #: FluxPipeline.check_inputs rejects longer T5 sequences.
 MAX_T5_TOKENS = 512
@@ -68,3 +72,26 @@ class FluxModel(PackedFlowModel):
     def decode(self, z: torch.Tensor) -> torch.Tensor:
         """``x = vae.decode(unpack(z) / scaling_factor + shift_factor)``, mapped from [-1, 1] to [0, 1]."""
         return decode_scaled(self.pipe.vae, self.unpacked(z))
+
+
+def build_tiny_flux() -> FluxPipeline:
+    """FLUX.1-dev-like: CLIP (pooled) + T5 encoders, guidance embedding, dynamic shift as in FLUX.1-dev."""
+    clip_tokenizer, t5_tokenizer = tiny_clip_tokenizer(), tiny_t5_tokenizer()
+    t5_hidden = 32
+    t5 = T5EncoderModel(T5Config(vocab_size=len(t5_tokenizer), d_model=t5_hidden, d_kv=8, d_ff=64, num_layers=2,
+                                 num_heads=4, relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1,
+                                 decoder_start_token_id=0))
+    transformer = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=2,
+                                         attention_head_dim=16, num_attention_heads=2, joint_attention_dim=t5_hidden,
+                                         pooled_projection_dim=CLIP_HIDDEN, guidance_embeds=True,
+                                         axes_dims_rope=(4, 4, 8))
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                                                base_image_seq_len=256, max_image_seq_len=4096)
+    return FluxPipeline(scheduler=scheduler, vae=tiny_vae(4), transformer=transformer,
+                        text_encoder=CLIPTextModel(tiny_clip_config(len(clip_tokenizer))), tokenizer=clip_tokenizer,
+                        text_encoder_2=t5, tokenizer_2=t5_tokenizer)
+
+
+FAMILY = Family(label="FLUX.1", pipeline="FluxPipeline", model=FluxModel, tiny_builders={"tiny-flux": build_tiny_flux},
+                archs={"flux-dev": "black-forest-labs/FLUX.1-dev",
+                       "flux-schnell": "black-forest-labs/FLUX.1-schnell"})

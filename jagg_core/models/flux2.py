@@ -20,11 +20,15 @@
 from __future__ import annotations
 
 import torch
+from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Transformer2DModel
 from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
+from transformers import Qwen3ForCausalLM
 
 from ..config import ModelConfig
 from ..errors import UserError
 from .base import Conditioning, PackedFlowModel
+from .family import Family
+from .in_memory_parts import text_hidden_layers_read, tiny_qwen3_config, tiny_qwen3_tokenizer
 
 #: As diffusers' FLUX.2 [klein] LoRA training script (examples/dreambooth/train_dreambooth_lora_flux2_klein.py):
 #: the double-stream blocks' attention projections and the single-stream blocks' fused QKV-MLP input projection;
@@ -86,3 +90,30 @@ class Flux2KleinModel(PackedFlowModel):
         latents = self.pipe._unpatchify_latents(patches * std + mean)
         images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
         return (images.float() / 2 + 0.5).clamp(0, 1)
+
+
+def build_tiny_flux2() -> Flux2KleinPipeline:
+    """FLUX.2 [klein]-like, undistilled (CFG allowed): a tiny Qwen3 causal LM deep enough for the hidden layers the
+    pipeline stacks, the FLUX.2 VAE (2x2 patchified latents, batch-norm statistics, set to non-trivial values
+    here) and a dynamically shifted scheduler."""
+    tokenizer, text_hidden, z_dim = tiny_qwen3_tokenizer(), 16, 4
+    text_encoder = Qwen3ForCausalLM(tiny_qwen3_config(tokenizer, text_hidden,
+                                                      text_hidden_layers_read(Flux2KleinPipeline)))
+    vae = AutoencoderKLFlux2(block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
+                             up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1, latent_channels=z_dim,
+                             norm_num_groups=4, sample_size=32, use_quant_conv=False, use_post_quant_conv=False)
+    channels = vae.bn.num_features
+    vae.bn.running_mean.copy_(torch.linspace(-0.3, 0.3, channels))
+    vae.bn.running_var.copy_(torch.linspace(0.5, 2.0, channels))
+    transformer = Flux2Transformer2DModel(patch_size=1, in_channels=channels, num_layers=1, num_single_layers=2,
+                                          attention_head_dim=16, num_attention_heads=2,
+                                          joint_attention_dim=3 * text_hidden, timestep_guidance_channels=32,
+                                          axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False)
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True)
+    return Flux2KleinPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                              transformer=transformer, is_distilled=False)
+
+
+FAMILY = Family(label="FLUX.2 [klein]", pipeline="Flux2KleinPipeline", model=Flux2KleinModel,
+                tiny_builders={"tiny-flux2": build_tiny_flux2},
+                archs={"flux2-klein-4b": "black-forest-labs/FLUX.2-klein-4B"})

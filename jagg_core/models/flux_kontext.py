@@ -10,10 +10,12 @@ Kontext's preferred resolutions (``_auto_resize``); here it is ``model.condition
 from __future__ import annotations
 
 import torch
+from diffusers import FluxKontextPipeline
 
 from .base import Conditioning
 from .editing import EditingFlowModel
-from .flux import FluxModel
+from .family import Family
+from .flux import FluxModel, build_tiny_flux
 
 
 class FluxKontextModel(EditingFlowModel, FluxModel):
@@ -28,3 +30,13 @@ class FluxKontextModel(EditingFlowModel, FluxModel):
         condition_ids[:, 0] = 1
         image_ids = torch.cat([self.image_ids(tokens[:, :generated]), condition_ids])
         return self.flux_forward(tokens, sigma, cond, image_ids)
+
+
+def build_tiny_flux_kontext() -> FluxKontextPipeline:
+    """tiny-flux's components in FluxKontextPipeline (FLUX.1 Kontext [dev] has FLUX.1 [dev]'s architecture)."""
+    return FluxKontextPipeline(**build_tiny_flux().components)
+
+
+FAMILY = Family(label="FLUX.1 Kontext", pipeline="FluxKontextPipeline", model=FluxKontextModel,
+                tiny_builders={"tiny-flux-kontext": build_tiny_flux_kontext},
+                archs={"flux-kontext": "black-forest-labs/FLUX.1-Kontext-dev"})

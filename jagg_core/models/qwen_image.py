@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+from diffusers import QwenImageTransformer2DModel
 
 from ..errors import UserError
 from .base import Conditioning, PackedFlowModel
+from .family import Family
+from .in_memory_parts import TINY_QWEN_TEXT_HIDDEN, tiny_qwen_tokenizer, tiny_qwen_vl_encoder
 
 
 class QwenImageModel(PackedFlowModel):
@@ -83,3 +87,25 @@ class QwenImageModel(PackedFlowModel):
         std = torch.tensor(vae.config.latents_std, **stats).view(1, -1, 1, 1, 1)
         images = vae.decode((latents * std + mean).to(vae.dtype), return_dict=False)[0][:, :, 0]
         return (images.float() / 2 + 0.5).clamp(0, 1)
+
+
+def build_tiny_qwen() -> QwenImagePipeline:
+    """Qwen-Image-like: a tiny Qwen2.5-VL text encoder, the Qwen-Image VAE (frame axis, per-channel
+    latent mean/std) and the scheduler settings of Qwen/Qwen-Image (dynamic shift, terminal sigma 0.02)."""
+    tokenizer = tiny_qwen_tokenizer()
+    text_hidden, z_dim = TINY_QWEN_TEXT_HIDDEN, 4
+    text_encoder = tiny_qwen_vl_encoder(tokenizer)
+    vae = AutoencoderKLQwenImage(base_dim=8, z_dim=z_dim, dim_mult=[1, 2, 4], num_res_blocks=1,
+                                 temperal_downsample=[False, True], latents_mean=[0.1, -0.2, 0.05, 0.0],
+                                 latents_std=[1.5, 0.8, 1.2, 1.0])
+    transformer = QwenImageTransformer2DModel(patch_size=2, in_channels=4 * z_dim, out_channels=z_dim, num_layers=2,
+                                              attention_head_dim=16, num_attention_heads=2,
+                                              joint_attention_dim=text_hidden, axes_dims_rope=(8, 4, 4))
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+                                                base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02)
+    return QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                             transformer=transformer)
+
+
+FAMILY = Family(label="Qwen-Image", pipeline="QwenImagePipeline", model=QwenImageModel,
+                tiny_builders={"tiny-qwen": build_tiny_qwen}, archs={"qwen-image": "Qwen/Qwen-Image"})

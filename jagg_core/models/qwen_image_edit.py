@@ -19,9 +19,13 @@ from __future__ import annotations
 import torch
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
+from diffusers import QwenImageEditPipeline
+
 from .base import Conditioning
 from .editing import EditingFlowModel
-from .qwen_image import QwenImageModel
+from .family import Family
+from .in_memory_parts import tiny_qwen_edit_tokenizer, tiny_qwen_processor, tiny_qwen_vl_encoder
+from .qwen_image import QwenImageModel, build_tiny_qwen
 
 #: Qwen/Qwen-Image-Edit's ``processor/preprocessor_config.json`` (the vision token count when no processor is loaded,
 #: e.g. in a memory plan): 14-pixel patches merged 2 x 2, images scaled into [min_pixels, max_pixels]
@@ -63,3 +67,17 @@ class QwenImageEditModel(EditingFlowModel, QwenImageModel):
                        generated: int) -> torch.Tensor:
         side, condition_side = self.token_grid(tokens[:, :generated]), self.token_grid(tokens[:, generated:])
         return self.qwen_forward(tokens, sigma, cond, [(1, side, side), (1, condition_side, condition_side)])
+
+
+def build_tiny_qwen_edit() -> QwenImageEditPipeline:
+    """tiny-qwen as Qwen-Image-Edit (whose transformer, VAE and scheduler are Qwen-Image's): its Qwen2.5-VL encoder
+    reads the input image through the processor, the tokenizer knows the edit template and the vision tokens."""
+    tokenizer = tiny_qwen_edit_tokenizer()
+    return QwenImageEditPipeline(**{**build_tiny_qwen().components, "tokenizer": tokenizer,
+                                    "text_encoder": tiny_qwen_vl_encoder(tokenizer),
+                                    "processor": tiny_qwen_processor(tokenizer)})
+
+
+FAMILY = Family(label="Qwen-Image-Edit", pipeline="QwenImageEditPipeline", model=QwenImageEditModel,
+                tiny_builders={"tiny-qwen-edit": build_tiny_qwen_edit},
+                archs={"qwen-image-edit": "Qwen/Qwen-Image-Edit"})

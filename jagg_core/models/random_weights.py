@@ -13,7 +13,7 @@ pipeline (``StableDiffusion3Pipeline``, ``FluxPipeline``, ``QwenImagePipeline``,
   sizes (CLIP-L 768, OpenCLIP-bigG 1280, T5-XXL and UMT5-XXL 4096, Qwen2.5-VL 3584, the real attention widths; Qwen3-4B
   2560 with two query heads of the real head size), so the conditioning tensors have the real shapes, but one
   layer (Qwen3: as many as the pipeline reads, FLUX.2 [klein] 27), a small feed-forward, and the in-memory
-  character tokenizers of :mod:`jagg_core.models.tiny` (nothing is downloaded; the token sequences are
+  character tokenizers of :mod:`jagg_core.models.in_memory_parts` (nothing is downloaded; the token sequences are
   longer than real ones for the same prompt, the tensors' lengths are fixed by the pipeline's
   ``max_sequence_length`` padding as with real tokenizers).
 
@@ -32,9 +32,9 @@ import torch
 import transformers
 
 from ..archs import arch_folder, parse_random_model, with_depth
-from .tiny import (draw_pad_tokens, qwen_special_ids, qwen_vision_ids, text_hidden_layers_read, tiny_clip_tokenizer,
-                   tiny_qwen3_tokenizer, tiny_qwen_edit_tokenizer, tiny_qwen_processor, tiny_qwen_tokenizer,
-                   tiny_t5_tokenizer)
+from .in_memory_parts import (draw_pad_tokens, qwen_special_ids, qwen_vision_ids, text_hidden_layers_read,
+                              tiny_clip_tokenizer, tiny_qwen3_tokenizer, tiny_qwen_edit_tokenizer, tiny_qwen_processor,
+                              tiny_qwen_tokenizer, tiny_t5_tokenizer)
 
 #: feed-forward width of the stand-in text encoders (their one layer)
 STAND_IN_INTERMEDIATE = 256

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 
 from .base import NEGATIVE, Conditioning, FlowModel, decode_scaled
+from .family import Family
+from .in_memory_parts import CLIP_HIDDEN, tiny_clip_text_encoder, tiny_clip_tokenizer, tiny_vae
 
 
 class SD3Model(FlowModel):
@@ -47,3 +50,34 @@ class SD3Model(FlowModel):
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
         return decode_scaled(self.pipe.vae, z)
+
+
+def tiny_sd3_pipeline(num_layers: int, heads: int, head_dim: int, context_length: int = 77) -> StableDiffusion3Pipeline:
+    """SD3 with two tiny CLIP encoders and no T5 (the pipeline pads CLIP states to the joint dim)."""
+    tokenizer = tiny_clip_tokenizer(max_length=context_length)
+    transformer = SD3Transformer2DModel(sample_size=16, patch_size=2, in_channels=4, out_channels=4,
+                                        num_layers=num_layers, attention_head_dim=head_dim, num_attention_heads=heads,
+                                        joint_attention_dim=2 * CLIP_HIDDEN, caption_projection_dim=heads * head_dim,
+                                        pooled_projection_dim=2 * CLIP_HIDDEN, pos_embed_max_size=32)
+    return StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=tiny_vae(4),
+        text_encoder=tiny_clip_text_encoder(len(tokenizer)), tokenizer=tokenizer,
+        text_encoder_2=tiny_clip_text_encoder(len(tokenizer)), tokenizer_2=tokenizer,
+        text_encoder_3=None, tokenizer_3=None)
+
+
+def build_tiny_sd3() -> StableDiffusion3Pipeline:
+    return tiny_sd3_pipeline(num_layers=2, heads=2, head_dim=16)
+
+
+def build_bench_sd3() -> StableDiffusion3Pipeline:
+    """A 31M-parameter SD3 transformer (6 joint blocks of width 384) with tiny-sd3's text encoders and
+    VAE and a 16-token CLIP context: large enough that the benchmarks (``jagg_core.bench``) are
+    compute-bound on a CPU. Pair it with ``model.max_sequence_length=16`` (the zero T5 padding)."""
+    return tiny_sd3_pipeline(num_layers=6, heads=6, head_dim=64, context_length=16)
+
+
+FAMILY = Family(label="SD3/SD3.5", pipeline="StableDiffusion3Pipeline", model=SD3Model,
+                tiny_builders={"tiny-sd3": build_tiny_sd3, "bench-sd3-31m": build_bench_sd3},
+                archs={"sd35-medium": "stabilityai/stable-diffusion-3.5-medium",
+                       "sd35-large": "stabilityai/stable-diffusion-3.5-large"})

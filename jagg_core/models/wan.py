@@ -17,11 +17,15 @@ frames ``[B, F, 3, H, W]`` in [0, 1]. CFG is the pipeline's: ``v = v_neg + g (v_
 from __future__ import annotations
 
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
+from diffusers import (AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler, WanPipeline,
+                       WanTransformer3DModel)
+from transformers import UMT5Config, UMT5EncoderModel
 
 from ..config import ModelConfig
 from ..errors import UserError
 from .base import NEGATIVE, Conditioning, FlowModel
+from .family import Family
+from .in_memory_parts import tiny_t5_tokenizer
 
 
 class WanModel(FlowModel):
@@ -91,3 +95,27 @@ class WanModel(FlowModel):
         std = torch.tensor(vae.config.latents_std, **stats).view(1, -1, 1, 1, 1)
         video = vae.decode((z.float() * std + mean).to(vae.dtype), return_dict=False)[0]  # [B, 3, F, H, W]
         return (video.float() / 2 + 0.5).clamp(0, 1).transpose(1, 2)
+
+
+def build_tiny_wan() -> WanPipeline:
+    """Wan 2.1 T2V-like: a tiny UMT5 encoder, the Wan video VAE (4x frames, 8x pixels, per-channel latent
+    mean/std) and the scheduler of Wan-AI/Wan2.1-T2V-1.3B-Diffusers (UniPC with flow sigmas, flow_shift 3)."""
+    tokenizer, text_hidden, z_dim = tiny_t5_tokenizer(), 32, 4
+    text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), d_model=text_hidden, d_kv=8, d_ff=64,
+                                               num_layers=2, num_heads=4, relative_attention_num_buckets=8,
+                                               pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
+    vae = AutoencoderKLWan(base_dim=4, z_dim=z_dim, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                           temperal_downsample=[False, True, True], latents_mean=[0.1, -0.2, 0.05, 0.0],
+                           latents_std=[1.5, 0.8, 1.2, 1.0])
+    transformer = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
+                                        in_channels=z_dim, out_channels=z_dim, text_dim=text_hidden, freq_dim=32,
+                                        ffn_dim=32, num_layers=2, cross_attn_norm=True,
+                                        qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
+                       transformer=transformer)
+
+
+FAMILY = Family(label="Wan 2.1 text-to-video", pipeline="WanPipeline", model=WanModel,
+                tiny_builders={"tiny-wan": build_tiny_wan},
+                archs={"wan21-t2v-1.3b": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"})

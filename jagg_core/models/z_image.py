@@ -20,9 +20,13 @@
 from __future__ import annotations
 
 import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
 from torch.nn.utils.rnn import pad_sequence
+from transformers import Qwen3Model
 
 from .base import NEGATIVE, Conditioning, FlowModel, decode_scaled, linspace_sigmas
+from .family import Family
+from .in_memory_parts import draw_pad_tokens, tiny_qwen3_config, tiny_qwen3_tokenizer, tiny_vae
 
 
 def padded_captions(captions: list[torch.Tensor], length: int) -> Conditioning:
@@ -77,3 +81,22 @@ class ZImageModel(FlowModel):
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
         return decode_scaled(self.pipe.vae, z)
+
+
+def build_tiny_zimage() -> ZImagePipeline:
+    """Z-Image-Turbo-like: a tiny Qwen3 encoder, a KL VAE with FLUX-style scaling and shift, the variable-length
+    caption transformer (its pad tokens, ``torch.empty`` in diffusers, drawn from the seed) and Turbo's
+    scheduler settings (static shift 3)."""
+    tokenizer, text_hidden, z_dim = tiny_qwen3_tokenizer(), 16, 4
+    transformer = ZImageTransformer2DModel(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=z_dim, dim=32,
+                                           n_layers=2, n_refiner_layers=1, n_heads=2, n_kv_heads=2,
+                                           cap_feat_dim=text_hidden, axes_dims=[8, 4, 4], axes_lens=[256, 32, 32])
+    draw_pad_tokens(transformer)
+    return ZImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=tiny_vae(z_dim),
+                          text_encoder=Qwen3Model(tiny_qwen3_config(tokenizer, text_hidden, 2)), tokenizer=tokenizer,
+                          transformer=transformer)
+
+
+FAMILY = Family(label="Z-Image", pipeline="ZImagePipeline", model=ZImageModel,
+                tiny_builders={"tiny-zimage": build_tiny_zimage},
+                archs={"z-image-turbo": "Tongyi-MAI/Z-Image-Turbo"}, depth_key="n_layers")

@@ -1,0 +1,74 @@
+"""The model families declared in ``jagg_core/models/<family>.py``, read without importing them (no torch).
+
+A family file declares ``FAMILY = Family(...)`` (:class:`jagg_core.models.family.Family`). This module reads the
+declaration's literal fields from the file's syntax tree, so that the torch-free code derives its tables from that
+one declaration: the ``model.name`` description (:mod:`jagg_core.config`), the arch table
+(:mod:`jagg_core.archs`), the tiny model names the CLI checks a ``model.name`` against. :mod:`jagg_core.models`
+imports the files for the rest; ``tests/test_structure.py`` checks that both readings agree.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+MODELS_DIR = Path(__file__).resolve().parent / "models"
+#: the name a family file binds its declaration to
+DECLARATION = "FAMILY"
+#: the key of the block count in most transformer configs (a family declares another as its ``depth_key``)
+DEFAULT_DEPTH_KEY = "num_layers"
+
+
+@dataclass(frozen=True)
+class DeclaredFamily:
+    """The literal fields of one family's declaration (see :class:`jagg_core.models.family.Family`)."""
+
+    module: str  # the family file's name in jagg_core.models, e.g. "sd3"
+    label: str
+    pipeline: str
+    tiny_models: tuple[str, ...]
+    archs: dict[str, str]
+    depth_key: str
+
+
+def _declaration(path: Path) -> ast.Call | None:
+    """The ``Family(...)`` call bound to ``FAMILY`` at the top level of ``path``, if any."""
+    for node in ast.parse(path.read_text()).body:
+        if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+                and [getattr(target, "id", None) for target in node.targets] == [DECLARATION]):
+            return node.value
+    return None
+
+
+def _read(path: Path, call: ast.Call) -> DeclaredFamily:
+    fields = {keyword.arg: keyword.value for keyword in call.keywords}
+    literal = {name: ast.literal_eval(fields[name]) for name in ("label", "pipeline", "archs", "depth_key")
+               if name in fields}
+    return DeclaredFamily(module=path.stem, label=literal["label"], pipeline=literal["pipeline"],
+                          tiny_models=tuple(ast.literal_eval(key) for key in fields["tiny_builders"].keys),
+                          archs=literal.get("archs", {}), depth_key=literal.get("depth_key", DEFAULT_DEPTH_KEY))
+
+
+@cache
+def declared_families() -> tuple[DeclaredFamily, ...]:
+    """Every declared family, in the order of their file names."""
+    return tuple(_read(path, call) for path in sorted(MODELS_DIR.glob("*.py"))
+                 if (call := _declaration(path)) is not None)
+
+
+def tiny_model_names() -> list[str]:
+    """Every in-memory test model, e.g. ``tiny-sd3``."""
+    return [name for family in declared_families() for name in family.tiny_models]
+
+
+def declared_hub_ids() -> dict[str, str]:
+    """Every real arch (a folder of :mod:`jagg_core.archs`) -> the Hub id whose configs it holds."""
+    return {arch: repo for family in declared_families() for arch, repo in family.archs.items()}
+
+
+def other_depth_keys() -> tuple[str, ...]:
+    """The block-count keys families declare besides :data:`DEFAULT_DEPTH_KEY` (Z-Image's ``n_layers``)."""
+    return tuple(dict.fromkeys(family.depth_key for family in declared_families()
+                               if family.depth_key != DEFAULT_DEPTH_KEY))

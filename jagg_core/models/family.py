@@ -1,0 +1,32 @@
+"""The declaration of a model family: everything about it, in its own file ``jagg_core/models/<family>.py``.
+
+Each family file ends with ``FAMILY = Family(...)``. The tables the rest of the code looks models up in are derived
+from these declarations: the pipeline -> :class:`FlowModel` registry and the tiny test models
+(:mod:`.registry`), the real archs and their Hub ids (:mod:`jagg_core.archs`), the ``model.name`` description
+(:mod:`jagg_core.config`). The torch-free parts read the literal fields (all but ``model`` and the builders
+themselves) from the file's syntax tree (:mod:`jagg_core.family_names`), so write them as literals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..family_names import DEFAULT_DEPTH_KEY
+from .base import FlowModel
+
+
+@dataclass(frozen=True)
+class Family:
+    #: how the ``model.name`` description names the family's models, e.g. ``"SD3/SD3.5"``
+    label: str
+    #: the diffusers pipeline class name, as ``_class_name`` in a pipeline's ``model_index.json``
+    pipeline: str
+    #: how the family runs (its velocity, conditioning, decoding, LoRA targets)
+    model: type[FlowModel]
+    #: in-memory test models: ``model.name`` -> builder of the pipeline (random weights, drawn by the caller's seed)
+    tiny_builders: dict[str, Callable[[], object]]
+    #: real architectures: folder of :mod:`jagg_core.archs` (configs only) -> the Hub id whose configs it holds
+    archs: dict[str, str] = field(default_factory=dict)
+    #: the key of the block count in the transformer's config (what ``random:<arch>@<layers>`` sets)
+    depth_key: str = DEFAULT_DEPTH_KEY
