@@ -82,11 +82,11 @@ def run_check(out: Path, options: CheckOptions, budget_s: float = DEFAULT_BUDGET
     for line in describe_order(order, ledger, options):
         log(f"[gpu-check]   {line}")
     (out / TABLE_FILE).write_text(format_tables(ledger, steps, options))
-    start, rows = time.perf_counter(), []
+    start, rows, not_started = time.perf_counter(), [], []
     for step in order:
         cap, left = caps.get(step.name, step.cap(options)), budget_s - (time.perf_counter() - start)
         if cap > left:
-            log(f"[gpu-check] {step.name}: not started, its {cap:g} s cap is more than the {left:.0f} s left")
+            not_started.append(f"{step.name} ({cap:g} s > {left:.0f} s)")
             continue
         log(f"[gpu-check] {step.name} (cap {cap:g} s, {left:.0f} s left)")
         step_start, date = time.perf_counter(), now()
@@ -95,10 +95,12 @@ def run_check(out: Path, options: CheckOptions, budget_s: float = DEFAULT_BUDGET
         record = {"date": date, "step": step.name, "cap_s": cap, "seconds": seconds, "options": asdict(options),
                   "rows": step_rows}
         (out / f"{step.name}.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
-        ledger[step.name] = Outcome(step_status(step_rows), date, step_rows, f"{step.name}.json")
+        ledger[step.name] = Outcome(step_status(step_rows), date, step_rows, seconds)
         log(f"[gpu-check] {step.name}: {ledger[step.name].status} in {seconds:.0f} s")
         rows += step_rows
         (out / TABLE_FILE).write_text(format_tables(ledger, steps, options))
+    if not_started:
+        log(f"[gpu-check] not started, their cap more than the time left: {', '.join(not_started)}")
     return rows
 
 
@@ -126,14 +128,13 @@ def format_tables(ledger: dict[str, Outcome], steps: list[Step], options: CheckO
     verdict, then the figures by table: triage, whole iterations, quantization, memory, tiny runs."""
     size = "reduced: 1 block, 64 px, on the CPU" if options.reduced else "real size"
     device = ledger["device"].rows[0] if "device" in ledger else {}
-    machine = (f"{device.get('gpu', 'no GPU')}; torch {device['versions']['torch']}, checked {ledger['device'].date}"
+    machine = (f"{device.get('gpu', 'no GPU')}; torch {device['versions']['torch']}, checked {ledger['device'].date[:10]}"
                if device.get("versions") else "device not checked")
     parts = [f"GPU check ({size}). Last device: {machine}.",
              markdown_table(["step", "cap s", "last outcome", "date", "s"],
                             [[s.name, _f(s.cap(options), ".0f"), _outcome(ledger.get(s.name)),
                               ledger[s.name].date[:10] if s.name in ledger else "-",
-                              _f(ledger[s.name].rows[0].get("step_s") or _step_seconds(ledger[s.name]), ".0f")
-                              if s.name in ledger else "-"] for s in steps])]
+                              _f(ledger[s.name].seconds, ".0f") if s.name in ledger else "-"] for s in steps])]
     rows = {table: [row for s in steps if s.table == table and s.name in ledger for row in ledger[s.name].rows]
             for table in {s.table for s in steps}}
     statuses = {name: outcome.status for name, outcome in ledger.items()}
@@ -172,10 +173,6 @@ def _outcome(outcome: Outcome | None) -> str:
         return "never measured"
     reasons = [row["reason"] for row in outcome.rows if row["status"] == outcome.status and row.get("reason")]
     return outcome.status + (f": {reasons[0]}" if reasons and outcome.status != "ok" else "")
-
-
-def _step_seconds(outcome: Outcome) -> float | None:
-    return next((row["step_s"] for row in outcome.rows if row.get("step_s")), None)
 
 
 def _shape(row: dict) -> str:

@@ -29,7 +29,8 @@ class Outcome:
     status: str
     date: str
     rows: list[dict]
-    source: str
+    #: the step's seconds, its process start included
+    seconds: float | None
 
 
 def step_status(rows: list[dict]) -> str | None:
@@ -55,7 +56,8 @@ def read_ledger(folders: list[Path], options: CheckOptions) -> dict[str, Outcome
             status = step_status(rows)
             earlier = outcomes.get(step)
             if status and (earlier is None or record["date"] >= earlier.date):
-                outcomes[step] = Outcome(status, record["date"], rows, path.name)
+                seconds = record.get("seconds") if "step" in record else rows[0].get("step_s")
+                outcomes[step] = Outcome(status, record["date"], rows, seconds)
     return outcomes
 
 
