@@ -10,7 +10,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python="${PYTHON:-python3}"
-if ! "$python" -c "import diffusers, peft, pydantic, torchao, bitsandbytes" 2> /dev/null && ls .whl/*.whl > /dev/null 2>&1; then
+if ! "$python" -c "import diffusers, peft, pydantic, torchao, bitsandbytes" 2> /dev/null \
+    && ls .whl/*.whl > /dev/null 2>&1; then
   site="${TMPDIR:-/tmp}/jagg-gpu-site"
   "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"

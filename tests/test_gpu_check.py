@@ -33,7 +33,8 @@ def test_the_check_has_a_step_for_each_figure_the_issue_asks_for():
     names = step_names()
     assert names[0] == "device" and "simulate-crash" not in names and "simulate-crash" in step_names(REDUCED)
     triage = [n for n in names if n.startswith("triage-")]
-    assert {f"triage-sdpa-{b}-{t}" for b in ("cudnn", "flash", "efficient", "math") for t in (1101, 1152)} <= set(triage)
+    backends = ("cudnn", "flash", "efficient", "math")
+    assert {f"triage-sdpa-{b}-{t}" for b in backends for t in (1101, 1152)} <= set(triage)
     assert {"triage-lora-rank4", "triage-lora-rank16", "triage-flux-path-as-crashed"} <= set(triage)
     assert set(memory_presets()) == {"sd35-medium-pickscore-16gb", "flux-dev-pickscore-24gb",
                                      "qwen-image-pickscore-24gb", "flux2-klein-pickscore-24gb",
@@ -91,7 +92,8 @@ def test_a_crash_and_a_hang_leave_their_rows_and_the_next_step_still_runs(tmp_pa
                      caps={"simulate-hang": 2}, log=lines.append)
     by_step = {row["step"]: row for row in rows}
     assert by_step["simulate-crash"]["status"] == "crashed" and "SIGSEGV" in by_step["simulate-crash"]["reason"]
-    assert by_step["simulate-hang"] == {"step": "simulate-hang", "status": "timed out", "reason": "ran past its 2 s cap"}
+    assert by_step["simulate-hang"] == {"step": "simulate-hang", "status": "timed out",
+                                        "reason": "ran past its 2 s cap"}
     assert by_step["triage-sdpa-math-1101"]["status"] == "ok"
     for name in by_step:  # each step's record and whole log, beside each other
         record = json.loads((tmp_path / f"{name}.json").read_text())
@@ -99,7 +101,8 @@ def test_a_crash_and_a_hang_leave_their_rows_and_the_next_step_still_runs(tmp_pa
         assert (tmp_path / f"{name}.log").is_file()
     assert "killing this process with SIGSEGV" in (tmp_path / "simulate-crash.log").read_text()
     table = (tmp_path / "gpu_check.md").read_text()
-    assert "| simulate-crash | 60 | crashed: killed by SIGSEGV |" in table and "| simulate-hang | 3 | timed out" in table
+    assert "| simulate-crash | 60 | crashed: killed by SIGSEGV |" in table
+    assert "| simulate-hang | 3 | timed out" in table
 
 
 def test_a_step_whose_cap_does_not_fit_is_not_started_and_a_shorter_one_is(tmp_path):
@@ -174,8 +177,8 @@ def test_a_reduced_check_runs_each_kind_of_real_size_step_and_writes_its_tables(
                          "--only", "tiny-sd3,bench-sd35-medium,quantize-sd35-medium-int8,"
                          "memory-sd35-medium-pickscore-16gb")
     assert done.returncode == 0, done.stdout + done.stderr
-    rows = {(r["step"], r.get("recipe") or r.get("mode")): r
-            for name in ("tiny-sd3", "bench-sd35-medium", "quantize-sd35-medium-int8", "memory-sd35-medium-pickscore-16gb")
+    names = ("tiny-sd3", "bench-sd35-medium", "quantize-sd35-medium-int8", "memory-sd35-medium-pickscore-16gb")
+    rows = {(r["step"], r.get("recipe") or r.get("mode")): r for name in names
             for r in json.loads((tmp_path / f"{name}.json").read_text())["rows"]}
     for recipe in ("bf16", "int8"):  # 2 iterations in bf16 with 8-bit AdamW, then the loss and rewards
         tiny = rows[("tiny-sd3", recipe)]

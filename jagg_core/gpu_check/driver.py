@@ -128,8 +128,8 @@ def format_tables(ledger: dict[str, Outcome], steps: list[Step], options: CheckO
     verdict, then the figures by table: triage, whole iterations, quantization, memory, tiny runs."""
     size = "reduced: 1 block, 64 px, on the CPU" if options.reduced else "real size"
     device = ledger["device"].rows[0] if "device" in ledger else {}
-    machine = (f"{device.get('gpu', 'no GPU')}; torch {device['versions']['torch']}, checked {ledger['device'].date[:10]}"
-               if device.get("versions") else "device not checked")
+    machine = (f"{device.get('gpu', 'no GPU')}; torch {device['versions']['torch']}, "
+               f"checked {ledger['device'].date[:10]}" if device.get("versions") else "device not checked")
     parts = [f"GPU check ({size}). Last device: {machine}.",
              markdown_table(["step", "cap s", "last outcome", "date", "s"],
                             [[s.name, _f(s.cap(options), ".0f"), _outcome(ledger.get(s.name)),
@@ -156,7 +156,8 @@ def format_tables(ledger: dict[str, Outcome], steps: list[Step], options: CheckO
         parts.append(markdown_table(
             ["preset recipe (random weights)", "status", "set-up planned / measured GB",
              "training planned / measured GB", "planned / measured", "preset's plan GB"],
-            [[r.get("preset", r["step"]), _status(r), f"{_f(r.get('planned_setup_gb'))} / {_f(r.get('measured_setup_gb'))}",
+            [[r.get("preset", r["step"]), _status(r),
+              f"{_f(r.get('planned_setup_gb'))} / {_f(r.get('measured_setup_gb'))}",
               f"{_f(r.get('planned_gb'))} / {_f(r.get('measured_gb'))}", _f(r.get("planned_over_measured")),
               _f(r.get("preset_planned_gb"))] for r in rows["memory"]]))
     if rows.get("tiny"):

@@ -16,7 +16,8 @@ LoRA linear. The suspects:
   (:data:`FLUX_PATH_SETTINGS`).
 
 Each case is a step of its own: its own process, ``CUDA_LAUNCH_BLOCKING=1`` (the error surfaces at the kernel that
-made it), a 15 s cap (60 s for the FLUX path); an error from the kernel is its row and the next case starts with a fresh CUDA context.
+made it), a 15 s cap (60 s for the FLUX path); an error from the kernel is its row and the next case starts with
+a fresh CUDA context.
 A kernel the device lacks (cuDNN or flash attention on a CPU) is a ``skipped`` row. :func:`triage_verdict` reads
 the rows and names the product fix they imply. ``--reduced`` runs the same cases at 1/16 of the tokens, width 64.
 """
@@ -159,8 +160,9 @@ def lora_case(rank: int, options: CheckOptions) -> list[dict]:
     out, grad_down, grad_up = lora(autocast=dtype == torch.bfloat16)
     torch.backends.cuda.matmul.allow_tf32 = False
     ref_out, ref_down, ref_up = lora(autocast=False)
-    return [_judge(row, {"out_err": _relative_error(out, ref_out), "grad_down_err": _relative_error(grad_down, ref_down),
-                         "grad_up_err": _relative_error(grad_up, ref_up)}, dtype)]
+    errors = {"out_err": _relative_error(out, ref_out), "grad_down_err": _relative_error(grad_down, ref_down),
+              "grad_up_err": _relative_error(grad_up, ref_up)}
+    return [_judge(row, errors, dtype)]
 
 
 def flux_path_case(setting: str, options: CheckOptions) -> list[dict]:
