@@ -105,6 +105,14 @@ def test_a_crash_and_a_hang_leave_their_rows_and_the_next_step_still_runs(tmp_pa
     assert "| simulate-hang | 3 | timed out" in table
 
 
+def test_a_real_size_check_without_a_gpu_stops_after_the_device_step(tmp_path):
+    lines = []
+    rows = run_check(tmp_path, CheckOptions(), only=["device", "tiny-sd3"], log=lines.append)
+    assert rows == [{"step": "device", "status": "failed", "cuda": False, "versions": rows[0]["versions"],
+                     "reason": "CUDA is not visible: torch.cuda.is_available() is False"}]
+    assert "stopping" in lines[-1] and not (tmp_path / "tiny-sd3.json").exists()
+
+
 def test_a_step_whose_cap_does_not_fit_is_not_started_and_a_shorter_one_is(tmp_path):
     lines = []
     rows = run_check(tmp_path, REDUCED, budget_s=50, only=["triage-flux-path-as-crashed", "simulate-hang"],

@@ -17,9 +17,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ..report import cell, markdown_table
-from .common import GB, CheckOptions, Step, one_line
+from .common import GB, NOT_OK, CheckOptions, Step, one_line
 from .ledger import Outcome, describe_order, plan_order, read_ledger, step_status
-from .steps import TINY_MODELS, all_steps, run_step, step_names
+from .steps import all_steps, run_step, step_names
 from .triage import triage_verdict
 
 #: one call on the GPU machine: the device time lent is about 15 minutes in all, with the machine's start
@@ -69,7 +69,7 @@ def run_check(out: Path, options: CheckOptions, budget_s: float = DEFAULT_BUDGET
     """The steps of :func:`~.ledger.plan_order` within ``budget_s``: a step starts only while its whole cap
     (``caps`` or its own) fits in what is left, else the next, shorter one gets the time. Each step leaves
     ``out/STEP.json`` and ``out/STEP.log``; ``out/gpu_check.md`` (the tables of the ledger and this run) is
-    rewritten after each. Returns this run's rows."""
+    rewritten after each; a real-size check stops when the device step finds no GPU. Returns this run's rows."""
     steps, caps = all_steps(options), caps or {}
     unknown = sorted(set(only or ()) - {step.name for step in steps})
     if unknown:
@@ -99,6 +99,9 @@ def run_check(out: Path, options: CheckOptions, budget_s: float = DEFAULT_BUDGET
         log(f"[gpu-check] {step.name}: {ledger[step.name].status} in {seconds:.0f} s")
         rows += step_rows
         (out / TABLE_FILE).write_text(format_tables(ledger, steps, options))
+        if step.name == "device" and ledger["device"].status != "ok":
+            log("[gpu-check] no GPU to check: the other steps would measure the CPU; stopping")
+            break
     if not_started:
         log(f"[gpu-check] not started, their cap more than the time left: {', '.join(not_started)}")
     return rows
@@ -225,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = run_check(out, options, args.budget, args.only.split(",") if args.only else None, args.ledger,
                          dict(args.cap), log=lambda line: print(line, file=sys.stderr, flush=True))
         print((out / TABLE_FILE).read_text(), end="")
-        not_ok = sorted({r["step"] for r in rows if r["status"] not in ("ok", "skipped")})
+        not_ok = sorted({r["step"] for r in rows if r["status"] in NOT_OK})
         print(f"{len(rows)} rows this run, {len(not_ok)} step(s) not ok{': ' + ', '.join(not_ok) if not_ok else ''}; "
               f"{out / TABLE_FILE}")
         return 1 if not_ok else 0

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 
-from .common import CheckOptions, Step, one_line, torch_device
+from .common import NOT_OK, CheckOptions, Step, torch_device
 
 #: SDPA backends by the name of their case (``torch.nn.attention.SDPBackend`` members)
 SDPA_BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
@@ -179,17 +179,13 @@ def flux_path_case(setting: str, options: CheckOptions) -> list[dict]:
     return [{**row, "step": f"triage-flux-path-{setting}", "setting": FLUX_PATH_SETTINGS[setting]} for row in rows]
 
 
-def case_status(statuses: dict[str, str], name: str) -> str | None:
-    return statuses.get(f"triage-{name}")
-
-
 def triage_verdict(statuses: dict[str, str]) -> list[str]:
     """What the triage's last outcomes (step name -> status) say, and the product fix each outcome implies."""
-    def failed(name):
-        return case_status(statuses, name) in ("failed", "crashed", "timed out")
+    def failed(case):
+        return statuses.get(f"triage-{case}") in NOT_OK
 
-    def ok(name):
-        return case_status(statuses, name) == "ok"
+    def ok(case):
+        return statuses.get(f"triage-{case}") == "ok"
 
     cases = [f"sdpa-{b}-{t}" for t in TRIAGE_TOKENS for b in SDPA_BACKENDS]
     cases += [f"lora-rank{r}" for r in LORA_RANKS] + [f"flux-path-{s}" for s in FLUX_PATH_SETTINGS]
@@ -211,12 +207,13 @@ def triage_verdict(statuses: dict[str, str]) -> list[str]:
         lines.append(f"The LoRA's thin bf16 matmuls fail {where} (cuBLAS split-K): the product should set "
                      "allow_bf16_reduced_precision_reduction = False on CUDA, or run the LoRA factors' matmuls in "
                      "float32" + (", or raise the minimum rank to 16" if ok("lora-rank16") else "") + ".")
-    if failed("flux-path-as-crashed"):
-        fixes = [s for s in FLUX_PATH_SETTINGS if s != "as-crashed" and ok(f"flux-path-{s}")]
-        lines.append("The FLUX path fails as it crashed and passes with " + " and with ".join(fixes)
-                     + ": that setting is the fix to make the product's default on CUDA." if fixes else
-                     "The FLUX path fails under every setting: neither suspect alone explains it; next suspects: "
-                     "gradient checkpointing, RoPE, the joint pass's batch.")
+    fixes = [s for s in FLUX_PATH_SETTINGS if s != "as-crashed" and ok(f"flux-path-{s}")]
+    if failed("flux-path-as-crashed") and fixes:
+        lines.append(f"The FLUX path fails as it crashed and passes with {' and with '.join(fixes)}: that setting "
+                     "is the fix to make the product's default on CUDA.")
+    elif failed("flux-path-as-crashed"):
+        lines.append("The FLUX path fails under every setting run: neither suspect alone explains it; next "
+                     "suspects: gradient checkpointing, RoPE, the joint pass's batch.")
     elif ok("flux-path-as-crashed"):
         lines.append("The FLUX path passes at reduced depth: the crash needs the real depth (memory, or a kernel "
                      "chosen for its shapes); the real-size bench-flux-dev decides.")
