@@ -45,7 +45,7 @@ def test_the_check_has_a_step_for_each_figure_the_issue_asks_for():
                                    "wan21-t2v-1.3b")} <= set(names)
     assert {f"quantize-sd35-medium-{b}" for b in ("bf16", "int8", "nf4")} <= set(names)
     steps = all_steps(CheckOptions())
-    assert all(0 < s.cap_s <= 240 for s in steps) and all(s.env == {"CUDA_LAUNCH_BLOCKING": "1"}
+    assert all(0 < s.cap_s <= 300 for s in steps) and all(s.env == {"CUDA_LAUNCH_BLOCKING": "1"}
                                                           for s in steps if s.table == "triage")
     isolated = [s for s in steps if s.name.startswith(("triage-sdpa-", "triage-lora-"))]
     assert len(isolated) == 10 and sum(s.cap_s for s in isolated) <= 180  # the suspects apart within 3 minutes

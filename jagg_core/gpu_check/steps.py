@@ -34,6 +34,9 @@ REDUCED_BENCH_BATCH = ("grpo.prompts_per_iteration=1", "grpo.num_generations=2")
 #: the weightless reward of the measured memory runs
 MEASURE_REWARD = "jpeg_compressibility"
 LIBRARIES = ("torch", "diffusers", "transformers", "peft", "accelerate", "bitsandbytes", "torchao")
+#: caps of the real-size steps, and of those of the 20B Qwen-Image models (40 GB of random weights to make, and
+#: to quantize to NF4, before the first step)
+MEMORY_CAP_S, BENCH_CAP_S, QWEN_CAP_S = 200, 240, 300
 #: the simulated hang's cap under ``--reduced``
 HANG_CAP_S = 3
 
@@ -53,9 +56,11 @@ def all_steps(options: CheckOptions) -> list[Step]:
         steps += [Step("simulate-crash", "simulated", simulate_crash, cap_s=30, reduced_cap_s=60),
                   Step("simulate-hang", "simulated", simulate_hang, cap_s=30, reduced_cap_s=HANG_CAP_S)]
     steps += triage_steps()
-    steps += [Step(f"memory-{preset}", "memory", functools.partial(step_memory, preset), cap_s=200,
-                   reduced_cap_s=300) for preset in memory_presets()]
-    steps += [Step(f"bench-{arch}", "bench", functools.partial(step_bench, arch), cap_s=240, reduced_cap_s=300)
+    steps += [Step(f"memory-{preset}", "memory", functools.partial(step_memory, preset),
+                   cap_s=QWEN_CAP_S if preset.startswith("qwen-image") else MEMORY_CAP_S, reduced_cap_s=300)
+              for preset in memory_presets()]
+    steps += [Step(f"bench-{arch}", "bench", functools.partial(step_bench, arch),
+                   cap_s=QWEN_CAP_S if arch.startswith("qwen-image") else BENCH_CAP_S, reduced_cap_s=300)
               for arch in BENCH_ARCHS]
     steps += [Step(f"quantize-{QUANTIZE_ARCH}-{base}", "quantize", functools.partial(step_quantize, base),
                    cap_s=180, reduced_cap_s=300) for base in QUANTIZE_BASES]
