@@ -213,6 +213,12 @@ def test_a_reduced_check_runs_each_kind_of_real_size_step_and_writes_its_tables(
     assert table in done.stdout and "0 step(s) not ok" in done.stdout
 
 
+def test_the_nf4_steps_are_skipped_on_a_cpu_before_they_build_anything():
+    from jagg_core.gpu_check.steps import step_bench, step_quantize
+    for rows in (step_bench("qwen-image", REDUCED), step_quantize("nf4", REDUCED)):
+        assert [(r["status"], r["reason"]) for r in rows] == [("skipped", "NF4 (bitsandbytes) needs a CUDA GPU")]
+
+
 def test_an_unknown_step_is_one_line(tmp_path):
     done = run_gpu_check("--only", "tiny-sdxl", "--out", str(tmp_path))
     assert done.returncode == 2 and "Traceback" not in done.stderr

@@ -39,9 +39,9 @@ FLUX_SHAPE = {"samples": 16, "heads": 24, "head_dim": 128}
 #: ``--reduced``: 2 samples, 2 heads of 32 (width 64), tokens / 16
 REDUCED_SHAPE = {"samples": 2, "heads": 2, "head_dim": 32}
 REDUCED_TOKEN_DIVISOR = 16
-#: largest relative error against the float32 MATH reference that bf16 is allowed (8 bits of mantissa, and sums
-#: of ~1,000 terms)
-BF16_TOLERANCE = 0.05
+#: largest relative error (max |error| / max |reference|) against float32 that bf16 is allowed: its rounding
+#: (2^-8) over sums of ~1,000 to ~17,000 terms stays near 0.01; a broken kernel gives NaN or errors near 1
+BF16_TOLERANCE = 0.1
 #: 1 double- and 2 single-stream blocks: FLUX's real 1 : 2 proportion, the real width
 FLUX_PATH_LAYERS = 3
 #: the FLUX path's cases: as it crashed, and without each suspect (a process-wide torch switch, so the project's
