@@ -1,4 +1,5 @@
-"""The one-command GPU check, run here at toy size (``--reduced``): its steps, outputs and failure handling."""
+"""The one-command GPU check without a GPU: its order and resume from the ledger, the isolation of each step
+(a crash, a hang past its cap), the FLUX crash triage at toy size, the real-size steps at toy size (``--reduced``)."""
 
 from __future__ import annotations
 
@@ -12,26 +13,148 @@ import pytest
 
 from conftest import ROOT
 from jagg_core.config import load_config
-from jagg_core.gpu_check import (CheckOptions, format_tables, memory_presets, memory_recipe, run_check,
-                                 step_names, _step_process)
+from jagg_core.gpu_check import (CheckOptions, all_steps, format_tables, memory_presets, memory_recipe, plan_order,
+                                 read_ledger, run_check, step_names, triage_verdict)
 
 OFFLINE = {"HF_HUB_OFFLINE": "1"}
+REDUCED = CheckOptions(reduced=True)
 
 
 def run_gpu_check(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "jagg_core.gpu_check", *args], cwd=ROOT, capture_output=True,
-                          text=True, env={**os.environ, **OFFLINE}, timeout=1200)
+                          text=True, env={**os.environ, **OFFLINE}, timeout=3600)
 
 
-def test_the_check_covers_every_family_both_real_archs_and_the_16_24_gb_presets():
+def write_record(folder, name, date, rows, reduced=False):
+    (folder / f"{name}.json").write_text(json.dumps({"date": date, "options": {"reduced": reduced}, "rows": rows}))
+
+
+def test_the_check_has_a_step_for_each_figure_the_issue_asks_for():
     names = step_names()
-    assert names[:4] == ["device", "tiny-sd3", "tiny-flux", "tiny-qwen"]
-    assert {"bench-sd35-medium", "bench-flux-dev"} <= set(names)
+    assert names[0] == "device" and "simulate-crash" not in names and "simulate-crash" in step_names(REDUCED)
+    triage = [n for n in names if n.startswith("triage-")]
+    backends = ("cudnn", "flash", "efficient", "math")
+    assert {f"triage-sdpa-{b}-{t}" for b in backends for t in (1101, 1152)} <= set(triage)
+    assert {"triage-lora-rank4", "triage-lora-rank16", "triage-flux-path-as-crashed"} <= set(triage)
     assert set(memory_presets()) == {"sd35-medium-pickscore-16gb", "flux-dev-pickscore-24gb",
                                      "qwen-image-pickscore-24gb", "flux2-klein-pickscore-24gb",
                                      "zimage-turbo-pickscore-24gb", "wan21-t2v-1.3b-pickscore-24gb",
                                      "flux-kontext-clipdir-24gb", "qwen-image-edit-clipdir-24gb"}
     assert {f"memory-{p}" for p in memory_presets()} <= set(names)
+    assert {f"bench-{a}" for a in ("sd35-medium", "flux-dev", "qwen-image", "flux2-klein-4b", "z-image-turbo",
+                                   "wan21-t2v-1.3b")} <= set(names)
+    assert {f"quantize-sd35-medium-{b}" for b in ("bf16", "int8", "nf4")} <= set(names)
+    steps = all_steps(CheckOptions())
+    assert all(0 < s.cap_s <= 300 for s in steps) and all(s.env == {"CUDA_LAUNCH_BLOCKING": "1"}
+                                                          for s in steps if s.table == "triage")
+    isolated = [s for s in steps if s.name.startswith(("triage-sdpa-", "triage-lora-"))]
+    assert len(isolated) == 10 and sum(s.cap_s for s in isolated) <= 180  # the suspects apart within 3 minutes
+
+
+def test_the_order_puts_the_device_then_the_never_measured_then_the_last_failed(tmp_path):
+    write_record(tmp_path, "old", "2026-11-30", [
+        {"step": "device", "status": "ok"}, {"step": "tiny-sd3", "status": "ok"},
+        {"step": "bench-flux-dev", "status": "failed", "reason": "CUDA error"},
+        {"step": "bench-sd35-medium", "status": "ok"},
+        {"step": "memory-flux2-klein-pickscore-24gb", "status": "skipped", "reason": "the 430 s budget is spent"}])
+    write_record(tmp_path, "bench-sd35-medium", "2026-12-01T10:00:00+00:00",  # newer: it failed since
+                 [{"step": "bench-sd35-medium", "status": "crashed", "reason": "killed by SIGSEGV"}])
+    write_record(tmp_path, "tiny-flux", "2026-12-01T10:00:00+00:00", [  # skipped on this device is done
+        {"step": "tiny-flux", "status": "ok"}, {"step": "tiny-flux", "status": "skipped", "reason": "NF4"}])
+    write_record(tmp_path, "reduced", "2026-12-02", [{"step": "tiny-qwen", "status": "ok"}], reduced=True)
+    ledger = read_ledger([tmp_path], CheckOptions())
+    assert {name: o.status for name, o in ledger.items()} == {
+        "device": "ok", "tiny-sd3": "ok", "tiny-flux": "ok", "bench-flux-dev": "failed", "bench-sd35-medium": "crashed"}
+    assert ledger["bench-sd35-medium"].date.startswith("2026-12-01")
+
+    order = [s.name for s in plan_order(all_steps(CheckOptions()), ledger)]
+    never = [n for n in step_names() if n not in ledger]
+    assert order == ["device", *never, "bench-sd35-medium", "bench-flux-dev"]
+    assert order.index("triage-sdpa-cudnn-1101") == 1 and "memory-flux2-klein-pickscore-24gb" in never
+    assert "tiny-sd3" not in order and "tiny-qwen" in order  # measured ok: not again; the reduced file is apart
+    assert [s.name for s in plan_order(all_steps(CheckOptions()), ledger, only=["tiny-sd3"])] == ["tiny-sd3"]
+
+
+def test_the_committed_ledger_marks_what_the_first_check_measured_with_its_date():
+    ledger = read_ledger([ROOT / "docs" / "gpu"], CheckOptions())
+    assert ledger["bench-sd35-medium"].status == "ok" and ledger["bench-sd35-medium"].date.startswith("2026-11-30")
+    assert ledger["bench-flux-dev"].status == "failed" and ledger["memory-flux-kontext-clipdir-24gb"].status == "failed"
+    assert {"memory-sd35-medium-pickscore-16gb", "memory-zimage-turbo-pickscore-24gb", "tiny-qwen"} <= set(ledger)
+    assert "memory-qwen-image-pickscore-24gb" not in ledger  # skipped for the budget: never measured
+    table = format_tables(ledger, all_steps(CheckOptions()), CheckOptions())
+    assert "| bench-sd35-medium | 240 | ok | 2026-11-30 | 65 |" in table
+    assert "| triage-lora-rank4 | 15 | never measured | - | - |" in table
+
+
+def test_a_crash_and_a_hang_leave_their_rows_and_the_next_step_still_runs(tmp_path):
+    lines = []
+    rows = run_check(tmp_path, REDUCED, budget_s=600, only=["simulate-crash", "simulate-hang", "triage-sdpa-math-1101"],
+                     caps={"simulate-hang": 2}, log=lines.append)
+    by_step = {row["step"]: row for row in rows}
+    assert by_step["simulate-crash"]["status"] == "crashed" and "SIGSEGV" in by_step["simulate-crash"]["reason"]
+    assert by_step["simulate-hang"] == {"step": "simulate-hang", "status": "timed out",
+                                        "reason": "ran past its 2 s cap"}
+    assert by_step["triage-sdpa-math-1101"]["status"] == "ok"
+    for name in by_step:  # each step's record and whole log, beside each other
+        record = json.loads((tmp_path / f"{name}.json").read_text())
+        assert record["rows"] == [by_step[name]] and record["options"]["reduced"] and record["date"]
+        assert (tmp_path / f"{name}.log").is_file()
+    assert "killing this process with SIGSEGV" in (tmp_path / "simulate-crash.log").read_text()
+    table = (tmp_path / "gpu_check.md").read_text()
+    assert "| simulate-crash | 60 | crashed: killed by SIGSEGV |" in table
+    assert "| simulate-hang | 3 | timed out" in table
+
+
+def test_a_real_size_check_without_a_gpu_stops_after_the_device_step(tmp_path):
+    lines = []
+    rows = run_check(tmp_path, CheckOptions(), only=["device", "tiny-sd3"], log=lines.append)
+    assert rows == [{"step": "device", "status": "failed", "cuda": False, "versions": rows[0]["versions"],
+                     "reason": "CUDA is not visible: torch.cuda.is_available() is False"}]
+    assert "stopping" in lines[-1] and not (tmp_path / "tiny-sd3.json").exists()
+
+
+def test_a_step_whose_cap_does_not_fit_is_not_started_and_a_shorter_one_is(tmp_path):
+    lines = []
+    rows = run_check(tmp_path, REDUCED, budget_s=50, only=["triage-flux-path-as-crashed", "simulate-hang"],
+                     caps={"simulate-hang": 1}, log=lines.append)
+    assert [row["step"] for row in rows] == ["simulate-hang"]
+    assert "not started, their cap more than the time left: triage-flux-path-as-crashed (300 s > 50 s)" in lines[-1]
+    assert not (tmp_path / "triage-flux-path-as-crashed.json").exists()
+
+
+def test_the_triage_runs_on_a_cpu_at_toy_size_and_skips_the_kernels_it_lacks(tmp_path):
+    names = ["triage-sdpa-cudnn-1101", "triage-sdpa-math-1152", "triage-lora-rank4"]
+    rows = {row["step"]: row for row in run_check(tmp_path, REDUCED, budget_s=600, only=names, log=lambda _: None)}
+    cudnn, math_1152, lora = (rows[name] for name in names)
+    assert cudnn["status"] == "skipped" and "no cudnn kernel" in cudnn["reason"]
+    assert math_1152["status"] == "ok" and math_1152["tokens"] == 1152 // 16 and math_1152["out_err"] < 1e-5
+    assert lora["status"] == "ok" and lora["rank"] == 4 and lora["grad_down_err"] < 1e-3
+
+
+@pytest.mark.parametrize("outcome, says", [
+    ({}, "has not run yet"),
+    ({"triage-sdpa-cudnn-1101": "crashed", "triage-sdpa-cudnn-1152": "ok", "triage-lora-rank4": "ok"},
+     "cuDNN SDPA fails only at lengths not a multiple of 128"),
+    ({"triage-lora-rank4": "failed", "triage-lora-rank16": "ok"}, "fail at rank 4 only (cuBLAS split-K)"),
+    ({"triage-flux-path-as-crashed": "crashed", "triage-flux-path-no-cudnn-sdpa": "ok",
+      "triage-flux-path-no-bf16-split-k": "crashed"}, "passes with no-cudnn-sdpa"),
+    ({"triage-flux-path-as-crashed": "failed", "triage-flux-path-no-cudnn-sdpa": "failed"}, "neither suspect"),
+    ({"triage-flux-path-as-crashed": "ok"}, "needs the real depth"),
+])
+def test_the_triage_verdict_names_the_fix_each_outcome_implies(outcome, says):
+    assert says in " ".join(triage_verdict(outcome))
+
+
+def test_the_command_shows_the_order_resumes_and_survives_a_crash(tmp_path):
+    out = str(tmp_path / "out")
+    first = run_gpu_check("--reduced", "--out", out, "--only", "simulate-crash,triage-sdpa-math-1101")
+    assert first.returncode == 1 and "1 step(s) not ok: simulate-crash" in first.stdout
+    again = run_gpu_check("--reduced", "--out", out, "--budget", "0")
+    assert again.returncode == 0, again.stderr
+    order = [line.split("]   ")[1] for line in again.stderr.splitlines() if "]   " in line]
+    assert order[0].startswith("device: never measured") and order[1].startswith("simulate-hang: never measured")
+    assert order[-1].startswith("simulate-crash: last crashed on 20")  # last failed: after every never-measured
+    assert not any(line.startswith("triage-sdpa-math-1101") for line in order)  # measured: not run again
 
 
 @pytest.mark.parametrize("preset", ["sd35-medium-pickscore-16gb", "flux-dev-pickscore-24gb",
@@ -57,15 +180,13 @@ def test_the_measured_recipe_keeps_what_memory_depends_on(preset):
     assert measured.grpo.prompts_per_iteration == 1 and measured.prompts.eval_count <= measured.grpo.num_generations
 
 
-def test_a_reduced_check_runs_each_kind_of_step_and_writes_its_tables(tmp_path):
-    out = tmp_path / "out"
-    done = run_gpu_check("--reduced", "--out", str(out), "--budget-s", "1200",
-                         "--only", "device,tiny-sd3,bench-sd35-medium,memory-sd35-medium-pickscore-16gb")
+def test_a_reduced_check_runs_each_kind_of_real_size_step_and_writes_its_tables(tmp_path):
+    names = ("tiny-sd3", "bench-sd35-medium", "memory-sd35-medium-pickscore-16gb")
+    no_caps = [arg for name in names for arg in ("--cap", f"{name}=1200")]  # a loaded CPU: no time limit here
+    done = run_gpu_check("--reduced", "--out", str(tmp_path), "--budget", "3600", "--only", ",".join(names), *no_caps)
     assert done.returncode == 0, done.stdout + done.stderr
-    report = json.loads((out / "gpu_check.json").read_text())
-    rows = {(r["step"], r.get("recipe") or r.get("mode")): r for r in report["rows"]}
-
-    assert rows[("device", None)]["status"] == "ok" and rows[("device", None)]["versions"]["diffusers"]
+    rows = {(r["step"], r.get("recipe") or r.get("mode")): r for name in names
+            for r in json.loads((tmp_path / f"{name}.json").read_text())["rows"]}
     for recipe in ("bf16", "int8"):  # 2 iterations in bf16 with 8-bit AdamW, then the loss and rewards
         tiny = rows[("tiny-sd3", recipe)]
         assert tiny["status"] == "ok" and math.isfinite(tiny["loss"]) and math.isfinite(tiny["eval_reward"])
@@ -82,46 +203,35 @@ def test_a_reduced_check_runs_each_kind_of_step_and_writes_its_tables(tmp_path):
     assert 0.75 <= memory["planned_over_measured"] <= 1.25, memory
     assert memory["preset_planned_gb"] > 5 * memory["planned_setup_gb"]  # the preset at 512 px with the real encoders
 
-    table = (out / "gpu_check.md").read_text()
+    table = (tmp_path / "gpu_check.md").read_text()
     assert "| tiny-sd3 | int8 | ok |" in table and "JAGG W=5 cached joint" in table
+    assert "| random:sd35-medium@1 | none | 64 | JAGG W=5 cached joint | ok |" in table
     assert "| sd35-medium-pickscore-16gb | ok |" in table
-    assert table in done.stdout and "0 failed" in done.stdout
-    assert "===== memory-sd35-medium-pickscore-16gb =====" in (out / "gpu_check.log").read_text()
+    assert table in done.stdout and "0 step(s) not ok" in done.stdout
 
 
-def test_a_failing_step_is_a_row_with_its_reason(tmp_path):
-    log = tmp_path / "log"
-    log.write_text("")
-    rows = _step_process("bench-no-such-arch", CheckOptions(reduced=True), 300, log)
-    assert rows == [{"step": "bench-no-such-arch", "status": "failed", "reason": rows[0]["reason"]}]
-    assert "unknown arch 'no-such-arch'" in rows[0]["reason"]
-
-
-def test_steps_past_the_budget_are_skipped_and_reported(tmp_path):
-    rows = run_check(tmp_path, CheckOptions(reduced=True), budget_s=0, log=lambda line: None)
-    assert [r["step"] for r in rows] == step_names()
-    assert all(r["status"] == "skipped" and "budget" in r["reason"] for r in rows)
-    saved = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert saved["rows"] == rows and "skipped: the 0 s budget is spent" in (tmp_path / "gpu_check.md").read_text()
+def test_the_nf4_steps_are_skipped_on_a_cpu_before_they_build_anything():
+    from jagg_core.gpu_check.steps import step_bench, step_quantize
+    for rows in (step_bench("qwen-image", REDUCED), step_quantize("nf4", REDUCED)):
+        assert [(r["status"], r["reason"]) for r in rows] == [("skipped", "NF4 (bitsandbytes) needs a CUDA GPU")]
 
 
 def test_an_unknown_step_is_one_line(tmp_path):
     done = run_gpu_check("--only", "tiny-sdxl", "--out", str(tmp_path))
     assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert "unknown step(s) tiny-sdxl; steps: device, tiny-sd3" in done.stderr
+    assert "unknown step(s) tiny-sdxl; steps: device, triage-sdpa-cudnn-1101" in done.stderr
 
 
-def test_the_tables_read_without_a_gpu():
-    rows = [{"step": "device", "status": "failed", "reason": "CUDA is not visible", "cuda": False,
-             "versions": {"torch": "2.13.0"}}]
-    text = format_tables(rows, CheckOptions(), 3.0)
-    assert text.startswith("GPU check (real size), 3 s: no GPU; torch 2.13.0")
+def test_the_tables_read_without_a_gpu_or_a_ledger():
+    text = format_tables({}, all_steps(CheckOptions()), CheckOptions())
+    assert text.startswith("GPU check (real size). Last device: device not checked.")
+    assert "| device | 30 | never measured | - | - |" in text and "The triage has not run yet." in text
 
 
 def test_the_script_runs_the_check_into_its_folder(tmp_path):
-    done = subprocess.run(["bash", "scripts/gpu_check.sh", str(tmp_path / "out"), "--reduced", "--only", "device"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+    done = subprocess.run(["bash", "scripts/gpu_check.sh", "--out", str(tmp_path / "out"), "--reduced", "--only",
+                           "device"], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHON": sys.executable})
     assert done.returncode == 0, done.stderr
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["gpu_check.json", "gpu_check.log", "gpu_check.md"]
-    assert "1 rows, 0 failed" in done.stdout
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["device.json", "device.log", "gpu_check.md"]
+    assert "1 rows this run, 0 step(s) not ok" in done.stdout

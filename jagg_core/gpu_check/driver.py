@@ -1,0 +1,249 @@
+"""The check's driver: the order (:mod:`.ledger`), one process per step under its cap, the files, the tables."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict
+from datetime import datetime, timezone
+from pathlib import Path
+
+from ..report import cell, markdown_table
+from .common import GB, NOT_OK, CheckOptions, Step, one_line
+from .ledger import Outcome, describe_order, plan_order, read_ledger, step_status
+from .steps import all_steps, run_step, step_names
+from .triage import triage_verdict
+
+#: one call on the GPU machine: the device time lent is about 15 minutes in all, with the machine's start
+DEFAULT_BUDGET_S = 480
+#: the ledger and outputs of a real-size check, and of a ``--reduced`` one (git-ignored)
+DEFAULT_OUT, REDUCED_OUT = Path("docs/gpu"), Path("gpu_check")
+TABLE_FILE = "gpu_check.md"
+
+
+def now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def run_step_process(step: Step, options: CheckOptions, cap_s: float, log_file: Path) -> list[dict]:
+    """``step`` in a process of its own (a session: its children die with it), its output into ``log_file``.
+    Killed past ``cap_s``: a ``timed out`` row; dead without its rows (a signal, a CUDA context gone): a
+    ``crashed`` row with the signal and the log's last error line."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result_file = Path(tmp) / "rows.json"
+        command = [sys.executable, "-m", "jagg_core.gpu_check", "--step", step.name, "--result", str(result_file),
+                   "--threads", str(options.threads), *(["--reduced"] if options.reduced else [])]
+        with log_file.open("w") as handle:
+            process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
+                                       env={**os.environ, "PYTHONUNBUFFERED": "1", **step.env})
+            try:
+                code = process.wait(timeout=cap_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+                return [{"step": step.name, "status": "timed out", "reason": f"ran past its {cap_s:g} s cap"}]
+        if result_file.is_file():  # the rows came out, whatever the exit (a broken CUDA context may fail it)
+            return json.loads(result_file.read_text())
+        died = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
+        error = last_error(log_file)
+        return [{"step": step.name, "status": "crashed", "reason": died + (f"; {error}" if error else "")}]
+
+
+def last_error(log: Path) -> str:
+    """The last line of the log that names an error (a traceback ends with it)."""
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    errors = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b", line)]
+    return errors[-1][:300] if errors else ""
+
+
+def run_check(out: Path, options: CheckOptions, budget_s: float = DEFAULT_BUDGET_S, only: list[str] | None = None,
+              ledger_folder: Path | None = None, caps: dict[str, float] | None = None, log=print) -> list[dict]:
+    """The steps of :func:`~.ledger.plan_order` within ``budget_s``: a step starts only while its whole cap
+    (``caps`` or its own) fits in what is left, else the next, shorter one gets the time. Each step leaves
+    ``out/STEP.json`` and ``out/STEP.log``; ``out/gpu_check.md`` (the tables of the ledger and this run) is
+    rewritten after each; a real-size check stops when the device step finds no GPU. Returns this run's rows."""
+    steps, caps = all_steps(options), caps or {}
+    unknown = sorted(set(only or ()) - {step.name for step in steps})
+    if unknown:
+        from ..errors import UserError
+        raise UserError(f"unknown step(s) {', '.join(unknown)}; steps: {', '.join(s.name for s in steps)}")
+    out.mkdir(parents=True, exist_ok=True)
+    ledger = read_ledger([ledger_folder or out, out], options)
+    order = plan_order(steps, ledger, only)
+    log(f"[gpu-check] {len(ledger)} step(s) already measured; this run's order, within {budget_s:g} s:")
+    for line in describe_order(order, ledger, options):
+        log(f"[gpu-check]   {line}")
+    (out / TABLE_FILE).write_text(format_tables(ledger, steps, options))
+    start, rows, not_started = time.perf_counter(), [], []
+    for step in order:
+        cap, left = caps.get(step.name, step.cap(options)), budget_s - (time.perf_counter() - start)
+        if cap > left:
+            not_started.append(f"{step.name} ({cap:g} s > {left:.0f} s)")
+            continue
+        log(f"[gpu-check] {step.name} (cap {cap:g} s, {left:.0f} s left)")
+        step_start, date = time.perf_counter(), now()
+        step_rows = run_step_process(step, options, cap, out / f"{step.name}.log")
+        seconds = time.perf_counter() - step_start
+        record = {"date": date, "step": step.name, "cap_s": cap, "seconds": seconds, "options": asdict(options),
+                  "rows": step_rows}
+        (out / f"{step.name}.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
+        ledger[step.name] = Outcome(step_status(step_rows), date, step_rows, seconds)
+        log(f"[gpu-check] {step.name}: {ledger[step.name].status} in {seconds:.0f} s")
+        rows += step_rows
+        (out / TABLE_FILE).write_text(format_tables(ledger, steps, options))
+        if step.name == "device" and ledger["device"].status != "ok":
+            log("[gpu-check] no GPU to check: the other steps would measure the CPU; stopping")
+            break
+    if not_started:
+        log(f"[gpu-check] not started, their cap more than the time left: {', '.join(not_started)}")
+    return rows
+
+
+# ----- the tables ---------------------------------------------------------------------------------------
+def _f(value, spec: str = ".2f") -> str:
+    return cell(value, spec)
+
+
+def _status(row: dict) -> str:
+    return row["status"] + (f": {row['reason']}" if row.get("reason") and row["status"] != "ok" else "")
+
+
+def _backward(row: dict) -> str:
+    if row.get("mode") in (None, "exact"):
+        return row.get("mode") or "-"
+    return f"JAGG W={row['window']} {row['mode']} {'joint' if row.get('joint') else 'sequential'}"
+
+
+def _peak(row: dict) -> str:
+    return _f(row["peak_mem_mb"] * 2 ** 20 / GB if row.get("peak_mem_mb") else None)
+
+
+def format_tables(ledger: dict[str, Outcome], steps: list[Step], options: CheckOptions) -> str:
+    """The markdown report of the ledger: every step's last outcome and date (or never measured), the triage's
+    verdict, then the figures by table: triage, whole iterations, quantization, memory, tiny runs."""
+    size = "reduced: 1 block, 64 px, on the CPU" if options.reduced else "real size"
+    device = ledger["device"].rows[0] if "device" in ledger else {}
+    machine = (f"{device.get('gpu', 'no GPU')}; torch {device['versions']['torch']}, "
+               f"checked {ledger['device'].date[:10]}" if device.get("versions") else "device not checked")
+    parts = [f"GPU check ({size}). Last device: {machine}.",
+             markdown_table(["step", "cap s", "last outcome", "date", "s"],
+                            [[s.name, _f(s.cap(options), ".0f"), _outcome(ledger.get(s.name)),
+                              ledger[s.name].date[:10] if s.name in ledger else "-",
+                              _f(ledger[s.name].seconds, ".0f") if s.name in ledger else "-"] for s in steps])]
+    rows = {table: [row for s in steps if s.table == table and s.name in ledger for row in ledger[s.name].rows]
+            for table in {s.table for s in steps}}
+    statuses = {name: outcome.status for name, outcome in ledger.items()}
+    parts.append("Triage of the FLUX.1-dev crash:\n\n" + "\n".join(f"- {line}" for line in triage_verdict(statuses)))
+    if rows.get("triage"):
+        parts.append(markdown_table(["triage case", "status", "out err", "grad err", "shape"],
+                                    [[r["step"], _status(r), _f(r.get("out_err"), ".1e"),
+                                      _f(r.get("grad_err", r.get("grad_down_err")), ".1e"), _shape(r)]
+                                     for r in rows["triage"]]))
+    if rows.get("bench") or rows.get("quantize"):
+        parts.append(markdown_table(
+            ["whole iteration (random weights)", "base", "px", "backward", "status", "rollout s", "train s",
+             "train speed-up", "iteration speed-up", "grad cosine", "peak GB"],
+            [[r.get("model", r["step"]), r.get("quantize", "none"), _f(r.get("resolution"), "d"), _backward(r),
+              _status(r), _f(r.get("rollout_s")), _f(r.get("train_s")), _f(r.get("speedup")),
+              _f(r.get("iteration_speedup")), _f(r.get("grad_cosine"), ".4f"), _peak(r)]
+             for r in rows.get("bench", []) + rows.get("quantize", [])]))
+    if rows.get("memory"):
+        parts.append(markdown_table(
+            ["preset recipe (random weights)", "status", "set-up planned / measured GB",
+             "training planned / measured GB", "planned / measured", "preset's plan GB"],
+            [[r.get("preset", r["step"]), _status(r),
+              f"{_f(r.get('planned_setup_gb'))} / {_f(r.get('measured_setup_gb'))}",
+              f"{_f(r.get('planned_gb'))} / {_f(r.get('measured_gb'))}", _f(r.get("planned_over_measured")),
+              _f(r.get("preset_planned_gb"))] for r in rows["memory"]]))
+    if rows.get("tiny"):
+        parts.append(markdown_table(
+            ["model", "base (bf16, 8-bit AdamW)", "status", "loss", "reward", "eval reward", "s", "peak GB"],
+            [[r["step"], r.get("recipe", "-"), _status(r), _f(r.get("loss"), "+.5f"), _f(r.get("reward"), ".3f"),
+              _f(r.get("eval_reward"), ".3f"), _f(r.get("seconds"), ".1f"), _f(r.get("peak_gb"))]
+             for r in rows["tiny"]]))
+    return "\n\n".join(parts) + "\n"
+
+
+def _outcome(outcome: Outcome | None) -> str:
+    if outcome is None:
+        return "never measured"
+    reasons = [row["reason"] for row in outcome.rows if row["status"] == outcome.status and row.get("reason")]
+    return outcome.status + (f": {reasons[0]}" if reasons and outcome.status != "ok" else "")
+
+
+def _shape(row: dict) -> str:
+    if "rank" in row:
+        return f"rank {row['rank']}, {row['rows']} x {row['width']}, {row['dtype']}"
+    if "tokens" in row:
+        return f"{row['samples']} x {row['heads']} heads x {row['tokens']} tokens x {row['head_dim']}, {row['dtype']}"
+    return row.get("setting", "-")
+
+
+# ----- the command ----------------------------------------------------------------------------------------
+def _cap(text: str) -> tuple[str, float]:
+    name, _, seconds = text.partition("=")
+    return name, float(seconds)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from . import __doc__ as overview
+    parser = argparse.ArgumentParser(prog="python -m jagg_core.gpu_check", description=overview.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, help=f"folder of each step's STEP.json and STEP.log and of {TABLE_FILE} "
+                        f"(default {DEFAULT_OUT}, with --reduced {REDUCED_OUT})")
+    parser.add_argument("--ledger", type=Path, help="folder of the earlier checks' *.json (default: --out)")
+    parser.add_argument("--reduced", action="store_true",
+                        help="real architectures at 1 block and 64 px, the simulated crash and hang (no GPU needed)")
+    parser.add_argument("--only", help="comma-separated steps to run whatever the ledger says: "
+                        + ", ".join(step_names()))
+    parser.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S,
+                        help=f"seconds for the whole check; a step starts only if its cap fits (default "
+                        f"{DEFAULT_BUDGET_S})")
+    parser.add_argument("--cap", type=_cap, action="append", default=[], metavar="STEP=SECONDS",
+                        help="another cap for one step (repeatable)")
+    parser.add_argument("--table", action="store_true", help=f"print the ledger's tables ({TABLE_FILE}) and exit")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads of the steps (default 2)")
+    parser.add_argument("--step", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    options = CheckOptions(reduced=args.reduced, threads=args.threads)
+    from ..errors import exit_on_user_error
+    from ..quiet import quiet_libraries
+    quiet_libraries()
+    if args.step:
+        return _run_one_step(args.step, Path(args.result), options)
+    out = args.out or (REDUCED_OUT if args.reduced else DEFAULT_OUT)
+    if args.table:
+        ledger = read_ledger([args.ledger or out, out], options)
+        print(format_tables(ledger, all_steps(options), options), end="")
+        return 0
+    with exit_on_user_error(parser.prog):
+        rows = run_check(out, options, args.budget, args.only.split(",") if args.only else None, args.ledger,
+                         dict(args.cap), log=lambda line: print(line, file=sys.stderr, flush=True))
+        print((out / TABLE_FILE).read_text(), end="")
+        not_ok = sorted({r["step"] for r in rows if r["status"] in NOT_OK})
+        print(f"{len(rows)} rows this run, {len(not_ok)} step(s) not ok{': ' + ', '.join(not_ok) if not_ok else ''}; "
+              f"{out / TABLE_FILE}")
+        return 1 if not_ok else 0
+
+
+def _run_one_step(name: str, result: Path, options: CheckOptions) -> int:
+    """A step's process: its rows into ``result``, then out at once (a broken CUDA context can hang the exit)."""
+    import torch
+    torch.set_num_threads(options.threads)
+    try:
+        rows = run_step(name, options)
+    except Exception as err:  # a step's failure is its row; the check goes on with the next step
+        traceback.print_exc()
+        rows = [{"step": name, "status": "failed", "reason": one_line(err)}]
+    result.write_text(json.dumps(rows, default=str))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -1,0 +1,81 @@
+"""What earlier checks measured, and what to run next.
+
+The ledger is every ``*.json`` of a folder (``docs/gpu/``, kept in the repo): a file holds ``date``, ``options``
+and ``rows`` (each with its ``step`` and ``status``): the check writes one file per step it runs
+(``STEP.json``, its log beside it as ``STEP.log``); the first check's two files hold several steps each. A step's
+last outcome is that of its rows in the newest file that has it (:func:`step_status`); rows skipped because a
+budget was spent do not count (the step was not run). Files of the other size (``--reduced`` or not) are ignored.
+
+:func:`plan_order` then puts first what is not yet known: the device (seconds; it says which machine this is),
+the steps never measured, then the steps whose last outcome was not ``ok``, each group in the order of
+registration (:func:`~.steps.all_steps`). Steps measured ok are not run again unless asked for by name.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .common import NOT_OK, CheckOptions, Step
+
+BUDGET_SKIP = "budget"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A step's last outcome in the ledger."""
+
+    status: str
+    date: str
+    rows: list[dict]
+    #: the step's seconds, its process start included
+    seconds: float | None
+
+
+def step_status(rows: list[dict]) -> str | None:
+    """A step's status from its rows: the first of :data:`~.common.NOT_OK` among them, else ``ok`` (rows skipped
+    on this device count as done), or None where every row is a budget skip (never run)."""
+    ran = [row for row in rows if not (row["status"] == "skipped" and BUDGET_SKIP in row.get("reason", ""))]
+    if not ran:
+        return None
+    return next((status for status in NOT_OK if any(row["status"] == status for row in ran)), "ok")
+
+
+def read_ledger(folders: list[Path], options: CheckOptions) -> dict[str, Outcome]:
+    """Each step's newest outcome in the ``*.json`` files of ``folders`` (those of the same ``reduced``)."""
+    outcomes: dict[str, Outcome] = {}
+    for path in sorted(p for folder in folders if folder.is_dir() for p in folder.glob("*.json")):
+        record = json.loads(path.read_text())
+        if "rows" not in record or record.get("options", {}).get("reduced", False) != options.reduced:
+            continue
+        by_step: dict[str, list[dict]] = {}
+        for row in record["rows"]:
+            by_step.setdefault(row["step"], []).append(row)
+        for step, rows in by_step.items():
+            status = step_status(rows)
+            earlier = outcomes.get(step)
+            if status and (earlier is None or record["date"] >= earlier.date):
+                seconds = record.get("seconds") if "step" in record else rows[0].get("step_s")
+                outcomes[step] = Outcome(status, record["date"], rows, seconds)
+    return outcomes
+
+
+def plan_order(steps: list[Step], ledger: dict[str, Outcome], only: list[str] | None = None) -> list[Step]:
+    """The steps to run, in order: ``only`` as given, else the device, the never measured, the last failed."""
+    if only:
+        return [next(step for step in steps if step.name == name) for name in only]
+    never = [step for step in steps if step.name not in ledger]
+    failed = [step for step in steps if step.name in ledger and ledger[step.name].status != "ok"]
+    device = [step for step in steps if step.name == "device"]
+    return device + [step for step in never + failed if step.name != "device"]
+
+
+def describe_order(order: list[Step], ledger: dict[str, Outcome], options: CheckOptions) -> list[str]:
+    """One line per step to run: why it runs (never measured, or its last outcome and date) and its cap."""
+    lines = []
+    for step in order:
+        last = ledger.get(step.name)
+        why = f"last {last.status} on {last.date[:10]}" if last else "never measured"
+        lines.append(f"{step.name}: {why}, cap {step.cap(options):.0f} s")
+    return lines

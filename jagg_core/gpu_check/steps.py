@@ -1,0 +1,248 @@
+"""The steps of the GPU check, each a function of :class:`~.common.CheckOptions` that returns its rows, and their
+order of registration (:func:`all_steps`), which is the order of the steps of equal priority (:mod:`.ledger`)."""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import math
+import os
+import re
+import signal
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+from .common import GB, CheckOptions, Step, one_line, peak_gb, reset_peak, torch_device
+from .triage import triage_steps
+
+TINY_MODELS = ("tiny-sd3", "tiny-flux", "tiny-qwen")
+#: the tiny runs: every one in bf16 with 8-bit AdamW, then the base as named
+TINY_BASE = ("train.iterations=2", "train.sample_every=2", "train.checkpoint_every=2", "model.dtype=bfloat16",
+             "train.mixed_precision=bf16", "train.optimizer=adamw8bit")
+RECIPES = {"bf16": (), "nf4": ("model.quantize=nf4",), "int8": ("model.quantize=int8",)}
+#: a real-size whole iteration (rollout + train) per family at the real depth, and the base it needs to fit
+BENCH_ARCHS = {"sd35-medium": None, "flux-dev": None, "qwen-image": "nf4", "flux2-klein-4b": None,
+               "z-image-turbo": None, "wan21-t2v-1.3b": None}
+#: the cost of quantization for training: the same iteration on each base of this family
+QUANTIZE_ARCH, QUANTIZE_BASES = "sd35-medium", ("bf16", "int8", "nf4")
+#: the real-size bench's window: W = 5, cached velocities, joint endpoints (the project's default backward)
+BENCH_WINDOW = 5
+#: the reduced bench's rollout batch: one prompt, two samples
+REDUCED_BENCH_BATCH = ("grpo.prompts_per_iteration=1", "grpo.num_generations=2")
+#: the weightless reward of the measured memory runs
+MEASURE_REWARD = "jpeg_compressibility"
+LIBRARIES = ("torch", "diffusers", "transformers", "peft", "accelerate", "bitsandbytes", "torchao")
+#: caps of the real-size steps, and of those of the 20B Qwen-Image models (40 GB of random weights to make, and
+#: to quantize to NF4, before the first step)
+MEMORY_CAP_S, BENCH_CAP_S, QWEN_CAP_S = 200, 240, 300
+#: the simulated hang's cap under ``--reduced``
+HANG_CAP_S = 3
+
+
+def memory_presets() -> list[str]:
+    """The presets made for 16 and 24 GB cards (named ``...-16gb``, ``...-24gb``)."""
+    from ..config import list_presets
+    return [name for name in list_presets() if re.search(r"-(16|24)gb$", name)]
+
+
+def all_steps(options: CheckOptions) -> list[Step]:
+    """Every step, in the order of registration: the device, the crash triage (seconds each), the presets'
+    memory recipes, the real-size whole iterations, the quantization's cost, the tiny runs; ``--reduced`` adds
+    the simulated crash and hang after the device (they show the isolation on any machine)."""
+    steps = [Step("device", "device", step_device, cap_s=30, reduced_cap_s=60)]
+    if options.reduced:
+        steps += [Step("simulate-crash", "simulated", simulate_crash, cap_s=30, reduced_cap_s=60),
+                  Step("simulate-hang", "simulated", simulate_hang, cap_s=30, reduced_cap_s=HANG_CAP_S)]
+    steps += triage_steps()
+    steps += [Step(f"memory-{preset}", "memory", functools.partial(step_memory, preset),
+                   cap_s=QWEN_CAP_S if preset.startswith("qwen-image") else MEMORY_CAP_S, reduced_cap_s=300)
+              for preset in memory_presets()]
+    steps += [Step(f"bench-{arch}", "bench", functools.partial(step_bench, arch),
+                   cap_s=QWEN_CAP_S if arch.startswith("qwen-image") else BENCH_CAP_S, reduced_cap_s=300)
+              for arch in BENCH_ARCHS]
+    steps += [Step(f"quantize-{QUANTIZE_ARCH}-{base}", "quantize", functools.partial(step_quantize, base),
+                   cap_s=180, reduced_cap_s=300) for base in QUANTIZE_BASES]
+    steps += [Step(model, "tiny", functools.partial(step_tiny, model), cap_s=60, reduced_cap_s=300)
+              for model in TINY_MODELS]
+    return steps
+
+
+def step_names(options: CheckOptions = CheckOptions()) -> list[str]:
+    return [step.name for step in all_steps(options)]
+
+
+def step_device(options: CheckOptions) -> list[dict]:
+    """Whether CUDA is visible, the GPU and its memory, and the library versions."""
+    import torch
+    row = {"step": "device", "status": "ok", "cuda": torch.cuda.is_available(),
+           "versions": {name: _version(name) for name in LIBRARIES}}
+    if row["cuda"]:
+        free, total = torch.cuda.mem_get_info()
+        row.update(gpu=torch.cuda.get_device_name(), gpu_total_gb=total / GB, gpu_free_gb=free / GB,
+                   capability=".".join(map(str, torch.cuda.get_device_capability())),
+                   cuda_version=torch.version.cuda, cudnn_version=torch.backends.cudnn.version(),
+                   bf16=torch.cuda.is_bf16_supported())
+    elif options.reduced:
+        row.update(reason="no GPU (--reduced runs on the CPU)")
+    else:
+        row.update(status="failed", reason="CUDA is not visible: torch.cuda.is_available() is False")
+    return [row]
+
+
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def simulate_crash(options: CheckOptions) -> list[dict]:
+    """Dies as a kernel fault kills a process (SIGSEGV), before it returns a row."""
+    print("simulate-crash: killing this process with SIGSEGV", flush=True)
+    os.kill(os.getpid(), signal.SIGSEGV)
+    return []
+
+
+def simulate_hang(options: CheckOptions) -> list[dict]:
+    """Never returns (a kernel that hangs), until its cap kills it."""
+    print("simulate-hang: waiting for a signal that never comes", flush=True)
+    while True:
+        signal.pause()
+
+
+def step_tiny(model: str, options: CheckOptions) -> list[dict]:
+    """2-iteration runs of the tiny ``model`` for each of :data:`RECIPES`."""
+    from ..config import load_config
+    from ..errors import UserError
+    from ..rundir import RunDirectory
+    from ..run import train
+    from .. import metrics
+    device = torch_device()
+    rows = []
+    for recipe, overrides in RECIPES.items():
+        row = {"step": model, "recipe": recipe, "status": "ok"}
+        rows.append(row)
+        if recipe == "nf4" and device.type != "cuda":
+            row.update(status="skipped", reason="NF4 (bitsandbytes) needs a CUDA GPU")
+            continue
+        config = load_config(preset="tiny-sd3", overrides=[f"model.name={model}", *TINY_BASE, *overrides])
+        with tempfile.TemporaryDirectory() as run_dir:
+            reset_peak(device)
+            start = time.perf_counter()
+            try:
+                train(config, Path(run_dir), resume=False)
+            except Exception as err:  # one recipe's failure is its row; the next recipe still runs
+                traceback.print_exc()
+                row.update(status="failed", reason=str(err) if isinstance(err, UserError) else one_line(err))
+                continue
+            last = RunDirectory(run_dir).read_metrics()[-1]
+            row.update(seconds=time.perf_counter() - start, peak_gb=peak_gb(device),
+                       loss=last.get(metrics.LOSS), reward=last.get(metrics.REWARD_MEAN),
+                       eval_reward=last.get(metrics.EVAL_REWARD_MEAN))
+            if not all(math.isfinite(row[key]) for key in ("loss", "reward", "eval_reward")):
+                row.update(status="failed", reason="a non-finite loss or reward")
+    return rows
+
+
+def bench_rows(arch: str, options: CheckOptions, layers: int | None = None, quantize: str | None = None,
+               jagg_only: bool = False, repeats: int = 2, warmup: int = 1) -> list[dict]:
+    """The real-size bench of ``arch`` (random weights, ``layers`` blocks or the real depth, 512 px on a GPU,
+    gradient checkpointing, on a ``quantize`` base): exact and JAGG W = :data:`BENCH_WINDOW` cached joint on one
+    rollout batch; ``jagg_only`` keeps JAGG's row (exact still runs: the speed-ups and cosine are against it)."""
+    from ..bench import EXACT, BenchOptions, Variant, arch_model, arch_overrides, bench_train_phase
+    device = torch_device()
+    model = arch_model(arch, random_weights=True, layers=layers)
+    overrides = [*arch_overrides(device.type, options.resolution, quantize), "train.gradient_checkpointing=true",
+                 *options.overrides, *(REDUCED_BENCH_BATCH if options.reduced else ())]
+    bench = BenchOptions(models=[model], overrides=tuple(overrides), repeats=repeats, warmup=warmup,
+                         memory=device.type == "cuda", iterations=0)
+    jagg = Variant("cached", window=BENCH_WINDOW, joint=True)
+    rows = bench_train_phase(model, [EXACT, jagg], bench, options.threads)
+    resolution = next(int(o.split("=")[1]) for o in overrides if o.startswith("sampling.resolution="))
+    return [{"status": "ok", "arch": arch, "resolution": resolution, "quantize": quantize or "none", **row}
+            for row in rows if not jagg_only or row["mode"] != "exact"]
+
+
+def _needs_cuda(quantize: str | None) -> str | None:
+    """Why a ``quantize`` base cannot run on this device (None: it can)."""
+    return "NF4 (bitsandbytes) needs a CUDA GPU" if quantize == "nf4" and torch_device().type != "cuda" else None
+
+
+def step_bench(arch: str, options: CheckOptions) -> list[dict]:
+    """A whole iteration of ``arch`` at its real depth (:func:`bench_rows`), on the base it needs to fit."""
+    quantize = BENCH_ARCHS[arch]
+    if reason := _needs_cuda(quantize):
+        return [{"step": f"bench-{arch}", "status": "skipped", "reason": reason}]
+    return [{**row, "step": f"bench-{arch}"} for row in bench_rows(arch, options, options.layers, quantize)]
+
+
+def step_quantize(base: str, options: CheckOptions) -> list[dict]:
+    """JAGG's whole iteration of :data:`QUANTIZE_ARCH` on a ``base`` base (bf16, int8 or NF4): seconds and peak."""
+    quantize = None if base == "bf16" else base
+    name = f"quantize-{QUANTIZE_ARCH}-{base}"
+    if reason := _needs_cuda(quantize):
+        return [{"step": name, "status": "skipped", "reason": reason}]
+    return [{**row, "step": name} for row in bench_rows(QUANTIZE_ARCH, options, options.layers, quantize,
+                                                        jagg_only=True)]
+
+
+def memory_recipe(preset: str, options: CheckOptions):
+    """The preset's config at real size with random weights, shrunk where the memory does not depend on it:
+    one prompt with one rollout chunk of samples (at least 2), the same micro-batch, an eval of one chunk
+    of 4 steps, the weightless reward :data:`MEASURE_REWARD`, 2 iterations (the second is measured)."""
+    from ..archs import arch_for_model
+    from ..config import load_config
+    config = load_config(preset=preset)
+    arch = arch_for_model(config.model.name)
+    samples = config.grpo.num_generations * config.grpo.prompts_per_iteration
+    micro = math.ceil(samples / config.train.gradient_accumulation_steps)
+    chunk = config.sampling.rollout_batch_size or samples
+    generations = max(2, chunk)
+    layers = f"@{options.layers}" if options.layers else ""
+    overrides = [f"model.name=random:{arch}{layers}", f"rewards=[{{name: {MEASURE_REWARD}}}]",
+                 "grpo.prompts_per_iteration=1", f"grpo.num_generations={generations}",
+                 f"train.gradient_accumulation_steps={math.ceil(generations / micro)}",
+                 f"prompts.eval_count={min(chunk, generations)}", "sampling.eval_num_steps=4",
+                 "train.iterations=2", "train.sample_every=2", "train.checkpoint_every=2", *options.overrides]
+    if options.resolution:
+        overrides.append(f"sampling.resolution={options.resolution}")
+    return load_config(preset=preset, overrides=overrides)
+
+
+def step_memory(preset: str, options: CheckOptions) -> list[dict]:
+    """Planned against measured peak memory of ``preset``'s recipe (:func:`memory_recipe`)."""
+    from ..config import load_config
+    from ..memory_plan import SETUP_PHASE, measured_peak, plan_memory
+    from ..quiet import quiet_libraries
+    from ..trainer import Trainer
+    device = torch_device()
+    config = memory_recipe(preset, options)
+    row = {"step": f"memory-{preset}", "status": "ok", "preset": preset, "model": config.model.name,
+           "quantize": config.model.quantize, "resolution": config.sampling.resolution}
+    if reason := _needs_cuda(config.model.quantize):
+        return [{**row, "status": "skipped", "reason": reason}]
+    plan = plan_memory(config)
+    training_phases = {p: t for p, t in plan.totals.items() if p != SETUP_PHASE}
+    row.update(planned_setup_gb=plan.totals[SETUP_PHASE] / GB, planned_gb=max(training_phases.values()) / GB,
+               planned_phase=max(training_phases, key=training_phases.get),
+               preset_planned_gb=plan_memory(load_config(preset=preset)).total / GB)
+    quiet_libraries()
+    with tempfile.TemporaryDirectory() as run_dir:
+        trainer = Trainer(config, run_dir)
+        reset_peak(device)
+        trainer.setup()
+        row["measured_setup_gb"] = peak_gb(device)
+        row["measured_gb"] = measured_peak(trainer) / GB
+        trainer.close()
+    row["planned_over_measured"] = row["planned_gb"] / row["measured_gb"]
+    row["basis"] = "cuda max_memory_allocated" if device.type == "cuda" else "live tensors (LiveBytes)"
+    return [row]
+
+
+def run_step(name: str, options: CheckOptions) -> list[dict]:
+    step = next((s for s in all_steps(options) if s.name == name), None)
+    if step is None:
+        raise ValueError(f"unknown step {name}")
+    return step.run(options)

@@ -1,0 +1,220 @@
+"""The FLUX.1-dev crash, taken apart (issue #29): which of two suspects fails on this GPU.
+
+The real-size FLUX bench (tiny-sd3's settings on ``random:flux-dev``: LoRA rank 4 on attention and feed-forward,
+8 samples, 16 in a joint JAGG pass, 1,101 tokens a sample = 32 x 32 latent patches + 77 text tokens, head dim 128,
+bf16) died on an H200 with ``CUBLAS_STATUS_EXECUTION_FAILED`` and then an illegal memory access, reported in a
+LoRA linear. The suspects:
+
+* the cuDNN SDPA attention kernel on Hopper at sequence lengths that are not a multiple of 128 (pytorch issues
+  167101, 171532, 196678): the ``triage-sdpa-BACKEND-TOKENS`` cases run FLUX's attention alone (forward and
+  backward) at 1,101 and at 1,152 = 9 x 128 tokens under each SDPA backend;
+* cuBLAS split-K kernels on very thin bf16 matmuls such as a rank-4 LoRA's (pytorch issues 192061, 170676): the
+  ``triage-lora-rankR`` cases run a LoRA's two matmuls alone (forward and backward, bf16 autocast, width 3072,
+  16 x 1,101 rows) at rank 4 and 16;
+* then the project's own FLUX path (:func:`jagg_core.bench.bench_train_phase`, the bench's exact and JAGG W = 5
+  backward) at the real width and :data:`FLUX_PATH_LAYERS` blocks, as it crashed and without each suspect
+  (:data:`FLUX_PATH_SETTINGS`).
+
+Each case is a step of its own: its own process, ``CUDA_LAUNCH_BLOCKING=1`` (the error surfaces at the kernel that
+made it), a 15 s cap (60 s for the FLUX path); an error from the kernel is its row and the next case starts with
+a fresh CUDA context.
+A kernel the device lacks (cuDNN or flash attention on a CPU) is a ``skipped`` row. :func:`triage_verdict` reads
+the rows and names the product fix they imply. ``--reduced`` runs the same cases at 1/16 of the tokens, width 64.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from .common import NOT_OK, CheckOptions, Step, torch_device
+
+#: SDPA backends by the name of their case (``torch.nn.attention.SDPBackend`` members)
+SDPA_BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
+                 "math": "MATH"}
+#: the crashed length (32 x 32 latent patches + 77 text tokens) and the next multiple of 128
+TRIAGE_TOKENS = (1101, 1152)
+LORA_RANKS = (4, 16)
+#: FLUX.1-dev's attention: 24 heads of 128 = width 3072; 16 samples = a joint JAGG pass of 8
+FLUX_SHAPE = {"samples": 16, "heads": 24, "head_dim": 128}
+#: ``--reduced``: 2 samples, 2 heads of 32 (width 64), tokens / 16
+REDUCED_SHAPE = {"samples": 2, "heads": 2, "head_dim": 32}
+REDUCED_TOKEN_DIVISOR = 16
+#: largest relative error (max |error| / max |reference|) against float32 that bf16 is allowed: its rounding
+#: (2^-8) over sums of ~1,000 to ~17,000 terms stays near 0.01; a broken kernel gives NaN or errors near 1
+BF16_TOLERANCE = 0.1
+#: 1 double- and 2 single-stream blocks: FLUX's real 1 : 2 proportion, the real width
+FLUX_PATH_LAYERS = 3
+#: the FLUX path's cases: as it crashed, and without each suspect (a process-wide torch switch, so the project's
+#: code runs unchanged)
+FLUX_PATH_SETTINGS = {
+    "as-crashed": "torch's defaults",
+    "no-cudnn-sdpa": "torch.backends.cuda.enable_cudnn_sdp(False)",
+    "no-bf16-split-k": "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False",
+}
+#: what torch raises when the chosen backend has no kernel for the inputs (a device that lacks it)
+NO_KERNEL = ("No available kernel", "No viable backend")
+#: an isolated kernel's case: a process start, torch and CUDA up, a kernel and its float32 reference; the 10 of
+#: them tell the suspects apart within 150 s
+ISOLATED_CAP_S = 15
+LAUNCH_BLOCKING = {"CUDA_LAUNCH_BLOCKING": "1"}
+
+
+def triage_steps() -> list[Step]:
+    """The triage's cases, the isolated kernels first (seconds each), then the FLUX path."""
+    sdpa = [Step(f"triage-sdpa-{backend}-{tokens}", "triage", functools.partial(attention_case, backend, tokens),
+                 cap_s=ISOLATED_CAP_S, reduced_cap_s=60, env=LAUNCH_BLOCKING)
+            for tokens in TRIAGE_TOKENS for backend in SDPA_BACKENDS]
+    lora = [Step(f"triage-lora-rank{rank}", "triage", functools.partial(lora_case, rank), cap_s=ISOLATED_CAP_S,
+                 reduced_cap_s=60, env=LAUNCH_BLOCKING) for rank in LORA_RANKS]
+    path = [Step(f"triage-flux-path-{setting}", "triage", functools.partial(flux_path_case, setting), cap_s=60,
+                 reduced_cap_s=300, env=LAUNCH_BLOCKING) for setting in FLUX_PATH_SETTINGS]
+    return [*sdpa, *lora, *path]
+
+
+def _shape(options: CheckOptions, tokens: int) -> dict:
+    shape = REDUCED_SHAPE if options.reduced else FLUX_SHAPE
+    return {**shape, "tokens": tokens // REDUCED_TOKEN_DIVISOR if options.reduced else tokens}
+
+
+def _relative_error(value, reference) -> float:
+    """max |value - reference| / max |reference| (NaN where ``value`` is not finite)."""
+    import torch
+    if not torch.isfinite(value).all():
+        return float("nan")
+    return ((value.float() - reference).abs().max() / reference.abs().max().clamp_min(1e-12)).item()
+
+
+def _judge(row: dict, errors: dict[str, float], dtype) -> dict:
+    """``row`` with ``errors``, failed where one is not finite or (bf16) above :data:`BF16_TOLERANCE`."""
+    import torch
+    tolerance = BF16_TOLERANCE if dtype == torch.bfloat16 else 1e-3
+    row.update(errors)
+    bad = [name for name, err in errors.items() if not err <= tolerance]  # NaN is bad too
+    if bad:
+        row.update(status="failed", reason=f"{', '.join(bad)} off the float32 reference (tolerance {tolerance})")
+    return row
+
+
+def attention_case(backend: str, tokens: int, options: CheckOptions) -> list[dict]:
+    """FLUX's attention alone (self-attention of ``samples x heads x tokens x head_dim``, forward and backward)
+    under one SDPA backend, against the float32 MATH backend on the same inputs."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    device = torch_device()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shape = _shape(options, tokens)
+    row = {"step": f"triage-sdpa-{backend}-{tokens}", "status": "ok", "backend": backend,
+           "device_type": device.type, "dtype": str(dtype).removeprefix("torch."), **shape}
+    generator = torch.Generator(device).manual_seed(0)
+    size = (shape["samples"], shape["heads"], shape["tokens"], shape["head_dim"])
+    inputs = [torch.randn(size, device=device, generator=generator) for _ in range(3)]
+    grad_out = torch.randn(size, device=device, generator=generator)
+
+    def attention(kernel: str, tensors_dtype):
+        query, key, value = (t.to(tensors_dtype).requires_grad_() for t in inputs)
+        with sdpa_kernel(getattr(SDPBackend, kernel)):
+            out = F.scaled_dot_product_attention(query, key, value)
+            out.backward(grad_out.to(tensors_dtype))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return out.detach(), query.grad
+
+    try:
+        out, grad = attention(SDPA_BACKENDS[backend], dtype)
+    except RuntimeError as err:
+        if not any(message in str(err) for message in NO_KERNEL):
+            raise  # a CUDA error: the step fails with it
+        return [{**row, "status": "skipped", "reason": f"no {backend} kernel for these inputs on {device.type}"}]
+    ref_out, ref_grad = attention("MATH", torch.float32)
+    return [_judge(row, {"out_err": _relative_error(out, ref_out), "grad_err": _relative_error(grad, ref_grad)},
+                   dtype)]
+
+
+def lora_case(rank: int, options: CheckOptions) -> list[dict]:
+    """A rank-``rank`` LoRA's matmuls alone, as in training: float32 factors under bf16 autocast on
+    ``samples x tokens`` rows of FLUX's width, ``y = (x @ A^T) @ B^T``; the backward's ``x^T``-reductions over all
+    rows into the thin gradients of A and B are what split-K kernels compute. Against float32 without autocast."""
+    import torch
+    device = torch_device()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shape = _shape(options, TRIAGE_TOKENS[0])
+    width, rows = shape["heads"] * shape["head_dim"], shape["samples"] * shape["tokens"]
+    row = {"step": f"triage-lora-rank{rank}", "status": "ok", "rank": rank, "width": width, "rows": rows,
+           "device_type": device.type, "dtype": str(dtype).removeprefix("torch.")}
+    generator = torch.Generator(device).manual_seed(0)
+    x = torch.randn(rows, width, device=device, generator=generator)
+    down = torch.randn(rank, width, device=device, generator=generator) / width ** 0.5
+    up = torch.randn(width, rank, device=device, generator=generator) / rank ** 0.5
+    grad_out = torch.randn(rows, width, device=device, generator=generator)
+
+    def lora(autocast: bool):
+        a, b = down.clone().requires_grad_(), up.clone().requires_grad_()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            y = (x.to(dtype) if autocast else x) @ a.T @ b.T
+        y.backward(grad_out.to(y.dtype))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return y.detach(), a.grad, b.grad
+
+    out, grad_down, grad_up = lora(autocast=dtype == torch.bfloat16)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ref_out, ref_down, ref_up = lora(autocast=False)
+    errors = {"out_err": _relative_error(out, ref_out), "grad_down_err": _relative_error(grad_down, ref_down),
+              "grad_up_err": _relative_error(grad_up, ref_up)}
+    return [_judge(row, errors, dtype)]
+
+
+def flux_path_case(setting: str, options: CheckOptions) -> list[dict]:
+    """The project's FLUX path, as the crashed bench ran it (the real width, :data:`FLUX_PATH_LAYERS` blocks,
+    512 px, bf16, gradient checkpointing, exact and JAGG W = 5 joint), under ``setting``."""
+    import torch
+    from .steps import bench_rows
+    if setting == "no-cudnn-sdpa":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    elif setting == "no-bf16-split-k":
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    layers = options.layers or FLUX_PATH_LAYERS
+    rows = bench_rows("flux-dev", options, layers=layers, repeats=1, warmup=0)
+    return [{**row, "step": f"triage-flux-path-{setting}", "setting": FLUX_PATH_SETTINGS[setting]} for row in rows]
+
+
+def triage_verdict(statuses: dict[str, str]) -> list[str]:
+    """What the triage's last outcomes (step name -> status) say, and the product fix each outcome implies."""
+    def failed(case):
+        return statuses.get(f"triage-{case}") in NOT_OK
+
+    def ok(case):
+        return statuses.get(f"triage-{case}") == "ok"
+
+    cases = [f"sdpa-{b}-{t}" for t in TRIAGE_TOKENS for b in SDPA_BACKENDS]
+    cases += [f"lora-rank{r}" for r in LORA_RANKS] + [f"flux-path-{s}" for s in FLUX_PATH_SETTINGS]
+    if not any(ok(c) or failed(c) for c in cases):
+        return ["The triage has not run yet."]
+    lines = []
+    short, aligned = TRIAGE_TOKENS
+    if failed(f"sdpa-cudnn-{short}"):
+        where = "only at lengths not a multiple of 128" if ok(f"sdpa-cudnn-{aligned}") else "at both lengths"
+        lines.append(f"cuDNN SDPA fails {where}: the product should leave cuDNN attention out on this device (an "
+                     "attention-backend setting defaulting to flash / efficient / math on CUDA)"
+                     + (", or pad sequences to a multiple of 128" if ok(f"sdpa-cudnn-{aligned}") else "") + ".")
+    other_attention = [b for b in SDPA_BACKENDS if b != "cudnn" and any(failed(f"sdpa-{b}-{t}") for t in TRIAGE_TOKENS)]
+    if other_attention:
+        lines.append(f"SDPA backend(s) {', '.join(other_attention)} fail too: attention itself is broken on this "
+                     "torch / driver; pin the MATH backend there and report upstream.")
+    if failed("lora-rank4"):
+        where = "at rank 4 only" if ok("lora-rank16") else "at ranks 4 and 16"
+        lines.append(f"The LoRA's thin bf16 matmuls fail {where} (cuBLAS split-K): the product should set "
+                     "allow_bf16_reduced_precision_reduction = False on CUDA, or run the LoRA factors' matmuls in "
+                     "float32" + (", or raise the minimum rank to 16" if ok("lora-rank16") else "") + ".")
+    fixes = [s for s in FLUX_PATH_SETTINGS if s != "as-crashed" and ok(f"flux-path-{s}")]
+    if failed("flux-path-as-crashed") and fixes:
+        lines.append(f"The FLUX path fails as it crashed and passes with {' and with '.join(fixes)}: that setting "
+                     "is the fix to make the product's default on CUDA.")
+    elif failed("flux-path-as-crashed"):
+        lines.append("The FLUX path fails under every setting run: neither suspect alone explains it; next "
+                     "suspects: gradient checkpointing, RoPE, the joint pass's batch.")
+    elif ok("flux-path-as-crashed"):
+        lines.append("The FLUX path passes at reduced depth: the crash needs the real depth (memory, or a kernel "
+                     "chosen for its shapes); the real-size bench-flux-dev decides.")
+    return lines or ["No case failed so far."]
