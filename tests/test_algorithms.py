@@ -39,7 +39,7 @@ def perturbed(trainer: Trainer, scale: float = 0.05) -> None:
     """Move the LoRA and the algorithm's lagging copy off their initial values (the LoRA starts as the base model:
     its B matrices are zero), to different points, so every velocity of the loss differs."""
     generator = torch.Generator().manual_seed(7)
-    lag = getattr(trainer.algorithm, "old", None) or trainer.algorithm.ema
+    lag = trainer.algorithm.lag
     with torch.no_grad():
         for param, lagging in zip(trainer.params, lag.weights):
             param.add_(scale * torch.randn(param.shape, generator=generator))
@@ -111,8 +111,7 @@ def test_the_loss_and_its_gradient_are_the_formula_computed_independently_in_flo
 
     # the companions first: swapping a lagging copy in and out writes the LoRA parameters in place
     v_ref = velocities_of_rows(trainer, rollout, plan, trainer.model.adapters_disabled)
-    lag = trainer.algorithm.old if algorithm == "nft" else trainer.algorithm.ema
-    v_lag = velocities_of_rows(trainer, rollout, plan, lag.swapped_in)
+    v_lag = velocities_of_rows(trainer, rollout, plan, trainer.algorithm.lag.swapped_in)
     x0, eps, sigma, _, v = velocities_of_rows(trainer, rollout, plan)
     row_advantages = advantages[plan.samples]
     cfg = trainer.config

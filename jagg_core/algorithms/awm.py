@@ -58,10 +58,12 @@ def awm_log_likelihood(v: torch.Tensor, rows: RowBatch, weighting: str, power: f
 class AwmAlgorithm(ForwardProcessAlgorithm):
     name = "awm"
 
-    def __init__(self, ctx):
-        super().__init__(ctx)
+    state_key = "awm_ema_policy"
+
+    def lagging_policy(self) -> LaggingPolicy:
+        """The EMA the loss regularizes towards."""
         awm = self.config.awm
-        self.ema = LaggingPolicy(ctx.params, awm.ema_kl_decay_rate, awm.ema_kl_decay_max)
+        return LaggingPolicy(self.ctx.params, awm.ema_kl_decay_rate, awm.ema_kl_decay_max)
 
     @staticmethod
     def steps_per_sample(config) -> int:
@@ -78,7 +80,7 @@ class AwmAlgorithm(ForwardProcessAlgorithm):
         return [*(["reference"] if awm.kl_beta > 0 else []), *(["ema"] if awm.ema_kl_beta > 0 else [])]
 
     def policy(self, companion):
-        return self.ema.swapped_in if companion == "ema" else self.ctx.model.adapters_disabled
+        return self.lag.swapped_in if companion == "ema" else self.ctx.model.adapters_disabled
 
     def loss(self, v, others, rows):
         awm = self.config.awm
@@ -92,13 +94,3 @@ class AwmAlgorithm(ForwardProcessAlgorithm):
                 loss = loss + beta * distance
                 stats[key] = float(distance.detach())
         return loss, stats
-
-    def after_update(self, iteration: int) -> None:
-        self.ema.update(iteration)
-
-    def state_dict(self) -> dict:
-        return {"awm_ema_policy": self.ema.state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        if "awm_ema_policy" in state:
-            self.ema.load(state["awm_ema_policy"])

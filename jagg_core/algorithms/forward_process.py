@@ -20,7 +20,7 @@ from __future__ import annotations
 from abc import abstractmethod
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ClassVar
 
 import torch
 
@@ -28,7 +28,7 @@ from .. import metrics
 from ..config import RunConfig
 from ..models.base import Conditioning
 from ..sampler import initial_noise, ode_sample
-from .base import Algorithm, Rollout, Sampled, iteration_seed
+from .base import Algorithm, LaggingPolicy, Rollout, Sampled, iteration_seed
 
 #: the random stream of the forward-process loss's draws (steps and noise) in :func:`~.base.iteration_seed`
 ROWS_STREAM = 3
@@ -66,8 +66,18 @@ def broadcast_rows(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 class ForwardProcessAlgorithm(Algorithm):
-    """ODE rollouts and a loss on re-noised rows; a subclass gives the rollout's policy, the rows' steps, the
-    companion velocities and the loss."""
+    """ODE rollouts and a loss on re-noised rows; a subclass gives its lagging policy, the rollout's policy, the rows'
+    steps, the companion velocities and the loss."""
+
+    state_key: ClassVar[str]  # the checkpoint's key of the lagging policy's weights
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.lag = self.lagging_policy()
+
+    @abstractmethod
+    def lagging_policy(self) -> LaggingPolicy:
+        """The copy of the LoRA that trails the trained weights (updated after every iteration, checkpointed)."""
 
     def sampling_policy(self) -> AbstractContextManager:
         """The weights the rollout samples with (the trained ones unless overridden)."""
@@ -142,6 +152,16 @@ class ForwardProcessAlgorithm(Algorithm):
             for key, value in {metrics.LOSS: float(loss.detach()), **stats}.items():
                 sums[key] = sums.get(key, 0.0) + share * float(value)
         return sums
+
+    def after_update(self, iteration: int) -> None:
+        self.lag.update(iteration)
+
+    def state_dict(self) -> dict:
+        return {self.state_key: self.lag.state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.state_key in state:
+            self.lag.load(state[self.state_key])
 
     def summarize(self, plan: Rows, steps: list[dict[str, float]]) -> dict:
         """Each statistic's mean over the optimizer steps (one per iteration)."""

@@ -62,13 +62,15 @@ def nft_policy_loss(v: torch.Tensor, v_old: torch.Tensor, rows: RowBatch, beta: 
 class NftAlgorithm(ForwardProcessAlgorithm):
     name = "nft"
 
-    def __init__(self, ctx):
-        super().__init__(ctx)
+    state_key = "nft_old_policy"
+
+    def lagging_policy(self) -> LaggingPolicy:
+        """The old policy: the rollout samples with it, and the loss's implicit policies mix it in."""
         nft = self.config.nft
-        self.old = LaggingPolicy(ctx.params, nft.old_decay_rate, nft.old_decay_max, nft.old_decay_delay)
+        return LaggingPolicy(self.ctx.params, nft.old_decay_rate, nft.old_decay_max, nft.old_decay_delay)
 
     def sampling_policy(self):
-        return self.old.swapped_in()
+        return self.lag.swapped_in()
 
     @staticmethod
     def steps_per_sample(config) -> int:
@@ -85,7 +87,7 @@ class NftAlgorithm(ForwardProcessAlgorithm):
         return ["old", *(["reference"] if config.nft.kl_beta > 0 else [])]
 
     def policy(self, companion):
-        return self.old.swapped_in if companion == "old" else self.ctx.model.adapters_disabled
+        return self.lag.swapped_in if companion == "old" else self.ctx.model.adapters_disabled
 
     def loss(self, v, others, rows):
         nft = self.config.nft
@@ -94,13 +96,3 @@ class NftAlgorithm(ForwardProcessAlgorithm):
         stats = {metrics.POLICY_LOSS: float(policy.detach()), metrics.KL: float(kl.detach()),
                  metrics.LAG_DEVIATION: float(per_row_mean((v.detach() - others["old"]) ** 2).mean())}
         return policy + nft.kl_beta * kl, stats
-
-    def after_update(self, iteration: int) -> None:
-        self.old.update(iteration)
-
-    def state_dict(self) -> dict:
-        return {"nft_old_policy": self.old.state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        if "nft_old_policy" in state:
-            self.old.load(state["nft_old_policy"])
