@@ -13,7 +13,7 @@ from jagg_core.algorithms.awm import stratified_steps
 from jagg_core.config import ALGORITHM_KEYS, RunConfig, load_config
 from jagg_core.errors import UserError
 from jagg_core.memory_plan import measured_peak, plan_memory
-from jagg_core.rundir import RunDirectory
+from jagg_core.rundir import TRAINING_STATE_FILE, RunDirectory
 from jagg_core.trainer import Trainer
 
 from conftest import tiny_config
@@ -153,21 +153,21 @@ def test_the_rollout_samples_with_the_policy_the_paper_says(algorithm, tmp_path,
     assert torch.equal(before, after) == (algorithm == "nft")
 
 
-FAMILY_SETTINGS = {
-    "tiny-sd3": {}, "tiny-flux": {}, "tiny-qwen": {},
-    "tiny-flux-kontext": {"prompts__source": "edits", "model__condition_resolution": 16,
-                          "model__max_sequence_length": 64},
-    "tiny-qwen-edit": {"prompts__source": "edits", "model__condition_resolution": 16,
-                       "model__max_sequence_length": 64},
-    "tiny-wan": {"sampling__num_frames": 5},
-    "tiny-flux2": {"prompts__source": "few"}, "tiny-zimage": {"prompts__source": "few"},
+EDITING = {"prompts__source": "edits", "model__condition_resolution": 16, "model__max_sequence_length": 64}
+#: every family's tiny model (and an int8 base) with the settings it trains with in the tests
+CASES = {
+    "tiny-sd3": ("tiny-sd3", {}), "tiny-flux": ("tiny-flux", {}), "tiny-qwen": ("tiny-qwen", {}),
+    "tiny-flux-int8": ("tiny-flux", {"model__quantize": "int8"}),
+    "tiny-flux-kontext": ("tiny-flux-kontext", EDITING), "tiny-qwen-edit": ("tiny-qwen-edit", EDITING),
+    "tiny-wan": ("tiny-wan", {"sampling__num_frames": 5}),
+    "tiny-flux2": ("tiny-flux2", {"prompts__source": "few"}), "tiny-zimage": ("tiny-zimage", {"prompts__source": "few"}),
 }
 
 
 @pytest.mark.parametrize("algorithm", FORWARD_PROCESS)
-@pytest.mark.parametrize("family_model", list(FAMILY_SETTINGS))
-def test_two_iterations_on_every_family(family_model, algorithm, tmp_path, offline):
-    settings = dict(FAMILY_SETTINGS[family_model])
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_iterations_on_every_family(case, algorithm, tmp_path, offline):
+    family_model, settings = CASES[case][0], dict(CASES[case][1])
     if settings.get("prompts__source") == "few":  # set-up encodes every prompt; FLUX.2's encoder is deep
         path = tmp_path / "prompts.txt"
         path.write_text("".join(f"a {colour} {shape}\n" for colour in ("red", "blue") for shape in ("cat", "cup")))
@@ -181,8 +181,15 @@ def test_two_iterations_on_every_family(family_model, algorithm, tmp_path, offli
     assert all(r[metrics.SKIPPED] is False and r[metrics.GRAD_NORM] > 0 and metrics.POLICY_LOSS in r
                for r in rows[1:])
     assert any(not torch.equal(a, p) for a, p in zip(before, trainer.params))
-    state = torch.load(RunDirectory(tmp_path / "run").latest_checkpoint() / "training_state.pt", weights_only=False)
-    assert f"{algorithm}_{'old' if algorithm == 'nft' else 'ema'}_policy" in state
+    state = torch.load(RunDirectory(tmp_path / "run").latest_checkpoint() / TRAINING_STATE_FILE, weights_only=False)
+    assert trainer.algorithm.state_key in state
+
+
+def test_a_rollout_in_chunks_samples_what_one_batch_does(tmp_path, offline):
+    trainer = set_up(algorithm_config("awm"), tmp_path / "run")
+    whole = trainer.rollout(1).sampled.latents
+    trainer.config.sampling.rollout_batch_size = 3
+    torch.testing.assert_close(trainer.rollout(1).sampled.latents, whole, rtol=1e-5, atol=1e-6)
 
 
 def test_every_algorithm_of_the_config_is_registered():
