@@ -19,11 +19,11 @@ from __future__ import annotations
 import statistics
 import tempfile
 
-from . import metrics
-from .config import BackwardConfig, RunConfig
-from .jagg import linearity_score
-from .report import markdown_table
-from .trainer import Trainer
+from .. import metrics
+from ..config import BackwardConfig, RunConfig
+from ..jagg import linearity_score
+from ..report import markdown_table
+from ..trainer import Trainer
 
 #: (window, shared_knots): W = 3 leaves windows with one interior step each; disjoint: 3 of them on 10 steps,
 #: shared knots: 4
