@@ -10,7 +10,7 @@ import torch
 from conftest import run_cli, tiny_config
 from jagg_core.config import list_presets, load_config, preset_path
 from jagg_core.errors import UserError
-from jagg_core.memory_meter import measured_peak
+from jagg_core.memory_meter import PeakMemory, measured_peak
 from jagg_core.memory_plan import GB, check_fits, cheapest_fit, plan_memory
 from jagg_core.models import load_flow_model
 from jagg_core.rundir import RunDirectory
@@ -184,3 +184,17 @@ def test_a_plan_for_bad_input_is_one_line(args, message, offline):
     assert result.returncode == 2, result.stdout + result.stderr
     assert "Traceback" not in result.stderr
     assert re.search(message, result.stderr), result.stderr
+
+
+@pytest.mark.parametrize("cpu", ["rss", "tensors"])
+def test_the_meter_sees_a_tensor_of_known_size_and_not_one_made_before(cpu):
+    """The meter's peak increment against the bytes of a 64 MiB tensor made (and freed) inside: the live-tensor
+    basis counts it exactly, the resident set to 16 MiB (pages the process held before, its own allocations)."""
+    before = torch.ones(2 ** 24)  # 64 MiB, made before: resident, never part of the increment
+    with PeakMemory(torch.device("cpu"), cpu=cpu, resident=[before]) as meter:
+        inside = torch.ones(2 ** 24)
+        del inside
+    increment = meter.peak - meter.base
+    assert abs(increment - 2 ** 26) < 2 ** 24, increment
+    if cpu == "tensors":
+        assert meter.base == before.untyped_storage().nbytes() and increment == 2 ** 26
