@@ -19,8 +19,8 @@ from typing import Any, Literal
 
 import yaml
 
-from jagg_core.config import (ALGORITHM_LABELS, DEFAULT_PRESET, RunConfig, apply_override, key_owner, list_presets,
-                              preset_path, reset_other_algorithms, validate_config)
+from jagg_core.config import (ALGORITHM_LABELS, DEFAULT_PRESET, RunConfig, apply_override, flat_keys, key_owner,
+                              list_presets, preset_path, reset_other_algorithms, validate_config, yaml_value)
 from jagg_core.errors import UserError
 from jagg_core.prompts import FILE_SUFFIXES, builtin_prompt_sets, load_prompts
 from jagg_core.preflight import check_references
@@ -242,29 +242,12 @@ def with_labels(message: str) -> str:
     return message
 
 
-def _yaml_value(value: Any) -> str:
-    """A config value as one line of YAML, as ``--set KEY=VALUE`` reads it back."""
-    text = yaml.safe_dump(value, default_flow_style=True, width=float("inf")).strip()
-    return text.removesuffix("...").strip()
-
-
-def _leaves(data: dict, prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (lists and empty mappings are leaves)."""
-    flat = {}
-    for key, value in data.items():
-        if isinstance(value, dict) and value:
-            flat.update(_leaves(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
 def cli_command(config: RunConfig, preset: str) -> str:
     """The ``python -m jagg_core.run`` command line that resolves to ``config``: ``preset`` and a ``--set`` for each
     value that differs from it."""
-    base = _leaves(preset_config(preset).model_dump(mode="json"))
-    wanted = _leaves(config.model_dump(mode="json"))
-    sets = [f"--set {shlex.quote(f'{key}={_yaml_value(value)}')}" for key, value in wanted.items()
+    base = flat_keys(preset_config(preset).model_dump(mode="json"))
+    wanted = flat_keys(config.model_dump(mode="json"))
+    sets = [f"--set {shlex.quote(f'{key}={yaml_value(value)}')}" for key, value in wanted.items()
             if key not in base or base[key] != value]
     return " ".join(["python -m jagg_core.run", f"--preset {shlex.quote(preset)}", *sets])
 

@@ -5,14 +5,13 @@ A run is described by one YAML document with the sections below. Presets live in
 result. Every unknown key or bad value (non-finite numbers included) raises
 :class:`~jagg_core.errors.UserError` naming the key and what is allowed.
 
-Every key is described here, in its ``Field(description=...)``: :func:`config_reference` renders the
-schema as the README's config reference (``python -m jagg_core.config --reference``), and the app's
-form shows the same descriptions as its help text.
+Every key is described here, in its ``Field(description=...)``: :mod:`jagg_core.config_reference` renders
+the schema as the README's config reference, and the app's form shows the same descriptions as its help text.
+:func:`yaml_value` and :func:`flat_keys` write a config's values and keys as ``--set KEY=VALUE`` reads them.
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
@@ -20,9 +19,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
-from .errors import UserError, exit_on_user_error
+from .errors import UserError
 from .family_names import declared_families, declared_hub_ids, tiny_model_names
-from .placement import trained_count
+from .placement import branch_splits, trained_count
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"
 DEFAULT_PRESET = "shapes"
@@ -218,9 +217,7 @@ class BackwardConfig(_Section):
                              "beside their JAGG gradient, only measured (the update and the next iterations are bit "
                              "for bit those of an unaudited run), and jagg/grad_cosine, jagg/grad_rel_err, "
                              "jagg/window_cosines and time/audit_s go to metrics.jsonl; 0 = off; nothing to audit "
-                             "when no step is interpolated (mode exact, W <= 2, frac 0). On the default preset "
-                             "(2-core CPU) an audit of 8 samples takes 0.30 s, 23% of an iteration: 2.3% of the run "
-                             "every 10 iterations")
+                             "when no step is interpolated (mode exact, W <= 2, frac 0)")
     audit_samples: int = Field(8, ge=1, description="samples of each process's rollout batch that the audit "
                                "backpropagates, evenly spread over it (all of it when fewer), in micro-batches no "
                                "larger than the training's; an audit costs T + 2 K passes (K interpolated "
@@ -395,11 +392,12 @@ class RunConfig(_Section):
                              "slide_every 0")
         factor, group = self.grpo.branch_factor, self.grpo.num_generations
         if factor:
-            splits = round(math.log(group, factor)) if factor > 1 else 0
-            if factor < 2 or factor ** splits != group or splits > count:
+            try:
+                branch_splits(range(count), group, factor)
+            except ValueError:
                 raise ValueError(f"grpo.branch_factor {factor} must split the group of grpo.num_generations {group} "
                                  f"in k splits with {factor}^k = {group} and k <= the {count} trained steps (e.g. "
-                                 "branch_factor 2 with num_generations 4 or 8), or be 0 (off)")
+                                 "branch_factor 2 with num_generations 4 or 8), or be 0 (off)") from None
         if self.grpo.window_placement == "range" and self.grpo.trained_start + count > self.sampling.num_steps:
             raise ValueError(f"grpo.trained_start {self.grpo.trained_start} + {count} trained steps exceeds "
                              f"sampling.num_steps {self.sampling.num_steps}")
@@ -539,24 +537,18 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.strip().split("."), value
 
 
-def _known_keys(model: type[BaseModel]) -> list[str]:
-    return list(model.model_fields)
-
-
 def apply_override(data: dict, keys: list[str], value: Any) -> None:
     """Set ``data[k1][k2]... = value`` after checking every key exists in the schema."""
-    schema: type[BaseModel] | None = RunConfig
     node = data
     for depth, key in enumerate(keys):
         path = ".".join(keys[: depth + 1])
+        schema = _schema_at(keys[:depth], into_lists=False)
         if schema is None or key not in schema.model_fields:
-            allowed = ", ".join(_known_keys(schema)) if schema else "none (not a section)"
+            allowed = ", ".join(schema.model_fields) if schema else "none (not a section)"
             raise UserError(f"unknown config key '{path}'; allowed here: {allowed}")
         if depth == len(keys) - 1:
             node[key] = value
             return
-        annotation = schema.model_fields[key].annotation
-        schema = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
         node = node.setdefault(key, {})
         if not isinstance(node, dict):
             raise UserError(f"config key '{path}' is not a section")
@@ -567,7 +559,7 @@ def _format_validation_error(err: ValidationError) -> str:
     where = ".".join(str(p) for p in first["loc"]) or "config"
     if first["type"] == "extra_forbidden":
         parent = _schema_at(list(first["loc"])[:-1])
-        allowed = ", ".join(_known_keys(parent)) if parent else ""
+        allowed = ", ".join(parent.model_fields) if parent else ""
         return f"unknown config key '{where}'; allowed here: {allowed}"
     message = first["msg"]
     if first["type"] == "literal_error":
@@ -577,18 +569,26 @@ def _format_validation_error(err: ValidationError) -> str:
     return f"bad value{shown} for '{where}': {message}"
 
 
-def _schema_at(loc: list) -> type[BaseModel] | None:
-    schema: Any = RunConfig
-    for key in loc:
+def section_type(annotation: Any, into_lists: bool = True) -> type[BaseModel] | None:
+    """The section model of a field: ``ModelConfig`` for ``model``, ``RewardSpec`` for ``rewards`` (a list of
+    sections; None when not ``into_lists``); None for a value."""
+    if get_origin(annotation) is list:
+        if not into_lists:
+            return None
+        annotation = get_args(annotation)[0]
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def _schema_at(keys: list, into_lists: bool = True) -> type[BaseModel] | None:
+    """The section model at the path ``keys`` of the schema (list indices skipped), the one walk of the schema;
+    None where the path leaves it or ends at a value."""
+    schema: type[BaseModel] | None = RunConfig
+    for key in keys:
         if isinstance(key, int):
             continue
-        field = schema.model_fields.get(key) if schema else None
-        if field is None:
+        if schema is None or key not in schema.model_fields:
             return None
-        annotation = field.annotation
-        if getattr(annotation, "__origin__", None) is list:
-            annotation = annotation.__args__[0]
-        schema = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+        schema = section_type(schema.model_fields[key].annotation, into_lists)
     return schema
 
 
@@ -633,25 +633,8 @@ def schema_field(key: str) -> FieldInfo:
     return schema.model_fields[name]
 
 
-# ----- the config reference (README "Config reference", ``python -m jagg_core.config --reference``) -----------
-REFERENCE_BEGIN, REFERENCE_END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
-
-
-def _section_type(annotation: Any) -> type[BaseModel] | None:
-    """The section model of a field: ``ModelConfig`` for ``model``, ``RewardSpec`` for ``rewards``; else None."""
-    if get_origin(annotation) is list:
-        annotation = get_args(annotation)[0]
-    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
-
-
-def _literal_choices(annotation: Any) -> list:
-    if get_origin(annotation) is Literal:
-        return list(get_args(annotation))
-    return [choice for arg in get_args(annotation) for choice in _literal_choices(arg)]
-
-
-def _yaml_value(value: Any) -> str:
-    """``value`` as it is written in a config file, on one line."""
+def yaml_value(value: Any) -> str:
+    """``value`` as it is written in a config file, on one line, as ``--set KEY=VALUE`` reads it back."""
     if isinstance(value, list):
         value = [item.model_dump(mode="json", exclude_defaults=True) if isinstance(item, BaseModel) else item
                  for item in value]
@@ -661,111 +644,13 @@ def _yaml_value(value: Any) -> str:
     return text.removesuffix("\n...").strip()
 
 
-def _bound(value: Any) -> str:
-    return "2^63" if value == SEED_BOUND else f"{value:g}"
-
-
-def _range(field: FieldInfo) -> str:
-    """The numeric bounds of a field: ``>= 1``, ``(0, 2]``, ``[0, 2^63)``; empty without bounds."""
-    low = high = None
-    for item in field.metadata:
-        for attr, bracket in (("ge", "["), ("gt", "(")):
-            if getattr(item, attr, None) is not None:
-                low = (bracket, getattr(item, attr))
-        for attr, bracket in (("le", "]"), ("lt", ")")):
-            if getattr(item, attr, None) is not None:
-                high = (bracket, getattr(item, attr))
-    if low and high:
-        return f"{low[0]}{_bound(low[1])}, {_bound(high[1])}{high[0]}"
-    if low:
-        return f"{'>=' if low[0] == '[' else '>'} {_bound(low[1])}"
-    if high:
-        return f"{'<=' if high[0] == ']' else '<'} {_bound(high[1])}"
-    return ""
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|")
-
-
-def _default(field: FieldInfo) -> str:
-    if field.is_required():
-        return "required"
-    value = field.get_default(call_default_factory=True)
-    return f"`{_yaml_value(value)}`"
-
-
-def _doc(model: type[BaseModel]) -> str:
-    """A section's docstring as one Markdown paragraph."""
-    return " ".join((model.__doc__ or "").split()).replace("``", "`")
-
-
-def _table(model: type[BaseModel], prefix: str) -> list[str]:
-    rows = ["| key | default | description |", "|---|---|---|"]
-    for name, field in model.model_fields.items():
-        if _section_type(field.annotation) is not None:
-            continue
-        text = (field.description or "").rstrip(".")
-        choices = _literal_choices(field.annotation)
-        if choices:
-            text += ". Allowed: " + ", ".join(f"`{_yaml_value(choice)}`" for choice in choices)
-        bounds = _range(field)
-        if bounds:
-            text += f". Range: `{bounds}`"
-        rows.append(f"| `{prefix}{name}` | {_cell(_default(field))} | {_cell(text)}. |")
-    return rows
-
-
-def config_reference() -> str:
-    """The Markdown reference of every config key: one table per section (key, default, description), from the
-    schema. The README's "Config reference" is this text (``python -m jagg_core.config --reference``)."""
-    lines = ["### top level", "", _doc(RunConfig), "", *_table(RunConfig, "")]
-    for name, field in RunConfig.model_fields.items():
-        section = _section_type(field.annotation)
-        if section is None:
-            continue
-        intro = _doc(section)
-        if get_origin(field.annotation) is list:
-            intro += f" Default: `{_yaml_value(field.get_default(call_default_factory=True))}`."
-            prefix = f"{name}[]."
+def flat_keys(data: dict, separator: str = ".") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (``separator`` between the keys; lists and empty mappings are
+    leaves)."""
+    flat = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            flat.update({f"{key}{separator}{inner}": leaf for inner, leaf in flat_keys(value, separator).items()})
         else:
-            prefix = f"{name}."
-        lines += ["", f"### {name}", "", intro, "", *_table(section, prefix)]
-    return "\n".join(lines) + "\n"
-
-
-def update_reference(path: str | Path) -> bool:
-    """Rewrite the part of the Markdown file ``path`` between the reference markers; True if it changed."""
-    path = Path(path)
-    text = path.read_text()
-    head, begin, rest = text.partition(REFERENCE_BEGIN + "\n")
-    _, end, tail = rest.partition(REFERENCE_END)
-    if not begin or not end:
-        raise UserError(f"{path} lacks the lines {REFERENCE_BEGIN} and {REFERENCE_END}")
-    updated = head + begin + config_reference() + end + tail
-    if updated == text:
-        return False
-    path.write_text(updated)
-    return True
-
-
-def _main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m jagg_core.config", description="The run config's schema.")
-    parser.add_argument("--reference", action="store_true", help="print the Markdown config reference")
-    parser.add_argument("--update", metavar="FILE", help="write the reference between the config-reference "
-                        "markers of FILE (e.g. README.md)")
-    args = parser.parse_args(argv)
-    if args.update:
-        with exit_on_user_error("jagg_core.config"):
-            print(f"{args.update}: {'updated' if update_reference(args.update) else 'already up to date'}")
-    elif args.reference:
-        print(config_reference(), end="")
-    else:
-        parser.print_help()
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(_main())
+            flat[key] = value
+    return flat

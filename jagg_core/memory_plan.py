@@ -12,9 +12,9 @@ How it is computed:
 - **LoRA**: the adapter is added to the meta transformer (peft), so its size is exact: float32 weights,
   gradients, AdamW's two moments (float32, or 1 byte each with ``adamw8bit``) and the EMA copy.
 - **Activations** are measured, not guessed: the family's own velocity call (CFG included) and VAE decode
-  run on meta tensors at the run's batch sizes and resolution, and :class:`LiveBytes` follows every tensor
-  they create and free; its high-water mark is the phase's transient. The backward runs the forward with
-  grad and the backward itself (with gradient checkpointing when on), ``2 x`` the micro-batch when JAGG's
+  run on meta tensors at the run's batch sizes and resolution, and :class:`~jagg_core.memory_meter.LiveBytes`
+  follows every tensor they create and free; its high-water mark is the phase's transient. The backward runs the
+  forward with grad and the backward itself (with gradient checkpointing when on), ``2 x`` the micro-batch when JAGG's
   endpoints are joint. Mixed precision runs these in the compute dtype.
 - **Fixed parts**: the rollout batch's trajectory (latents, velocities, reference velocities, float32),
   its conditioning and decoded images; the reward model (its catalog size, float32).
@@ -24,24 +24,23 @@ How it is computed:
 GB are 10^9 bytes (a "16 GB" card has 16 GiB = 17.2 GB, so a plan at 16 GB leaves it ~1 GB of margin).
 Not counted: the CUDA context (~0.3-0.5 GB outside ``max_memory_allocated``), allocator fragmentation, and
 reward models other than the catalog's defaults. Text-encoder activations at set-up are estimated from
-their widths (one layer's largest tensors); their weights dominate that phase.
+their widths (one layer's largest tensors); their weights dominate that phase. A run's measured peak, which the
+plan is checked against, is :func:`~jagg_core.memory_meter.measured_peak`.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import weakref
 from unittest import mock
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_flatten
 
 from .algorithms import ALGORITHMS
 from .config import RunConfig
 from .errors import UserError
+from .memory_meter import LiveBytes
 from .models import DTYPES, FAMILIES
 from .models.base import ENCODE_BATCH, NEGATIVE
 from .models.quantize import transformer_dtype
@@ -59,55 +58,6 @@ LARGEST_GPU_GB = 192
 SETUP_PHASE = "set-up"
 
 
-def plain_tensors(tensors):
-    """The tensors holding the data of ``tensors``: a wrapper subclass (torchao's quantized weights) is replaced by
-    its inner tensors, since its own storage is a placeholder of the dequantized size."""
-    for tensor in tensors:
-        if is_traceable_wrapper_subclass(tensor):
-            names, _ = tensor.__tensor_flatten__()
-            yield from plain_tensors(getattr(tensor, name) for name in names)
-        else:
-            yield tensor
-
-
-class LiveBytes(TorchDispatchMode):
-    """The bytes of tensor storage alive, and their high-water mark, of everything run under this mode.
-
-    Each op's outputs are followed by storage (views share one); a storage counts from the op that made it
-    until it is freed. Storages that existed before (``ignore``: weights, inputs) never count. Works on real
-    and on ``meta`` tensors, so the same instrument measures a run and plans one."""
-
-    def __init__(self, ignore: list[torch.Tensor] = ()):
-        super().__init__()
-        self.current = self.peak = 0
-        self._live: dict[int, weakref.ref] = {}
-        self._ignored = {t.untyped_storage()._cdata for t in plain_tensors(ignore)}
-
-    def _follow(self, tensor: torch.Tensor) -> None:
-        if is_traceable_wrapper_subclass(tensor):
-            for inner in plain_tensors([tensor]):
-                self._follow(inner)
-            return
-        storage = tensor.untyped_storage()
-        key = storage._cdata
-        if key in self._live or key in self._ignored:
-            return
-        size = storage.nbytes()
-
-        def freed(_ref, key=key, size=size):
-            if self._live.pop(key, None) is not None:
-                self.current -= size
-
-        self._live[key] = weakref.ref(storage, freed)
-        self.current += size
-        self.peak = max(self.peak, self.current)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for item in tree_flatten(out)[0]:
-            if isinstance(item, torch.Tensor):
-                self._follow(item)
-        return out
 
 
 # ----- the plan ------------------------------------------------------------------------------------------
@@ -190,33 +140,6 @@ class MemoryPlan:
                          f"{self.phase_total(phase) / GB:6.2f}")
         lines.append(f"  peak: {self.total / GB:.2f} GB ({self.peak_phase})")
         return "\n".join(lines)
-
-
-def measured_peak(trainer) -> int:
-    """Bytes at the peak of one training iteration with its eval (the trainer's next two iterations: the first makes
-    the optimizer states, the second is measured), the weights and optimizer states the device holds included.
-
-    On a GPU: ``torch.cuda.max_memory_allocated`` over the second iteration. On a CPU: the storages of the weights
-    and optimizer states plus the high-water mark of every other tensor (:class:`LiveBytes`); the prompt cache is
-    host memory and not counted.
-    """
-    start = trainer.start_iteration
-    trainer.iteration(start)  # the optimizer states exist from here on
-    device = trainer.accelerator.device
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        trainer.iteration(start + 1)
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device)
-    modules = [trainer.model.transformer, trainer.model.pipe.vae]
-    resident = [t for m in modules for t in [*m.parameters(), *m.buffers()]]
-    resident += [v for state in trainer.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
-    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in plain_tensors(resident)}
-    meter = LiveBytes(ignore=resident)
-    with meter:
-        trainer.iteration(start + 1)
-    return sum(storages.values()) + meter.peak
 
 
 def _flash_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **_):

@@ -13,12 +13,14 @@ The random draw of iteration ``k`` is seeded by ``(train.seed, k)`` alone, so ev
 blocks (their transformer calls and gradient collectives match) and a resumed run draws them again, as
 DanceGRPO draws its trained timesteps per iteration. Steps outside the spans get no loss and no gradient;
 with ``grpo.ode_after_trained`` they take the ODE step in the rollout (Flow-GRPO-Fast, MixGRPO).
+Tree rollouts (``grpo.branch_factor``) split their groups at trained steps (:func:`branch_splits`).
 """
 
 from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 
 
 def trained_count(num_steps: int, fraction: float) -> int:
@@ -50,3 +52,15 @@ def most_trained_steps(num_steps: int, fraction: float, placement: str, block: i
 def trained_steps(spans: list[range]) -> list[int]:
     """Every step of the spans, in order."""
     return [step for span in spans for step in span]
+
+
+def branch_splits(trained: Sequence[int], group_size: int, factor: int) -> dict[int, int]:
+    """Tree rollouts (BranchGRPO): a group of ``G = factor^k`` samples splits ``factor`` ways at ``k`` of the trained
+    steps, spread evenly over them, first and last included: ``trained[round(q (n - 1) / (k - 1))]``,
+    ``q = 0..k-1`` (``k = 1``: the first), over the ``n`` trained steps. A ValueError when ``factor < 2``,
+    ``factor^k != G`` or ``k > n``: the one check of ``grpo.branch_factor`` (the config's and the rollout's)."""
+    k = round(math.log(group_size, factor)) if factor > 1 else 0
+    if factor < 2 or factor ** k != group_size or k > len(trained):
+        raise ValueError(f"a group of {group_size} cannot split {factor} ways at {len(trained)} trained steps")
+    n = len(trained)
+    return {trained[round(q * (n - 1) / (k - 1)) if k > 1 else 0]: factor for q in range(k)}

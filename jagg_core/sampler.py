@@ -147,17 +147,6 @@ def shared_velocity(model: FlowModel, z: torch.Tensor, sigma: torch.Tensor, cond
     return v if inverse is None else v[inverse.to(z.device)]
 
 
-def branch_splits(trained: Sequence[int], group_size: int, factor: int) -> dict[int, int]:
-    """Tree rollouts (BranchGRPO): a group of ``G = factor^k`` samples splits ``factor`` ways at ``k`` of the trained
-    steps, spread evenly over them, first and last included: ``trained[round(q (n - 1) / (k - 1))]``,
-    ``q = 0..k-1`` (``k = 1``: the first)."""
-    k = round(math.log(group_size, factor))
-    if factor ** k != group_size or k > len(trained):
-        raise ValueError(f"a group of {group_size} cannot split {factor} ways at {len(trained)} trained steps")
-    n = len(trained)
-    return {trained[round(q * (n - 1) / (k - 1)) if k > 1 else 0]: factor for q in range(k)}
-
-
 @torch.no_grad()
 def sde_rollout(model: FlowModel, cond: Conditioning, sigmas: torch.Tensor, noise_level: float,
                 z0: torch.Tensor, generator: torch.Generator, with_reference: bool = False,
@@ -174,8 +163,8 @@ def sde_rollout(model: FlowModel, cond: Conditioning, sigmas: torch.Tensor, nois
     ``z0`` repeated G times) and form a tree (:func:`group_node_ids`): step ``i`` splits each node into
     ``splits[i]`` children, which draw their own noise from step ``i`` on, and before a split the children's paths
     are one. Default ``{first SDE step: G}``: the shared prefix, ODE steps taken once per group, then G branches;
-    tree rollouts (:func:`branch_splits`) split at several SDE steps. Every step's velocity (and reference) is
-    computed once per node. The trajectory is that of the unshared rollout of the same initial noise with the
+    tree rollouts (:func:`~jagg_core.placement.branch_splits`) split at several SDE steps. Every step's velocity
+    (and reference) is computed once per node. The trajectory is that of the unshared rollout of the same initial noise with the
     noise of each step drawn once per node; ``Trajectory.node_ids`` records the tree."""
     num_steps = len(sigmas) - 1
     noisy = torch.zeros(num_steps, dtype=torch.bool)

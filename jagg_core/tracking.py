@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 
-from .config import RunConfig
+from .config import RunConfig, flat_keys
 from .errors import UserError
 from .rundir import RunDirectory
 
@@ -31,19 +31,10 @@ def check_trackers(names: list[str]) -> None:
 
 
 def flat_config(config: RunConfig) -> dict:
-    """The config as ``section/key -> scalar`` (what trackers store as hyper-parameters)."""
-    flat = {}
-
-    def walk(prefix: str, node) -> None:
-        if isinstance(node, dict):
-            for key, value in node.items():
-                walk(f"{prefix}/{key}" if prefix else key, value)
-        elif isinstance(node, (bool, int, float, str)):
-            flat[prefix] = node
-        else:
-            flat[prefix] = json.dumps(node)
-    walk("", config.model_dump(mode="json"))
-    return flat
+    """The config as ``section/key -> scalar`` (what trackers store as hyper-parameters): the leaves of
+    :func:`~jagg_core.config.flat_keys`, a list or mapping as its JSON text."""
+    return {key: value if isinstance(value, (bool, int, float, str)) else json.dumps(value)
+            for key, value in flat_keys(config.model_dump(mode="json"), separator="/").items()}
 
 
 def start_trackers(accelerator, config: RunConfig, run: RunDirectory) -> None:

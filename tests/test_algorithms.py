@@ -12,7 +12,8 @@ from jagg_core.algorithms import ALGORITHMS
 from jagg_core.algorithms.awm import stratified_steps
 from jagg_core.config import ALGORITHM_KEYS, RunConfig, load_config
 from jagg_core.errors import UserError
-from jagg_core.memory_plan import measured_peak, plan_memory
+from jagg_core.memory_meter import measured_peak
+from jagg_core.memory_plan import plan_memory
 from jagg_core.rundir import TRAINING_STATE_FILE, RunDirectory
 from jagg_core.trainer import Trainer
 

@@ -11,22 +11,22 @@ import pytest
 from pydantic import BaseModel
 
 from app.form import KNOBS
-from jagg_core.config import (REFERENCE_BEGIN, REFERENCE_END, RunConfig, _section_type, config_reference,
-                              load_config, schema_field)
+from jagg_core.config import RunConfig, flat_keys, load_config, schema_field, section_type, yaml_value
+from jagg_core.config_reference import REFERENCE_BEGIN, REFERENCE_END, config_reference
 from jagg_core.errors import UserError
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
 def _sections() -> list[type[BaseModel]]:
-    return [RunConfig] + [_section_type(f.annotation) for f in RunConfig.model_fields.values()
-                          if _section_type(f.annotation) is not None]
+    return [RunConfig] + [section_type(f.annotation) for f in RunConfig.model_fields.values()
+                          if section_type(f.annotation) is not None]
 
 
 def _keys() -> list[str]:
     keys = []
     for name, field in RunConfig.model_fields.items():
-        section = _section_type(field.annotation)
+        section = section_type(field.annotation)
         if section is None:
             keys.append(name)
         else:
@@ -61,7 +61,7 @@ def test_readme_reference_is_the_generated_one():
     text = README.read_text()
     assert text.count(REFERENCE_BEGIN) == 1 and text.count(REFERENCE_END) == 1
     between = text.split(REFERENCE_BEGIN + "\n", 1)[1].split(REFERENCE_END, 1)[0]
-    assert between == config_reference(), "regenerate it: python -m jagg_core.config --update README.md"
+    assert between == config_reference(), "regenerate it: python -m jagg_core.config_reference --update README.md"
 
 
 def test_reference_shows_every_key_default_and_choices():
@@ -75,11 +75,12 @@ def test_reference_shows_every_key_default_and_choices():
     assert "Range: `[0, 2^63)`" in reference
 
 
-def test_reference_command_prints_it_and_the_module_is_light():
-    out = subprocess.run([sys.executable, "-m", "jagg_core.config", "--reference"], capture_output=True, text=True,
+def test_reference_command_prints_it_and_the_modules_are_light():
+    out = subprocess.run([sys.executable, "-m", "jagg_core.config_reference"], capture_output=True, text=True,
                          cwd=README.parent, check=True)
     assert out.stdout == config_reference()
-    code = "import sys, jagg_core.config; print(sorted({'torch', 'diffusers'} & set(sys.modules)))"
+    code = ("import sys, jagg_core.config, jagg_core.config_reference;"
+            "print(sorted({'torch', 'diffusers'} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=README.parent, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -130,3 +131,15 @@ def test_cli_prints_one_line_and_exits_2():
 def test_unknown_key_lookup_is_a_user_error():
     with pytest.raises(UserError, match="unknown config key 'train.nope'"):
         RunConfig.describe("train.nope")
+
+
+def test_every_value_written_by_yaml_value_reads_back_through_set():
+    """flat_keys and yaml_value write a config as ``--set KEY=VALUE`` lines (the app's command line, the trackers'
+    hyper-parameters); applied to the defaults they give the config back."""
+    config = load_config(preset="tiny-sd3", overrides=["description=", "rewards=[{name: shapes, weight: 2}]",
+                                                       "train.report_to=[tensorboard]", "train.mixed_precision=no"])
+    flat = flat_keys(config.model_dump(mode="json"))
+    assert flat["train.mixed_precision"] == "no" and flat["rewards"][0]["weight"] == 2  # a list is one leaf
+    again = load_config(preset="shapes", overrides=[f"{key}={yaml_value(value)}" for key, value in flat.items()])
+    assert again == config
+    assert flat_keys({"a": {"b": {"c": 1}, "d": {}}, "e": [1]}, separator="/") == {"a/b/c": 1, "a/d": {}, "e": [1]}

@@ -20,7 +20,8 @@ from jagg_core import metrics
 from jagg_core.config import LoraConfig, ModelConfig, RewardSpec, list_presets, load_config
 from jagg_core.edit_prompts import EditPrompt, input_images, png_bytes
 from jagg_core.errors import UserError
-from jagg_core.memory_plan import measured_peak, plan_memory
+from jagg_core.memory_meter import measured_peak
+from jagg_core.memory_plan import plan_memory
 from jagg_core.models import build_tiny_pipeline, load_flow_model
 from jagg_core.models.base import NEGATIVE
 from jagg_core.models.editing import IMAGE_LATENTS

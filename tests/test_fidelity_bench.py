@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from jagg_core.bench import format_tables
+from jagg_core.bench.fidelity import fidelity_rows, ranks, spearman
+from jagg_core.bench.tables import format_tables
 from jagg_core.config import with_overrides
 from jagg_core.errors import UserError
-from jagg_core.fidelity_bench import fidelity_rows, ranks, spearman
 
 from conftest import tiny_config
 
@@ -32,7 +32,7 @@ def test_fidelity_rows_cover_every_interior_window(offline):
 
 
 def test_training_comparison_reports_gain_time_and_spread(tmp_path, offline):
-    from jagg_core.training_bench import format_training, plot_training, training_rows
+    from jagg_core.bench.training import format_training, plot_training, training_rows
 
     config = tiny_config(train__iterations=1, backward__audit_every=1)
     rows = training_rows(config, seeds=(0, 1), setups=("flow_grpo", "exact", "default", "tree"))

@@ -19,7 +19,8 @@ from jagg_core import metrics
 from jagg_core.archs import transformer_config, transformer_depth
 from jagg_core.config import LoraConfig, ModelConfig
 from jagg_core.errors import UserError
-from jagg_core.memory_plan import measured_peak, plan_memory
+from jagg_core.memory_meter import measured_peak
+from jagg_core.memory_plan import plan_memory
 from jagg_core.models import FAMILIES, build_tiny_pipeline, load_flow_model
 from jagg_core.models.flux2 import Flux2KleinModel
 from jagg_core.rundir import RunDirectory

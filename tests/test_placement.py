@@ -10,7 +10,8 @@ import torch
 from jagg_core import metrics
 from jagg_core.errors import UserError
 from jagg_core.model_card import build_model_card, read_run
-from jagg_core.placement import most_trained_steps, trained_spans, trained_steps
+from jagg_core.config import load_config
+from jagg_core.placement import branch_splits, most_trained_steps, trained_spans, trained_steps
 from jagg_core.rundir import RunDirectory
 from jagg_core.trainer import Trainer
 
@@ -116,3 +117,19 @@ def test_a_tree_rollout_trains_end_to_end(tmp_path, offline):
 def test_a_branch_factor_that_cannot_split_the_group_is_a_clear_error(factor, group):
     with pytest.raises(UserError, match="grpo.branch_factor"):
         tiny_config(grpo__timestep_fraction=0.5, grpo__branch_factor=factor, grpo__num_generations=group)
+
+
+def test_branch_splits_spread_over_the_trained_steps():
+    assert branch_splits(range(5), 8, 2) == {0: 2, 2: 2, 4: 2}
+    assert branch_splits(range(3, 7), 4, 2) == {3: 2, 6: 2}
+    assert branch_splits(range(5), 4, 4) == {0: 4}
+    for trained, group, factor in ((range(2), 8, 2), (range(5), 6, 2), (range(5), 4, 1)):
+        with pytest.raises(ValueError, match="cannot split"):
+            branch_splits(trained, group, factor)
+
+
+@pytest.mark.parametrize("factor, group, fraction", [(2, 8, 0.2), (2, 6, 1.0), (1, 4, 1.0)])
+def test_the_config_refuses_a_branch_factor_the_rollout_cannot_split(factor, group, fraction):
+    with pytest.raises(UserError, match=f"grpo.branch_factor {factor} must split"):
+        load_config(preset="tiny-sd3", overrides=[f"grpo.branch_factor={factor}", f"grpo.num_generations={group}",
+                                                  "sampling.num_steps=10", f"grpo.timestep_fraction={fraction}"])

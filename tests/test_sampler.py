@@ -217,11 +217,3 @@ def test_a_tree_rollout_is_a_rollout_of_its_paths_with_each_node_computed_once()
     reference = sum(nodes_per_group[i] for i in noisy)
     assert model.samples == prompts * (policy + reference)  # 24 + 13 per group, against 64 + 40 unshared
 
-
-def test_branch_splits_spread_over_the_trained_steps():
-    from jagg_core.sampler import branch_splits
-    assert branch_splits(range(5), 8, 2) == {0: 2, 2: 2, 4: 2}
-    assert branch_splits(range(3, 7), 4, 2) == {3: 2, 6: 2}
-    assert branch_splits(range(5), 4, 4) == {0: 4}
-    with pytest.raises(ValueError, match="cannot split"):
-        branch_splits(range(2), 8, 2)

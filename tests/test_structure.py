@@ -55,6 +55,28 @@ def test_no_import_runs_back_up_the_flow():
     assert not wrong
 
 
+#: the one module outside the bench that runs it: the GPU check, whose step 3 is the bench
+BENCH_RUNNERS = {"jagg_core.gpu_check"}
+
+
+def test_nothing_in_the_library_imports_the_bench_but_the_gpu_check():
+    sources = [p for folder in ("app", "jagg_core") for p in (ROOT / folder).rglob("*.py")]
+    wrong = [(module_name(p), imported) for p in sources for imported in imports_of(p)
+             if not module_name(p).startswith("jagg_core.bench") and module_name(p) not in BENCH_RUNNERS
+             and (imported == "jagg_core.bench" or imported.startswith("jagg_core.bench."))]
+    assert not wrong
+
+
+#: what reads a peak of memory: CUDA's high-water mark, the process's, the class that counts live tensors
+PEAK_READERS = ("max_memory_allocated(", "reset_peak_memory_stats(", '"VmHWM"', "class LiveBytes")
+
+
+def test_there_is_one_memory_meter():
+    """Every peak memory figure comes from :mod:`jagg_core.memory_meter` (the memory plan imports its LiveBytes)."""
+    sources = [p for folder in ("app", "jagg_core", "scripts") for p in (ROOT / folder).rglob("*.py")]
+    readers = {p.relative_to(ROOT).as_posix() for p in sources if any(word in p.read_text() for word in PEAK_READERS)}
+    assert readers == {"jagg_core/memory_meter.py"}
+
 PROBE = """
 import sys
 from jagg_core.run import main

@@ -23,8 +23,8 @@ from ..config import BackwardConfig
 from ..grpo import LossSettings
 from ..jagg import BackwardPlan, BackwardResult, Window, make_plan, rescored, run_backward
 from ..models.base import Conditioning
-from ..placement import trained_spans, trained_steps
-from ..sampler import Trajectory, branch_splits, initial_noise, sde_rollout
+from ..placement import branch_splits, trained_spans, trained_steps
+from ..sampler import Trajectory, initial_noise, sde_rollout
 from .base import Algorithm, Rollout, Sampled, iteration_seed
 
 

@@ -62,18 +62,5 @@ def torch_device():
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def reset_peak(device) -> None:
-    import torch
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def peak_gb(device) -> float | None:
-    import torch
-    return torch.cuda.max_memory_allocated(device) / GB if device.type == "cuda" else None
-
-
 def one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]

@@ -14,7 +14,7 @@ import time
 import traceback
 from pathlib import Path
 
-from .common import GB, CheckOptions, Step, one_line, peak_gb, reset_peak, torch_device
+from .common import GB, CheckOptions, Step, one_line, torch_device
 from .triage import triage_steps
 
 TINY_MODELS = ("tiny-sd3", "tiny-flux", "tiny-qwen")
@@ -116,6 +116,7 @@ def step_tiny(model: str, options: CheckOptions) -> list[dict]:
     """2-iteration runs of the tiny ``model`` for each of :data:`RECIPES`."""
     from ..config import load_config
     from ..errors import UserError
+    from ..memory_meter import PeakMemory
     from ..rundir import RunDirectory
     from ..run import train
     from .. import metrics
@@ -129,7 +130,7 @@ def step_tiny(model: str, options: CheckOptions) -> list[dict]:
             continue
         config = load_config(preset="tiny-sd3", overrides=[f"model.name={model}", *TINY_BASE, *overrides])
         with tempfile.TemporaryDirectory() as run_dir:
-            reset_peak(device)
+            meter = PeakMemory(device).start()
             start = time.perf_counter()
             try:
                 train(config, Path(run_dir), resume=False)
@@ -138,7 +139,7 @@ def step_tiny(model: str, options: CheckOptions) -> list[dict]:
                 row.update(status="failed", reason=str(err) if isinstance(err, UserError) else one_line(err))
                 continue
             last = RunDirectory(run_dir).read_metrics()[-1]
-            row.update(seconds=time.perf_counter() - start, peak_gb=peak_gb(device),
+            row.update(seconds=time.perf_counter() - start, peak_gb=cuda_peak_gb(meter.stop()),
                        loss=last.get(metrics.LOSS), reward=last.get(metrics.REWARD_MEAN),
                        eval_reward=last.get(metrics.EVAL_REWARD_MEAN))
             if not all(math.isfinite(row[key]) for key in ("loss", "reward", "eval_reward")):
@@ -211,10 +212,17 @@ def memory_recipe(preset: str, options: CheckOptions):
     return load_config(preset=preset, overrides=overrides)
 
 
+def cuda_peak_gb(meter) -> float | None:
+    """A finished :class:`~jagg_core.memory_meter.PeakMemory`'s peak in GB on a GPU; None on a CPU (its figures there
+    are not the GPU's)."""
+    return meter.peak / GB if meter.device.type == "cuda" else None
+
+
 def step_memory(preset: str, options: CheckOptions) -> list[dict]:
     """Planned against measured peak memory of ``preset``'s recipe (:func:`memory_recipe`)."""
     from ..config import load_config
-    from ..memory_plan import SETUP_PHASE, measured_peak, plan_memory
+    from ..memory_meter import PeakMemory, basis, measured_peak
+    from ..memory_plan import SETUP_PHASE, plan_memory
     from ..quiet import quiet_libraries
     from ..trainer import Trainer
     device = torch_device()
@@ -231,13 +239,13 @@ def step_memory(preset: str, options: CheckOptions) -> list[dict]:
     quiet_libraries()
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = Trainer(config, run_dir)
-        reset_peak(device)
-        trainer.setup()
-        row["measured_setup_gb"] = peak_gb(device)
+        with PeakMemory(device) as setup:
+            trainer.setup()
+        row["measured_setup_gb"] = cuda_peak_gb(setup)
         row["measured_gb"] = measured_peak(trainer) / GB
         trainer.close()
     row["planned_over_measured"] = row["planned_gb"] / row["measured_gb"]
-    row["basis"] = "cuda max_memory_allocated" if device.type == "cuda" else "live tensors (LiveBytes)"
+    row["basis"] = basis(device, cpu="tensors")
     return [row]
 
 

@@ -1,11 +1,11 @@
-"""Whole trainings, the default against the exact backward (and Flow-GRPO's default iteration)
-(``python -m jagg_core.bench --training [--flow-grpo]``).
+"""Whole trainings, the default against the exact backward, Flow-GRPO's default iteration and tree rollouts
+(``python -m jagg_core.bench --training [--setups flow_grpo,exact,default,tree]``).
 
 For every seed, the run config (the default task unless told) is trained to its full length under each setup of
-:func:`comparison_setups` asked for: ``exact`` (the config with ``backward.mode: exact``), ``default`` (the config
-as it is) and, with ``--flow-grpo``, ``flow_grpo`` (Flow-GRPO's default iteration), same seed (so the same prompts
-at every iteration until the adapters part), through :meth:`~jagg_core.trainer.Trainer.fit`. The fidelity
-audit is off in all (it is timed apart anyway). Per run::
+:func:`comparison_setups` named by ``--setups`` (default ``exact,default``): ``flow_grpo`` (Flow-GRPO's default
+iteration), ``exact`` (the config with ``backward.mode: exact``), ``default`` (the config as it is), ``tree`` (the
+config with tree rollouts), same seed (so the same prompts at every iteration until the adapters part), through
+:meth:`~jagg_core.trainer.Trainer.fit`. The fidelity audit is off in all (it is timed apart anyway). Per run::
 
     gain     = held-out eval reward at the last iteration - at iteration 0 (the base model)
     minutes  = wall clock of the whole fit (rollouts, backward, evals, checkpoints) / 60
@@ -23,12 +23,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import metrics
-from .config import BackwardConfig, RunConfig, with_overrides
-from .errors import UserError
-from .report import markdown_table, plot_curves
-from .rundir import RunDirectory
-from .trainer import Trainer
+from .. import metrics
+from ..config import BackwardConfig, RunConfig, with_overrides
+from ..errors import UserError
+from ..report import markdown_table, plot_curves
+from ..rundir import RunDirectory
+from ..trainer import Trainer
 
 #: seeds of the comparison
 SEEDS = (0, 1, 2)

@@ -19,11 +19,11 @@ from __future__ import annotations
 import statistics
 import tempfile
 
-from . import metrics
-from .config import BackwardConfig, RunConfig
-from .jagg import linearity_score
-from .report import markdown_table
-from .trainer import Trainer
+from .. import metrics
+from ..config import BackwardConfig, RunConfig
+from ..jagg import linearity_score
+from ..report import markdown_table
+from ..trainer import Trainer
 
 #: (window, shared_knots): W = 3 leaves windows with one interior step each; disjoint: 3 of them on 10 steps,
 #: shared knots: 4
@@ -76,8 +76,8 @@ def fidelity_rows(base: RunConfig, rollouts: int, noise_levels=NOISE_LEVELS, lay
                 true, linearity = [], []
                 for rollout in batches:
                     advantages = trainer.advantages(rollout)
-                    plan = trainer.plan_backward(rollout.trajectory, rollout.spans, backward)
-                    audited = trainer.audit(rollout, advantages, plan)
+                    plan = trainer.algorithm.plan_backward(rollout.trajectory, rollout.spans, backward)
+                    audited = trainer.algorithm.audit(rollout, advantages, plan)
                     interior = [k for k, win in enumerate(plan.windows) if len(win.intermediates) > 0]
                     true.append([audited[metrics.JAGG_WINDOW_COSINES][k] for k in interior])
                     traj = rollout.trajectory
