@@ -23,8 +23,8 @@ TINY_BASE = ("train.iterations=2", "train.sample_every=2", "train.checkpoint_eve
              "train.mixed_precision=bf16", "train.optimizer=adamw8bit")
 RECIPES = {"bf16": (), "nf4": ("model.quantize=nf4",), "int8": ("model.quantize=int8",)}
 #: a real-size whole iteration (rollout + train) per family at the real depth, and the base it needs to fit
-BENCH_ARCHS = {"sd35-medium": None, "flux-dev": None, "qwen-image": "nf4", "flux2-klein-4b": None,
-               "z-image-turbo": None, "wan21-t2v-1.3b": None}
+BENCH_ARCHS = (("sd35-medium", None), ("flux-dev", None), ("qwen-image", "nf4"), ("flux2-klein-4b", None),
+               ("z-image-turbo", None), ("wan21-t2v-1.3b", None))
 #: the cost of quantization for training: the same iteration on each base of this family
 QUANTIZE_ARCH, QUANTIZE_BASES = "sd35-medium", ("bf16", "int8", "nf4")
 #: the real-size bench's window: W = 5, cached velocities, joint endpoints (the project's default backward)
@@ -59,9 +59,9 @@ def all_steps(options: CheckOptions) -> list[Step]:
     steps += [Step(f"memory-{preset}", "memory", functools.partial(step_memory, preset),
                    cap_s=QWEN_CAP_S if preset.startswith("qwen-image") else MEMORY_CAP_S, reduced_cap_s=300)
               for preset in memory_presets()]
-    steps += [Step(f"bench-{arch}", "bench", functools.partial(step_bench, arch),
+    steps += [Step(f"bench-{arch}", "bench", functools.partial(step_bench, arch, quantize),
                    cap_s=QWEN_CAP_S if arch.startswith("qwen-image") else BENCH_CAP_S, reduced_cap_s=300)
-              for arch in BENCH_ARCHS]
+              for arch, quantize in BENCH_ARCHS]
     steps += [Step(f"quantize-{QUANTIZE_ARCH}-{base}", "quantize", functools.partial(step_quantize, base),
                    cap_s=180, reduced_cap_s=300) for base in QUANTIZE_BASES]
     steps += [Step(model, "tiny", functools.partial(step_tiny, model), cap_s=60, reduced_cap_s=300)
@@ -171,9 +171,9 @@ def _needs_cuda(quantize: str | None) -> str | None:
     return "NF4 (bitsandbytes) needs a CUDA GPU" if quantize == "nf4" and torch_device().type != "cuda" else None
 
 
-def step_bench(arch: str, options: CheckOptions) -> list[dict]:
-    """A whole iteration of ``arch`` at its real depth (:func:`bench_rows`), on the base it needs to fit."""
-    quantize = BENCH_ARCHS[arch]
+def step_bench(arch: str, quantize: str | None, options: CheckOptions) -> list[dict]:
+    """A whole iteration of ``arch`` at its real depth (:func:`bench_rows`), on the base it needs to fit
+    (``quantize``)."""
     if reason := _needs_cuda(quantize):
         return [{"step": f"bench-{arch}", "status": "skipped", "reason": reason}]
     return [{**row, "step": f"bench-{arch}"} for row in bench_rows(arch, options, options.layers, quantize)]
