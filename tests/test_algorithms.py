@@ -17,9 +17,11 @@ from jagg_core.memory_plan import plan_memory
 from jagg_core.rundir import TRAINING_STATE_FILE, RunDirectory
 from jagg_core.trainer import Trainer
 
-from conftest import tiny_config
+from conftest import run_cli, tiny_config
 
 FORWARD_PROCESS = ["nft", "awm"]
+#: iterations of the short run on the embedded task
+SHORT_RUN = 15
 
 
 def algorithm_config(algorithm: str, model: str = "tiny-sd3", **overrides) -> RunConfig:
@@ -219,3 +221,16 @@ def test_the_plan_counts_the_rows_and_companions_within_25_percent_of_the_measur
     measured = measured_peak(trainer)
     planned = plan_memory(config).total
     assert 0.75 <= planned / measured <= 1.25, f"planned {planned / 1e6:.2f} MB, measured {measured / 1e6:.2f} MB"
+
+
+@pytest.mark.parametrize("algorithm", FORWARD_PROCESS)
+def test_the_preset_raises_the_held_out_reward_of_the_embedded_model_in_a_short_run(algorithm, tmp_path):
+    """Through the CLI: the shapes-ALGORITHM preset, shortened, raises the fixed-seed eval reward of 16 held-out
+    prompts."""
+    result = run_cli("--preset", f"shapes-{algorithm}", "--output-dir", str(tmp_path / "run"),
+                     "--set", f"train.iterations={SHORT_RUN}", "--set", f"train.sample_every={SHORT_RUN}",
+                     "--set", "prompts.eval_count=16", timeout=1800)
+    assert result.returncode == 0, result.stderr[-3000:]
+    evals = [row[metrics.EVAL_REWARD_MEAN] for row in RunDirectory(tmp_path / "run").read_metrics()
+             if metrics.EVAL_REWARD_MEAN in row]
+    assert len(evals) == 2 and evals[1] > evals[0] + 0.01, evals

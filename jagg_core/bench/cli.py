@@ -65,8 +65,8 @@ def main(argv: list[str] | None = None) -> None:
                         "held-out gain, wall clock and gain per minute with their spread (jagg_core.bench.training)")
     parser.add_argument("--setups", default="exact,default", help="with --training: the setups trained, of "
                         f"{','.join(SETUP_LABELS)} (flow_grpo: Flow-GRPO's default iteration, every step SDE, exact "
-                        "backward, reference in the rollout; tree: the default with tree rollouts); default "
-                        "exact,default")
+                        "backward, reference in the rollout; tree: the default with tree rollouts; nft, awm: "
+                        "DiffusionNFT and AWM as the shapes-nft and shapes-awm presets); default exact,default")
     parser.add_argument("--fidelity", type=int, metavar="ROLLOUTS", help="also the per-window fidelity along the "
                         "trajectory and the Spearman correlation of the routing predictors with it, over ROLLOUTS "
                         "rollouts of the first model at noise levels 0.7 and 1.2 (jagg_core.bench.fidelity)")

@@ -1,10 +1,11 @@
-"""Whole trainings, the default against the exact backward, Flow-GRPO's default iteration and tree rollouts
-(``python -m jagg_core.bench --training [--setups flow_grpo,exact,default,tree]``).
+"""Whole trainings, the default against the exact backward, Flow-GRPO's default iteration, tree rollouts and the
+forward-process algorithms (``python -m jagg_core.bench --training [--setups flow_grpo,exact,default,tree,nft,awm]``).
 
 For every seed, the run config (the default task unless told) is trained to its full length under each setup of
 :func:`comparison_setups` named by ``--setups`` (default ``exact,default``): ``flow_grpo`` (Flow-GRPO's default
 iteration), ``exact`` (the config with ``backward.mode: exact``), ``default`` (the config as it is), ``tree`` (the
-config with tree rollouts), same seed (so the same prompts at every iteration until the adapters part), through
+config with tree rollouts), ``nft`` and ``awm`` (DiffusionNFT and AWM as their presets for the default task set
+them, :data:`ALGORITHM_PRESETS`), same seed (so the same prompts at every iteration until the adapters part), through
 :meth:`~jagg_core.trainer.Trainer.fit`. The fidelity audit is off in all (it is timed apart anyway). Per run::
 
     gain     = held-out eval reward at the last iteration - at iteration 0 (the base model)
@@ -24,7 +25,7 @@ import time
 from pathlib import Path
 
 from .. import metrics
-from ..config import BackwardConfig, RunConfig, with_overrides
+from ..config import RunConfig, load_config, with_overrides
 from ..errors import UserError
 from ..report import markdown_table, plot_curves
 from ..rundir import RunDirectory
@@ -91,13 +92,34 @@ def comparison_setups(config: RunConfig) -> dict[str, list[str]]:
 #: the branch factor of the ``tree`` setup (BranchGRPO's)
 TREE_BRANCH_FACTOR = 2
 
+#: the forward-process setups: each one is its preset for the default task (the algorithm with its settings, learning
+#: rate, groups and length), on the bench's model
+ALGORITHM_PRESETS = {"nft": "shapes-nft", "awm": "shapes-awm"}
+
 #: the setups' names in tables and plots
 SETUP_LABELS = {"flow_grpo": "Flow-GRPO default", "exact": "exact, same rollout", "default": "default",
-                "tree": "default, tree rollout"}
+                "tree": "default, tree rollout", "nft": "DiffusionNFT", "awm": "AWM"}
 
 
-def backward_label(backward: BackwardConfig) -> str:
-    """``exact``, or the JAGG variant's mode and window (``cached_shared W=3``)."""
+def setup_configs(base: RunConfig, names) -> dict[str, RunConfig]:
+    """The config of each setup named: :func:`comparison_setups`' changes to ``base`` (the fidelity audit off), or
+    the preset of :data:`ALGORITHM_PRESETS` on ``base``'s model."""
+    changes = comparison_setups(base)
+    missing = [name for name in names if name not in changes and name not in ALGORITHM_PRESETS]
+    if missing:
+        raise UserError(f"setup {', '.join(missing)} does not apply to this task (tree: grpo.num_generations must be "
+                        f"a power of {TREE_BRANCH_FACTOR}); choose from {', '.join([*changes, *ALGORITHM_PRESETS])}")
+    return {name: load_config(preset=ALGORITHM_PRESETS[name], overrides=[f"model.name={base.model.name}"])
+            if name in ALGORITHM_PRESETS else with_overrides(base, [*changes[name], "backward.audit_every=0"])
+            for name in names}
+
+
+def backward_label(config: RunConfig) -> str:
+    """``exact``, the JAGG variant's mode and window (``cached_shared W=3``), or a forward-process algorithm's name
+    (it has no trajectory backward)."""
+    backward = config.backward
+    if config.train.algorithm != "grpo":
+        return f"{config.train.algorithm} (forward process)"
     if backward.mode == "exact":
         return "exact"
     mode = "forward" if backward.velocities == "forward" else "cached_shared" if backward.shared_knots else "cached"
@@ -107,13 +129,8 @@ def backward_label(backward: BackwardConfig) -> str:
 def training_rows(base: RunConfig, seeds=SEEDS, setups=("exact", "default")) -> list[dict]:
     """One row per setup (of :func:`comparison_setups`): each seed's run, and the mean and spread of its
     figures."""
-    changes = comparison_setups(base)
-    missing = [name for name in setups if name not in changes]
-    if missing:
-        raise UserError(f"setup {', '.join(missing)} does not apply to this task (tree: grpo.num_generations must be "
-                        f"a power of {TREE_BRANCH_FACTOR}); choose from {', '.join(changes)}")
     runs: dict[str, dict[int, dict]] = {name: {} for name in setups}
-    configs = {name: with_overrides(base, [*changes[name], "backward.audit_every=0"]) for name in setups}
+    configs = setup_configs(base, setups)
     with tempfile.TemporaryDirectory() as root:
         for seed in seeds:
             for name, config in configs.items():
@@ -123,7 +140,7 @@ def training_rows(base: RunConfig, seeds=SEEDS, setups=("exact", "default")) -> 
     for name, by_seed in runs.items():
         config = configs[name]
         row = {"section": "training", "model": base.model.name, "setup": name,
-               "backward": backward_label(config.backward), "iterations": base.train.iterations,
+               "backward": backward_label(config), "iterations": config.train.iterations,
                "seeds": list(seeds), "runs": {str(seed): run for seed, run in by_seed.items()}}
         for key in ("gain", "minutes", "train_minutes", "gain_per_minute"):
             values = [run[key] for run in by_seed.values()]
