@@ -14,6 +14,7 @@ from jagg_core.config import ALGORITHM_KEYS, RunConfig, load_config
 from jagg_core.errors import UserError
 from jagg_core.memory_meter import measured_peak
 from jagg_core.memory_plan import plan_memory
+from jagg_core.model_card import build_model_card, read_run
 from jagg_core.rundir import TRAINING_STATE_FILE, RunDirectory
 from jagg_core.trainer import Trainer
 
@@ -27,7 +28,7 @@ SHORT_RUN = 15
 def algorithm_config(algorithm: str, model: str = "tiny-sd3", **overrides) -> RunConfig:
     """:func:`tiny_config` under ``algorithm`` (the GRPO-only keys back at their defaults; AWM's steps fit the 6-step
     schedule), with ``section__key=value`` overrides."""
-    settings = {"awm__train_timesteps": 4} if algorithm == "awm" else {}
+    settings = {"awm__train_timesteps": 2} if algorithm == "awm" else {}
     settings.update(overrides)
     return tiny_config(model).for_algorithm(algorithm, [f"{k.replace('__', '.')}={v}" for k, v in settings.items()])
 
@@ -186,6 +187,10 @@ def test_two_iterations_on_every_family(case, algorithm, tmp_path, offline):
     assert any(not torch.equal(a, p) for a, p in zip(before, trainer.params))
     state = torch.load(RunDirectory(tmp_path / "run").latest_checkpoint() / TRAINING_STATE_FILE, weights_only=False)
     assert trainer.algorithm.state_key in state
+    card = build_model_card(read_run(tmp_path / "run"), "alice/lora")
+    name = {"nft": "DiffusionNFT", "awm": "Advantage Weighted Matching"}[algorithm]
+    assert f"fine-tuned with {name}" in str(card) and algorithm in card.data.tags and "jagg" not in card.data.tags
+    assert f"**{'DiffusionNFT' if algorithm == 'nft' else 'AWM'}:**" in str(card) and "**Backward:**" not in str(card)
 
 
 def test_a_rollout_in_chunks_samples_what_one_batch_does(tmp_path, offline):
@@ -234,3 +239,16 @@ def test_the_preset_raises_the_held_out_reward_of_the_embedded_model_in_a_short_
     evals = [row[metrics.EVAL_REWARD_MEAN] for row in RunDirectory(tmp_path / "run").read_metrics()
              if metrics.EVAL_REWARD_MEAN in row]
     assert len(evals) == 2 and evals[1] > evals[0] + 0.01, evals
+
+
+def test_the_bench_trains_each_forward_process_setup_as_its_preset_on_the_benchs_model():
+    from jagg_core.bench.training import backward_label, setup_configs
+
+    configs = setup_configs(tiny_config(), ["default", *FORWARD_PROCESS])
+    for algorithm in FORWARD_PROCESS:
+        preset = load_config(preset=f"shapes-{algorithm}")
+        config = configs[algorithm]
+        assert config.model.name == "tiny-sd3" and config.train.algorithm == algorithm
+        assert getattr(config, algorithm) == getattr(preset, algorithm) and config.train == preset.train
+        assert backward_label(config) == f"{algorithm} (forward process)"
+    assert backward_label(configs["default"]) == "cached W=3"
