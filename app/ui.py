@@ -442,8 +442,9 @@ def build_app(root: Path | None = None) -> gr.Blocks:
     defaults = preset_form(DEFAULT_PRESET)
     presets = list_presets()
     with gr.Blocks(title="JAGG Studio") as demo:
-        gr.Markdown("# JAGG Studio\nFine-tune a LoRA adapter of an image, image-editing or video flow model with GRPO "
-                    "rewards, watch it learn, and publish it to the Hugging Face Hub.", elem_id="title")
+        gr.Markdown("# JAGG Studio\nFine-tune a LoRA adapter of an image, image-editing or video flow model on "
+                    "rewards (GRPO with JAGG, DiffusionNFT or AWM), watch it learn, and publish it to the Hugging Face "
+                    "Hub.", elem_id="title")
         with gr.Row(equal_height=False):
             # ----- 1. set-up ---------------------------------------------------------------
             with gr.Column(scale=2, min_width=380):

@@ -97,18 +97,18 @@ class Trainer:
         optimizer = make_optimizer(cfg.train.optimizer, self.params, cfg.train.learning_rate, cfg.train.weight_decay)
         self.sharding = Sharding(self.accelerator)  # FSDP2 of the frozen transformer under an FSDP accelerate config
         self.optimizer = self.sharding.prepare(self.model, optimizer)
-        self.lr_scheduler = get_scheduler(cfg.train.lr_scheduler, self.optimizer,
-                                          num_warmup_steps=cfg.train.lr_warmup_steps,
-                                          num_training_steps=cfg.train.iterations * cfg.grpo.inner_epochs,
-                                          num_cycles=cfg.train.lr_num_cycles)
-        self.ema = EMAModel(self.params, decay=cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
-        self.reward = build_rewards(cfg.rewards, self.accelerator.device, reward_frames=cfg.sampling.reward_frames)
         self.sigmas = self.model.sigmas(cfg.sampling.num_steps, cfg.sampling.resolution)
         self.eval_sigmas = self.model.sigmas(cfg.sampling.eval_num_steps or cfg.sampling.num_steps,
                                              cfg.sampling.resolution)
         self.algorithm = make_algorithm(TrainingContext(
             cfg, self.model, self.params, self.sigmas, self.accelerator.device, self.accelerator.backward,
             self.accelerator.autocast, cfg.train.seed, self.rank, self.sharding))
+        self.lr_scheduler = get_scheduler(cfg.train.lr_scheduler, self.optimizer,
+                                          num_warmup_steps=cfg.train.lr_warmup_steps,
+                                          num_training_steps=cfg.train.iterations * self.algorithm.optimizer_steps,
+                                          num_cycles=cfg.train.lr_num_cycles)
+        self.ema = EMAModel(self.params, decay=cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
+        self.reward = build_rewards(cfg.rewards, self.accelerator.device, reward_frames=cfg.sampling.reward_frames)
         if self.resume:
             self._load_checkpoint()
         if self.is_main:

@@ -3,7 +3,6 @@ callers inside the runs root. Kills are injected deterministically (hooks in the
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
