@@ -115,11 +115,11 @@ def setup_configs(base: RunConfig, names) -> dict[str, RunConfig]:
 
 
 def backward_label(config: RunConfig) -> str:
-    """``exact``, the JAGG variant's mode and window (``cached_shared W=3``), or a forward-process algorithm's name
-    (it has no trajectory backward)."""
+    """``exact``, the JAGG variant's mode and window (``cached_shared W=3``), or ``forward process`` (NFT, AWM: no
+    trajectory backward)."""
     backward = config.backward
     if config.train.algorithm != "grpo":
-        return f"{config.train.algorithm} (forward process)"
+        return "forward process"
     if backward.mode == "exact":
         return "exact"
     mode = "forward" if backward.velocities == "forward" else "cached_shared" if backward.shared_knots else "cached"
@@ -167,5 +167,7 @@ def plot_training(rows: list[dict], path: str | Path) -> None:
     """Held-out reward against wall-clock seconds of every run."""
     series = [(f"{SETUP_LABELS[r['setup']]} ({r['backward']})",
                {seed: run["curve"] for seed, run in r["runs"].items()}) for r in rows]
-    plot_curves(series, f"{rows[0]['model']}: held-out reward vs wall-clock ({rows[0]['iterations']} iterations)",
+    lengths = {r["iterations"] for r in rows}
+    length = f"{lengths.pop()} iterations" if len(lengths) == 1 else "each at its full length"
+    plot_curves(series, f"{rows[0]['model']}: held-out reward vs wall-clock ({length})",
                 "cumulative seconds (rollout + train + eval)", "held-out eval reward", path)
