@@ -142,7 +142,7 @@ ADVANCED_KNOBS = (
     Knob("sampling.num_frames", "Video frames", "int"),
     Knob("sampling.fps", "Video fps", "int"),
     Knob("sampling.reward_frames", "Frames an image reward scores", "int"),
-    Knob("sampling.rollout_batch_size", "Rollout chunk", "int", optional=True),
+    Knob("sampling.rollout_chunk", "Rollout chunk", "int", optional=True),
 )
 
 #: the algorithm and the knobs of the forward-process algorithms (each shown only when its algorithm is chosen)

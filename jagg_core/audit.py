@@ -3,7 +3,7 @@
 Every ``backward.audit_every`` iterations the trainer backpropagates ``backward.audit_samples`` samples of the
 rollout batch (:func:`audit_indices`) again, before its update: under the iteration's own JAGG plan and under
 the exact per-step backward. With ``g_j = (dv_j/dtheta)^T s_j`` the exact gradient of step j (one pass per
-step) and ``c_k`` the JAGG gradient of window k's steps alone (:func:`~jagg_core.jagg.window_plan`: its two
+step) and ``c_k`` the JAGG gradient of window k's steps alone (:func:`~jagg_core.jagg.window_part`: its two
 endpoint passes carrying its interpolated steps)::
 
     e_k     = sum_{j in window k} g_j                 the exact gradient of window k's steps
@@ -39,7 +39,7 @@ from typing import Callable
 
 import torch
 
-from .jagg import BackwardPlan, Window, window_plan
+from .jagg import BackwardPlan, Window, window_part
 
 
 @dataclass(frozen=True)
@@ -72,11 +72,11 @@ def flat_gradient(params: list[torch.Tensor]) -> torch.Tensor:
 
 def measure_fidelity(plan: BackwardPlan, gradient_of: Callable[[BackwardPlan], torch.Tensor]) -> Fidelity:
     """The audit's figures for ``plan``, where ``gradient_of(part)`` is the flattened gradient of the audited
-    samples under the partial plan ``part`` (:func:`~jagg_core.jagg.window_plan`)."""
+    samples under the partial plan ``part`` (:func:`~jagg_core.jagg.window_part`)."""
     exact_of_window = [0] * len(plan.windows)
     exact = counted_twice = 0
     for j in sorted({j for win in plan.windows for j in win.steps}):
-        step = gradient_of(window_plan(plan, Window(j, j), interpolate=False))
+        step = gradient_of(window_part(plan, Window(j, j), interpolate=False))
         holders = [k for k, win in enumerate(plan.windows) if j in win.steps]
         exact = exact + step
         counted_twice = counted_twice + (len(holders) - 1) * step
@@ -85,7 +85,7 @@ def measure_fidelity(plan: BackwardPlan, gradient_of: Callable[[BackwardPlan], t
     jagg, window_cosines = -counted_twice, []
     for win, interpolated, exact_here in zip(plan.windows, plan.use_jagg, exact_of_window):
         if interpolated and len(win.intermediates) > 0:
-            here = gradient_of(window_plan(plan, win, interpolate=True))
+            here = gradient_of(window_part(plan, win, interpolate=True))
             window_cosines.append(gradient_agreement(here, exact_here)[0])
         else:
             here = exact_here

@@ -26,6 +26,8 @@ from .placement import branch_splits, trained_count
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"
 DEFAULT_PRESET = "shapes"
 SEED_BOUND = 2 ** 63  # seeds are 64-bit: torch.Generator.manual_seed and the per-iteration seed mix need < 2**63
+#: eval samples denoised together when ``sampling.rollout_chunk`` is not set
+EVAL_CHUNK = 16
 #: a video VAE (Wan) encodes the first frame alone, then each group of this many frames as one latent frame
 VIDEO_FRAME_GROUP = 4
 
@@ -104,9 +106,10 @@ class SamplingConfig(_Section):
                            "schedule from noise (sigma 1) to image (sigma 0)")
     eval_num_steps: int | None = Field(None, ge=2, le=200, description="Euler ODE steps of the fixed-seed eval "
                                        "samples; null = sampling.num_steps")
-    rollout_batch_size: int | None = Field(None, ge=1, description="samples denoised together in a rollout or eval "
-                                           "(chunks of the batch, the same samples and noise as one batch); null = "
-                                           "the whole rollout batch at once, eval 16 at a time")
+    rollout_chunk: int | None = Field(None, ge=1, description="samples denoised together in a rollout or eval "
+                                      "(chunks of the batch, the same samples and noise as one batch; written "
+                                      "rollout_batch_size before); null = the whole rollout batch at once, eval "
+                                      f"{EVAL_CHUNK} at a time")
     noise_level: float = Field(0.7, gt=0.0, le=2.0, description="SDE noise level a: step i from sigma s to s' adds "
                                "Gaussian noise of std a sqrt(s / (1 - s)) sqrt(s - s')")
     num_frames: int = Field(1, ge=1, le=257, description="frames of each sample of a video model (Wan): 4k + 1, "
@@ -117,6 +120,23 @@ class SamplingConfig(_Section):
     reward_frames: int = Field(4, ge=1, description="frames of a video, evenly spaced from the first to the last, that "
                                "each image reward scores; the video's score is their mean (all frames when the video "
                                "has fewer; temporal_consistency reads every frame)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_rollout_batch_size(cls, data):
+        """Configs written before ``sampling.rollout_chunk`` said ``rollout_batch_size``."""
+        if isinstance(data, dict) and "rollout_batch_size" in data and "rollout_chunk" not in data:
+            data = dict(data)
+            data["rollout_chunk"] = data.pop("rollout_batch_size")
+        return data
+
+    def chunk(self, samples: int) -> int:
+        """Samples denoised together in a rollout batch of ``samples``."""
+        return min(samples, self.rollout_chunk or samples)
+
+    def eval_chunk(self, prompts: int) -> int:
+        """Samples denoised together in an eval of ``prompts`` held-out prompts."""
+        return min(prompts, self.rollout_chunk or EVAL_CHUNK)
 
     @model_validator(mode="after")
     def _resolution_multiple(self):

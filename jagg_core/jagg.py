@@ -74,7 +74,7 @@ class Window:
         return range(self.start + 1, self.end)
 
 
-def plan_windows(num_steps: int, window: int, shared_knots: bool, first: int = 0) -> list[Window]:
+def cover_with_windows(num_steps: int, window: int, shared_knots: bool, first: int = 0) -> list[Window]:
     """Cover steps ``first..first+num_steps-1`` with windows of ``window`` steps; the last may be shorter.
 
     Without shared knots the windows are disjoint (``[0, W-1], [W, 2W-1], ...`` from ``first = 0``). With
@@ -171,7 +171,8 @@ def make_plan(config: BackwardConfig, batch: Trajectory, trained: int | list[ran
     spans = [range(trained)] if isinstance(trained, int) else trained
     common = {"loss": loss, "batch_size": batch.batch_size, "trained_steps": sum(len(span) for span in spans)}
     window = 1 if config.mode == "exact" else config.window
-    windows = [win for span in spans for win in plan_windows(len(span), window, config.shared_knots, span.start)]
+    windows = [win for span in spans
+               for win in cover_with_windows(len(span), window, config.shared_knots, span.start)]
     if config.mode == "exact":
         plan = BackwardPlan(windows, [False] * len(windows), [1.0] * len(windows), [1.0] * len(windows), **common)
         return routed(plan, plan.scores, config, batch.sigmas)
@@ -210,7 +211,7 @@ def routed(plan: BackwardPlan, scores: list[float], config: BackwardConfig, sigm
                    interpolated=interpolated)
 
 
-def window_plan(plan: BackwardPlan, win: Window, interpolate: bool) -> BackwardPlan:
+def window_part(plan: BackwardPlan, win: Window, interpolate: bool) -> BackwardPlan:
     """The part of ``plan`` that backpropagates the steps of ``win`` alone, with the plan's loss, batch geometry,
     velocities and stacking: ``interpolate`` (``win`` is one of the plan's JAGG windows) = its two endpoint passes
     with its interpolated steps aggregated onto them, ``G_a = sum_j (1 - alpha_j) s_j``, ``G_b = sum_j alpha_j s_j``;

@@ -47,7 +47,6 @@ from .models.quantize import transformer_dtype
 from .models.meta import META, meta_pipeline
 from .placement import most_trained_steps
 from .rewards.catalog import reward_entry
-from .sampler import EVAL_BATCH
 
 GB = 1e9
 #: bytes per weight of a quantized linear layer (see the module docstring)
@@ -248,8 +247,8 @@ def plan_memory(config: RunConfig) -> MemoryPlan:
     weights = [p for p in transformer.parameters()] + [b for b in transformer.buffers()] + \
         [p for p in pipe.vae.parameters()] + [b for b in pipe.vae.buffers()]
 
-    chunk = cfg.sampling.rollout_batch_size or samples
-    eval_chunk = min(cfg.prompts.eval_count, cfg.sampling.rollout_batch_size or EVAL_BATCH)
+    chunk = cfg.sampling.chunk(samples)
+    eval_chunk = cfg.sampling.eval_chunk(cfg.prompts.eval_count)
     sigma = torch.full((1,), 0.5, device=META)
 
     def forward(batch: int) -> None:
@@ -309,8 +308,7 @@ def _memory_savers(config: RunConfig) -> list[tuple[str, object]]:
         savers.append(("backward.joint", False))
     if not cfg.train.gradient_checkpointing:
         savers.append(("train.gradient_checkpointing", True))
-    chunk = cfg.sampling.rollout_batch_size or samples
-    savers += [("sampling.rollout_batch_size", size) for size in (8, 4, 2, 1) if size < chunk]
+    savers += [("sampling.rollout_chunk", size) for size in (8, 4, 2, 1) if size < cfg.sampling.chunk(samples)]
     rows = samples * (ALGORITHMS[cfg.train.algorithm].steps_per_sample(cfg) if cfg.train.algorithm != "grpo" else 1)
     micro = math.ceil(rows / cfg.train.gradient_accumulation_steps)
     savers += [("train.gradient_accumulation_steps", math.ceil(rows / size)) for size in (8, 4, 2, 1)
@@ -351,7 +349,7 @@ def check_fits(plan: MemoryPlan, config: RunConfig, budget_gb: float | None) -> 
     if plan.total > LARGEST_GPU_GB * GB:
         raise UserError(f"this run plans {plan.total / GB:.1f} GB, more than any single GPU ({LARGEST_GPU_GB} GB); "
                         "lower sampling.resolution or the rollout batch (grpo.num_generations x "
-                        "prompts_per_iteration), set sampling.rollout_batch_size, or shard the model over several "
+                        "prompts_per_iteration), set sampling.rollout_chunk, or shard the model over several "
                         "GPUs (presets/accelerate/fsdp.yaml)")
     if budget_gb is None:
         return f"planned peak {plan.total / GB:.1f} GB"

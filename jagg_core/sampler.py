@@ -32,8 +32,6 @@ import torch
 from .models.base import Conditioning, FlowModel
 
 
-#: eval samples denoised together when ``sampling.rollout_batch_size`` is not set
-EVAL_BATCH = 16
 
 
 def step_noise_std(sigmas: torch.Tensor, noise_level: float) -> torch.Tensor:

@@ -41,7 +41,7 @@ from .models.text_embeddings import load_embeddings, save_embeddings
 from .prompts import run_prompts
 from .rewards import build_rewards
 from .rundir import OPTIMIZER_FILE, TRAINING_STATE_FILE, RunDirectory
-from .sampler import EVAL_BATCH, initial_noise, ode_sample
+from .sampler import initial_noise, ode_sample
 from .sharding import Sharding, fsdp_requested
 from .stopping import STOP, StopRequested
 from .tracking import log_eval_grid, log_row, start_trackers
@@ -316,7 +316,7 @@ class Trainer:
         cfg = self.config
         generator = torch.Generator().manual_seed(cfg.train.eval_seed)
         z0 = initial_noise(self.model, len(self.eval_prompts), cfg.sampling.resolution, generator)
-        images, chunk = [], cfg.sampling.rollout_batch_size or EVAL_BATCH
+        images, chunk = [], cfg.sampling.eval_chunk(len(self.eval_prompts))
         with self.accelerator.autocast(), self.averaged_weights():
             for first in range(0, len(self.eval_prompts), chunk):
                 part = slice(first, first + chunk)

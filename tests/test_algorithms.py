@@ -196,7 +196,7 @@ def test_two_iterations_on_every_family(case, algorithm, tmp_path, offline):
 def test_a_rollout_in_chunks_samples_what_one_batch_does(tmp_path, offline):
     trainer = set_up(algorithm_config("awm"), tmp_path / "run")
     whole = trainer.rollout(1).sampled.latents
-    trainer.config.sampling.rollout_batch_size = 3
+    trainer.config.sampling.rollout_chunk = 3
     torch.testing.assert_close(trainer.rollout(1).sampled.latents, whole, rtol=1e-5, atol=1e-6)
 
 

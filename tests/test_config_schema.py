@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from pydantic import BaseModel
 
 from app.form import KNOBS
@@ -50,7 +51,7 @@ def test_every_field_has_a_one_line_description(key):
 
 def test_all_98_keys_are_covered():
     """56 keys; train.lr_scheduler, lr_warmup_steps, lr_num_cycles, ema_decay and report_to; model.quantize (was
-    quantize_4bit), cache_text_embeddings, vae_slicing and sampling.rollout_batch_size; backward.audit_every and
+    quantize_4bit), cache_text_embeddings, vae_slicing and sampling.rollout_chunk; backward.audit_every and
     audit_samples; grpo.window_placement, trained_start, kl_form, group_by and global_std; backward.min_fidelity and
     route_by; prompts.eval_source; model.condition_resolution; grpo.kl_reference, slide_every and shared_prefix;
     sampling.num_frames, fps and reward_frames (video); grpo.branch_factor; train.algorithm with the nft (6) and awm
@@ -144,3 +145,10 @@ def test_every_value_written_by_yaml_value_reads_back_through_set():
     again = load_config(preset="shapes", overrides=[f"{key}={yaml_value(value)}" for key, value in flat.items()])
     assert again == config
     assert flat_keys({"a": {"b": {"c": 1}, "d": {}}, "e": [1]}, separator="/") == {"a/b/c": 1, "a/d": {}, "e": [1]}
+
+
+def test_a_config_written_with_the_old_rollout_batch_size_loads_as_the_rollout_chunk(tmp_path):
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump({"model": {"name": "tiny-sd3"}, "sampling": {"rollout_batch_size": 3}}))
+    config = load_config(config_file=path)
+    assert config.sampling.rollout_chunk == 3 and config.sampling.chunk(8) == 3 and config.sampling.eval_chunk(2) == 2

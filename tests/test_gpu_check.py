@@ -162,7 +162,7 @@ def test_the_command_shows_the_order_resumes_and_survives_a_crash(tmp_path):
 def test_the_measured_recipe_keeps_what_memory_depends_on(preset):
     full, measured = load_config(preset=preset), memory_recipe(preset, CheckOptions())
     same = ["model.dtype", "model.quantize", "model.max_sequence_length", "model.cache_text_embeddings",
-            "sampling.resolution", "sampling.num_frames", "sampling.rollout_batch_size", "lora.rank",
+            "sampling.resolution", "sampling.num_frames", "sampling.rollout_chunk", "lora.rank",
             "lora.target_modules",
             "backward.mode", "backward.window", "backward.joint", "backward.velocities", "train.optimizer",
             "train.mixed_precision", "train.gradient_checkpointing", "grpo.kl_beta", "sampling.num_steps"]

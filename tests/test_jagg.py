@@ -10,7 +10,7 @@ import torch
 
 from jagg_core.config import BackwardConfig, ModelConfig
 from jagg_core.grpo import LossSettings, group_advantages, step_loss
-from jagg_core.jagg import (Window, interpolation_weights, linearity_score, make_plan, plan_windows,
+from jagg_core.jagg import (Window, interpolation_weights, linearity_score, make_plan, cover_with_windows,
                             route_windows, run_backward)
 from jagg_core.models import load_flow_model
 from jagg_core.sampler import sde_rollout
@@ -256,12 +256,12 @@ def test_frac_zero_equals_exact(tiny_sd3):
 
 
 def test_plan_windows_cover_steps_and_share_knots():
-    assert plan_windows(10, 5, False) == [Window(0, 4), Window(5, 9)]
-    assert plan_windows(12, 5, False) == [Window(0, 4), Window(5, 9), Window(10, 11)]
-    assert plan_windows(10, 5, True) == [Window(0, 4), Window(4, 8), Window(8, 9)]
-    assert plan_windows(9, 5, True) == [Window(0, 4), Window(4, 8)]
-    assert plan_windows(3, 1, False) == [Window(0, 0), Window(1, 1), Window(2, 2)]
-    assert plan_windows(5, 3, True, first=4) == [Window(4, 6), Window(6, 8)]
+    assert cover_with_windows(10, 5, False) == [Window(0, 4), Window(5, 9)]
+    assert cover_with_windows(12, 5, False) == [Window(0, 4), Window(5, 9), Window(10, 11)]
+    assert cover_with_windows(10, 5, True) == [Window(0, 4), Window(4, 8), Window(8, 9)]
+    assert cover_with_windows(9, 5, True) == [Window(0, 4), Window(4, 8)]
+    assert cover_with_windows(3, 1, False) == [Window(0, 0), Window(1, 1), Window(2, 2)]
+    assert cover_with_windows(5, 3, True, first=4) == [Window(4, 6), Window(6, 8)]
 
 
 def test_pass_counts_two_per_window_or_k_plus_one_with_shared_knots():
@@ -282,7 +282,7 @@ def test_interpolation_weights_run_from_zero_to_one():
     assert alpha[1] == pytest.approx(0.2 / 0.6) and alpha[2] == pytest.approx(0.5 / 0.6)
 
 
-FOUR = plan_windows(12, 3, False)  # four windows of 3 steps, each with one interior step
+FOUR = cover_with_windows(12, 3, False)  # four windows of 3 steps, each with one interior step
 
 
 def test_routing_picks_the_most_linear_windows():

@@ -126,7 +126,7 @@ def test_checkpointing_sequential_endpoints_and_chunks_lower_the_plan(offline):
     base = dict(sampling__resolution=64, grpo__num_generations=4, backward__window=3)
     full = plan_memory(tiny_config(**base))
     lean = plan_memory(tiny_config(**base, train__gradient_checkpointing=True, backward__joint=False,
-                                   sampling__rollout_batch_size=1, train__gradient_accumulation_steps=8))
+                                   sampling__rollout_chunk=1, train__gradient_accumulation_steps=8))
     assert lean.phases["backward"] < full.phases["backward"]
     assert lean.phases["rollout forward"] < full.phases["rollout forward"]
 

@@ -113,7 +113,7 @@ class ForwardProcessAlgorithm(Algorithm):
         count = next(iter(cond.values())).shape[0]
         z0 = initial_noise(model, count, cfg.sampling.resolution, generator)
         with self.sampling_policy():
-            latents = ode_sample(model, cond, self.ctx.sigmas, z0, chunk_size=cfg.sampling.rollout_batch_size)
+            latents = ode_sample(model, cond, self.ctx.sigmas, z0, chunk_size=cfg.sampling.rollout_chunk)
         return Sampled(latents)
 
     def plan(self, rollout: Rollout, advantages: torch.Tensor, iteration: int) -> Rows:

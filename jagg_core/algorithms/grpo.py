@@ -68,7 +68,7 @@ class GrpoAlgorithm(Algorithm):
         traj = sde_rollout(model, cond, self.ctx.sigmas, cfg.sampling.noise_level, z0.repeat_interleave(shared, dim=0),
                            generator, with_reference=cfg.grpo.kl_beta > 0 and cfg.grpo.kl_reference == "rollout",
                            sde_steps=trained_steps(spans) if cfg.grpo.ode_after_trained else None,
-                           chunk_size=cfg.sampling.rollout_batch_size, group_size=shared, splits=splits)
+                           chunk_size=cfg.sampling.rollout_chunk, group_size=shared, splits=splits)
         return Sampled(traj.latents[-1], traj, spans)
 
     # ----- backward plan, with the audit -------------------------------------------------

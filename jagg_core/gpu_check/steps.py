@@ -199,7 +199,7 @@ def memory_recipe(preset: str, options: CheckOptions):
     arch = arch_for_model(config.model.name)
     samples = config.grpo.num_generations * config.grpo.prompts_per_iteration
     micro = math.ceil(samples / config.train.gradient_accumulation_steps)
-    chunk = config.sampling.rollout_batch_size or samples
+    chunk = config.sampling.chunk(samples)
     generations = max(2, chunk)
     layers = f"@{options.layers}" if options.layers else ""
     overrides = [f"model.name=random:{arch}{layers}", f"rewards=[{{name: {MEASURE_REWARD}}}]",
