@@ -114,3 +114,15 @@ def adapter_and_base_velocity(model, z, sigma, cond):
         trained = model.velocity(z, sigma, cond)
         with model.adapters_disabled():
             return trained, model.velocity(z, sigma, cond)
+
+
+#: the browser tests' waits end on the state they wait for; this is only a safety cap (ms) against a page that never
+#: gets there, far above what a loaded 2-core machine needs
+BROWSER_CAP_MS = 900_000
+
+
+def wait_on_states_only(page) -> None:
+    """Every ``expect`` and page wait of the browser tests waits for its state, capped at :data:`BROWSER_CAP_MS`."""
+    from playwright.sync_api import expect
+    expect.set_options(timeout=BROWSER_CAP_MS)
+    page.set_default_timeout(BROWSER_CAP_MS)

@@ -252,3 +252,22 @@ def test_the_bench_trains_each_forward_process_setup_as_its_preset_on_the_benchs
         assert getattr(config, algorithm) == getattr(preset, algorithm) and config.train == preset.train
         assert backward_label(config) == "forward process"
     assert backward_label(configs["default"]) == "cached W=3"
+
+
+def test_the_page_form_switches_algorithm_and_shows_only_its_knobs(tmp_path):
+    """Choosing DiffusionNFT on the default preset's form: the config trains NFT with the GRPO-only knobs back at
+    their defaults (the preset's backward.window 3 included), and the page hides GRPO's knobs and AWM's."""
+    from app.form import KNOBS, build_config, preset_form
+    from app.ui import algorithm_chosen
+
+    form = preset_form("shapes")
+    form.knobs["train.algorithm"] = "nft"
+    form.knobs["nft.beta"] = 0.5
+    config = build_config(form, tmp_path)
+    assert config.train.algorithm == "nft" and config.nft.beta == 0.5
+    assert config.backward == RunConfig().backward and config.sampling.noise_level == RunConfig().sampling.noise_level
+    shown = {knob.key for knob, update in zip(KNOBS, algorithm_chosen("nft")) if update["visible"]}
+    assert {"train.algorithm", "nft.beta", "train.learning_rate", "grpo.num_generations"} <= shown
+    assert not shown & {"backward.window", "sampling.noise_level", "grpo.kl_beta", "awm.kl_beta"}
+    assert {"backward.window", "grpo.kl_beta"} <= {knob.key for knob, update in zip(KNOBS, algorithm_chosen("grpo"))
+                                                  if update["visible"]}

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import wait_on_states_only
 from tests.test_app import REPO, serve_app
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -31,22 +32,23 @@ def test_start_a_run_in_the_browser_and_see_samples(tmp_path):
         browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport={"width": 1440, "height": 900})
+            wait_on_states_only(page)
             page.goto(url)
-            expect(page.locator("#run-status")).to_contain_text("No run yet", timeout=30_000)
+            expect(page.locator("#run-status")).to_contain_text("No run yet")
             for elem_id, value in FAST_FIELDS.items():
                 field = page.locator(f"#{elem_id} input")
                 field.fill(value)
                 field.blur()
             page.locator("#plan-btn").click()  # the memory plan of the form, beside Start
-            expect(page.locator("#memory-plan")).to_contain_text("planned peak", timeout=60_000)
+            expect(page.locator("#memory-plan")).to_contain_text("planned peak")
             expect(page.locator("#memory-plan")).to_contain_text("LoRA")
             page.locator("#start-btn").click()
-            expect(page.locator("#form-message")).to_contain_text("Started", timeout=30_000)
-            expect(page.locator("#base-samples img").first).to_be_visible(timeout=150_000)
-            expect(page.locator("#run-status")).to_contain_text("Finished", timeout=150_000)
-            expect(page.locator("#latest-samples img").first).to_be_visible(timeout=30_000)
-            expect(page.locator("#progress progress")).to_have_attribute("value", "2", timeout=10_000)
-            expect(page.locator("#start-btn")).to_be_enabled(timeout=30_000)  # the job's processes have exited
+            expect(page.locator("#form-message")).to_contain_text("Started")
+            expect(page.locator("#base-samples img").first).to_be_visible()
+            expect(page.locator("#run-status")).to_contain_text("Finished")
+            expect(page.locator("#latest-samples img").first).to_be_visible()
+            expect(page.locator("#progress progress")).to_have_attribute("value", "2")
+            expect(page.locator("#start-btn")).to_be_enabled()  # the job's processes have exited
             page.wait_for_timeout(3000)  # let the plots draw
             shot = tmp_path / "screenshot.png"
             page.screenshot(path=str(shot), full_page=True)

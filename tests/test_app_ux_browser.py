@@ -20,6 +20,7 @@ import yaml
 
 from jagg_core.rundir import RunDirectory
 from tests.fake_hub_server import FakeHub
+from conftest import wait_on_states_only
 from tests.test_app import REPO, serve_app
 from tests.test_app_browser import CHROMIUM, CHROMIUM_ARGS
 
@@ -32,7 +33,6 @@ EVAL_PROMPTS = ["a red circle on a blue background, top left", "a green square o
 # a run of a few seconds per iteration (elem ids of the knobs)
 FIELDS = {"knob-train-iterations": "3", "knob-sampling-num-steps": "6", "knob-grpo-num-generations": "4",
           "knob-sampling-resolution": "32", "knob-prompts-eval-count": "16", "knob-train-sample-every": "1"}
-WAIT_MS = 240_000  # a state the run reaches on a loaded 2-core machine; the waits end on the state itself
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +47,7 @@ def studio(tmp_path_factory):
         browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport={"width": 1440, "height": 900}, accept_downloads=True)
+            wait_on_states_only(page)
             page.goto(url)
             yield page, runs
         finally:
@@ -88,19 +89,19 @@ def test_a_wrong_model_and_a_bad_value_are_refused_before_launch_in_the_fields_w
     from playwright.sync_api import expect
 
     page, runs = studio
-    expect(page.locator("#run-status")).to_contain_text("No run yet", timeout=30_000)
+    expect(page.locator("#run-status")).to_contain_text("No run yet")
     _fill_form(page)
     _fill(page, "model", "nobody/no-such-model")
     page.locator("#start-btn").click()
     message = page.locator("#form-message")
-    expect(message).to_contain_text("Not started", timeout=60_000)
+    expect(message).to_contain_text("Not started")
     expect(message).to_contain_text("nobody/no-such-model")
     assert not [p for p in runs.iterdir() if p.is_dir()], "a refused start must leave no run behind"
 
     _fill(page, "model", "jagg-shapes")
     _fill(page, "knob-prompts-eval-count", "100000")
     page.locator("#start-btn").click()
-    expect(message).to_contain_text("'Eval prompts' is 100000", timeout=60_000)
+    expect(message).to_contain_text("'Eval prompts' is 100000")
     expect(message).not_to_contain_text("prompts.eval_count")
     _fill(page, "knob-prompts-eval-count", FIELDS["knob-prompts-eval-count"])
 
@@ -112,7 +113,7 @@ def test_the_setup_exports_as_yaml_and_a_command_that_resolve_to_the_same_config
     _open(page, "export")
     page.locator("#export-btn").click()
     command = page.locator("#export-cli textarea")
-    expect(command).to_have_value(re.compile("^python -m jagg_core.run --preset shapes"), timeout=60_000)
+    expect(command).to_have_value(re.compile("^python -m jagg_core.run --preset shapes"))
     with page.expect_download() as download:
         page.locator("#export-yaml a").first.click()
     yaml_file = runs.parent / "exported.yaml"  # the started run's config.yaml is compared with it below
@@ -135,18 +136,17 @@ def test_the_status_says_what_happens_from_the_start_and_a_reload_shows_the_acti
     page, runs = studio
     _fill(page, "eval-text", "\n".join(EVAL_PROMPTS))
     page.locator("#start-btn").click()
-    expect(page.locator("#form-message")).to_contain_text("Started", timeout=60_000)
+    expect(page.locator("#form-message")).to_contain_text("Started")
     status = page.locator("#run-status")
-    expect(status).to_contain_text(re.compile(r"launching the training process|loading the model|base eval \d+/3"),
-                                   timeout=30_000)
+    expect(status).to_contain_text(re.compile(r"launching the training process|loading the model|base eval \d+/3"))
     page.reload()
-    expect(page.locator("#run-name textarea")).to_have_value(RUN_NAME, timeout=30_000)
+    expect(page.locator("#run-name textarea")).to_have_value(RUN_NAME)
     expect(page.locator("#knob-train-iterations input")).to_have_value("3")
     expect(page.locator("#knob-sampling-resolution input")).to_have_value("32")
     expect(page.locator("#eval-text textarea")).to_have_value("\n".join(EVAL_PROMPTS) + "\n")
-    expect(page.locator("#log textarea")).to_have_value(re.compile(r"base eval 3/3"), timeout=WAIT_MS)
+    expect(page.locator("#log textarea")).to_have_value(re.compile(r"base eval 3/3"))
     expect(page.locator("#log textarea")).to_have_value(re.compile(r"loading the model jagg-shapes"))
-    expect(status).to_contain_text("Finished", timeout=WAIT_MS)
+    expect(status).to_contain_text("Finished")
     run_dir = next(p for p in runs.iterdir() if p.name.startswith(RUN_NAME))
     started = yaml.safe_load(RunDirectory(run_dir).config_file.read_text())
     assert started["prompts"]["eval_source"] == str(run_dir / "eval_prompts.txt")  # typed after the export
@@ -163,7 +163,7 @@ def test_every_eval_has_a_captioned_grid_on_disk_and_in_the_timeline(studio):
     assert run.sample_iterations() == [0, 1, 2, 3]
     assert all(run.grid_file(i).stat().st_size > 1000 for i in run.sample_iterations())
     assert run.samples(0).prompts == EVAL_PROMPTS  # the eval prompts typed in the form
-    expect(page.locator("#eval-grids img")).to_have_count(4, timeout=30_000)
+    expect(page.locator("#eval-grids img")).to_have_count(4)
     expect(page.locator("#eval-grids")).to_contain_text("base model")
 
 
@@ -172,13 +172,12 @@ def test_a_finished_run_reads_at_its_end_with_a_read_only_progress_bar(studio):
 
     page, _ = studio
     page.reload()
-    expect(page.locator("#progress progress")).to_have_attribute("value", "3", timeout=30_000)
+    expect(page.locator("#progress progress")).to_have_attribute("value", "3")
     assert page.locator("#progress input").count() == 0
     log = page.locator("#log textarea")
-    expect(log).to_have_value(re.compile("finished: adapter at"), timeout=30_000)
+    expect(log).to_have_value(re.compile("finished: adapter at"))
     page.wait_for_function("() => { const t = document.querySelector('#log textarea');"
-                           " return t.scrollHeight > t.clientHeight && t.scrollTop + t.clientHeight >= t.scrollHeight - 2; }",
-                           timeout=10_000)
+                           " return t.scrollHeight > t.clientHeight && t.scrollTop + t.clientHeight >= t.scrollHeight - 2; }")
 
 
 def test_the_download_button_serves_the_adapter(studio, tmp_path):
@@ -186,7 +185,7 @@ def test_the_download_button_serves_the_adapter(studio, tmp_path):
 
     page, runs = studio
     run = RunDirectory(next(p for p in runs.iterdir() if p.name.startswith(RUN_NAME)))
-    expect(page.locator("#download-btn")).to_be_enabled(timeout=30_000)
+    expect(page.locator("#download-btn")).to_be_enabled()
     with page.expect_download() as download:
         page.locator("#download-btn").click()
     saved = tmp_path / "adapter.safetensors"
@@ -200,7 +199,7 @@ def test_a_prompt_of_ones_own_is_generated_with_the_adapter(studio):
     page, _ = studio
     _fill(page, "try-prompt", "a purple triangle on a white background, bottom right")
     page.locator("#generate-btn").click()
-    expect(page.locator("#try-message")).to_contain_text("the base model (left) and the adapter", timeout=WAIT_MS)
+    expect(page.locator("#try-message")).to_contain_text("the base model (left) and the adapter")
     expect(page.locator("#try-image img")).to_be_visible()
     page.wait_for_timeout(2000)  # let the plots draw
     page.screenshot(path=str(REPO / "docs" / "screenshot-finished.png"), full_page=True)  # the README's second
@@ -220,7 +219,7 @@ def test_publish_checks_the_adapter_then_the_repo_id_then_the_token(studio):
         _select_run(page, run)
         _fill(page, "push-repo", repo_id)
         page.locator("#push-btn").click()
-        expect(result).to_contain_text(expected, timeout=30_000)
+        expect(result).to_contain_text(expected)
 
     push(empty.name, "not a repo id!", "has no adapter yet")
     push(finished.name, "not a repo id!", "'not a repo id!' is not a valid Hub repo id")
@@ -236,5 +235,5 @@ def test_the_page_shows_the_machine_and_deletes_a_run(studio):
     _select_run(page, empty.name)
     page.once("dialog", lambda dialog: dialog.accept())
     page.locator("#delete-btn").click()
-    expect(page.locator("#run-message")).to_contain_text(f"Deleted {empty.name}", timeout=30_000)
+    expect(page.locator("#run-message")).to_contain_text(f"Deleted {empty.name}")
     assert not empty.exists() and any(p.name.startswith(RUN_NAME) for p in runs.iterdir())

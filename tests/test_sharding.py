@@ -97,7 +97,7 @@ class ThreadProcesses:
     """``size`` threads standing in for processes: :meth:`gather` is a real collective between them."""
 
     def __init__(self, size: int):
-        self.barrier = threading.Barrier(size, timeout=30)
+        self.barrier = threading.Barrier(size, timeout=600)  # a safety cap: the threads meet on the state
         self.slots: list[torch.Tensor | None] = [None] * size
 
     def accelerator(self, rank: int):
