@@ -238,7 +238,7 @@ def test_the_preset_raises_the_held_out_reward_of_the_embedded_model_in_a_short_
     assert result.returncode == 0, result.stderr[-3000:]
     evals = [row[metrics.EVAL_REWARD_MEAN] for row in RunDirectory(tmp_path / "run").read_metrics()
              if metrics.EVAL_REWARD_MEAN in row]
-    assert len(evals) == 2 and evals[1] > evals[0] + 0.01, evals
+    assert evals[-1] > evals[0] + 0.01, evals  # the base model's eval, then every quarter of the short run
 
 
 def test_the_bench_trains_each_forward_process_setup_as_its_preset_on_the_benchs_model():
