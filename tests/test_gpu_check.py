@@ -213,7 +213,7 @@ def test_a_reduced_check_runs_each_kind_of_real_size_step_and_writes_its_tables(
 
 def test_the_nf4_steps_are_skipped_on_a_cpu_before_they_build_anything():
     from jagg_core.gpu_check.steps import step_bench, step_quantize
-    for rows in (step_bench("qwen-image", REDUCED), step_quantize("nf4", REDUCED)):
+    for rows in (step_bench("qwen-image", "nf4", REDUCED), step_quantize("nf4", REDUCED)):
         assert [(r["status"], r["reason"]) for r in rows] == [("skipped", "NF4 (bitsandbytes) needs a CUDA GPU")]
 
 
