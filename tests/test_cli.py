@@ -43,7 +43,7 @@ def test_dry_run_prints_the_resolved_config_with_overrides():
 
 @pytest.mark.parametrize("args, message", [
     (["--preset", "nope"], "unknown preset 'nope'; available: "),
-    (["--set", "train.iterationz=3"], "unknown config key 'train.iterationz'; allowed here: iterations"),
+    (["--set", "train.iterationz=3"], "unknown config key 'train.iterationz'; allowed here: algorithm, iterations"),
     (["--set", "nosection.x=1"], "unknown config key 'nosection'; allowed here: name"),
     (["--set", "backward.mode=fast"], "bad value 'fast' for 'backward.mode'"),
     (["--set", "sampling.resolution=30"], "resolution must be a multiple of 16"),
