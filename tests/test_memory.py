@@ -146,7 +146,7 @@ BUDGETS = {"16gb": 16, "24gb": 24}
 
 
 #: the presets made for a CPU, whose first comment line says ``# GPU memory: none needed``
-CPU_PRESETS = ("shapes", "tiny-sd3")
+CPU_PRESETS = ("shapes", "shapes-awm", "shapes-nft", "tiny-sd3")
 
 
 @pytest.mark.parametrize("preset", list(list_presets()))
