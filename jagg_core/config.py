@@ -427,9 +427,10 @@ class RunConfig(_Section):
     def _algorithm_consistent(self) -> None:
         """Keys of another algorithm than ``train.algorithm`` must keep their defaults (they would do nothing)."""
         algorithm = self.train.algorithm
+        values, defaults = self.model_dump(mode="json"), default_values()
         for owner, keys in ALGORITHM_KEYS.items():
             for key in keys if owner != algorithm else ():
-                changed = _changed_key(_at(self.model_dump(mode="json"), key), _at(default_values(), key), key)
+                changed = _changed_key(_at(values, key), _at(defaults, key), key)
                 if changed:
                     raise ValueError(f"{changed} applies to train.algorithm {owner} only; remove it, or set "
                                      f"train.algorithm {owner}")
