@@ -296,6 +296,44 @@ class RewardSpec(_Section):
                                     "http, model_id for the CLIP-based ones); unknown options are refused")
 
 
+def term_names(names: list[str]) -> list[str]:
+    """The names of reward terms (or judges) in the metrics: a name used a second time is ``NAME_2``, then
+    ``NAME_3`` ..."""
+    seen: dict[str, int] = {}
+    labels = []
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        labels.append(name if seen[name] == 1 else f"{name}_{seen[name]}")
+    return labels
+
+
+class JudgeSpec(_Section):
+    """A judge: a reward that scores the fixed-seed eval samples only, never the training rollouts."""
+
+    name: str = Field(description="registered reward name, e.g. shapes_fidelity, aesthetic, hpsv2, clip_score; not "
+                      "a training reward with the same options")
+    options: dict[str, Any] = Field(default_factory=dict, description="keyword options of the reward, as in rewards")
+
+
+class EvalConfig(_Section):
+    """What the fixed-seed eval measures beyond the training rewards: judges, the best adapter, the reward-hacking
+    alarm (jagg_core/judges.py)."""
+
+    judges: list[JudgeSpec] = Field(default_factory=list, description="rewards that score the eval samples only: "
+                                    "each judge's mean is a curve (eval/judge/NAME), a row of the model card and "
+                                    "what the hacking alarm watches; [] = none")
+    best_by: str = Field("reward", description="the eval metric that picks the best adapter kept in RUN/best (higher "
+                         "is better): reward = the training rewards' eval mean, or a judge's name (NAME_2 for a "
+                         "judge named twice)")
+    hacking_window: int = Field(2, ge=1, description="the alarm compares each eval with the one this many evals "
+                                "before it: it fires when over those evals the training reward's eval mean rose at "
+                                "every eval and in all by more than eval.hacking_z standard errors, while a judge's "
+                                "fell at every eval and in all by more than hacking_z standard errors (standard "
+                                "errors of the mean per-sample change: the same fixed-seed samples)")
+    hacking_z: float = Field(2.0, gt=0.0, description="the alarm's noise allowance, in standard errors of the mean "
+                             "per-sample change over the window")
+
+
 class PromptsConfig(_Section):
     """The prompt set and its split into training prompts and held-out eval prompts."""
 
@@ -355,6 +393,13 @@ class TrainConfig(_Section):
     ema_decay: float = Field(0.0, ge=0.0, lt=1.0, description="exponential moving average of the LoRA weights "
                              "(diffusers EMAModel, its decay ramping up as (1+n)/(10+n) to this value); the eval "
                              "samples and the saved adapter use the average; 0 = off")
+    on_hacking: Literal["warn", "stop"] = Field(
+        "warn", description="when the reward-hacking alarm fires (eval.hacking_window): warn = say so in the log, the "
+        "status, the page and the model card; stop = also end the run as a stop does (checkpoint kept, resumable)")
+    doctor: bool = Field(True, description="check the first iteration (rewards vary within groups, the on-policy "
+                         "ratio is 1, the gradient is finite and moves the velocity, the base eval's reward is in "
+                         "range, the JAGG audit agrees) and write the checklist to the log, the status, the page and "
+                         "RUN/doctor.json; --doctor runs only that")
     report_to: list[Literal["tensorboard", "trackio", "wandb"]] = Field(
         default_factory=list, description="experiment trackers (accelerate) that get every metric and the eval "
         "sample grids; their files go under RUN/tracking (tensorboard --logdir RUN/tracking)")
@@ -393,6 +438,7 @@ class RunConfig(_Section):
     awm: AwmConfig = Field(default_factory=AwmConfig)
     rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec(name="shapes")])
     prompts: PromptsConfig = Field(default_factory=PromptsConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     hub: HubConfig = Field(default_factory=HubConfig)
 
@@ -422,6 +468,10 @@ class RunConfig(_Section):
             raise ValueError(f"grpo.trained_start {self.grpo.trained_start} + {count} trained steps exceeds "
                              f"sampling.num_steps {self.sampling.num_steps}")
         self._algorithm_consistent()
+        judges = term_names([judge.name for judge in self.eval.judges])
+        if self.eval.best_by not in ("reward", *judges):
+            raise ValueError(f"eval.best_by '{self.eval.best_by}' must be reward or one of the judges "
+                             f"({', '.join(judges) or 'none in eval.judges'})")
         return self
 
     def _algorithm_consistent(self) -> None:

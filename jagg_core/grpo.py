@@ -84,6 +84,6 @@ def step_loss(v: torch.Tensor, step: int, batch: Trajectory, advantages: torch.T
         variance = std ** 2 if settings.kl_form == "step" else sd ** 2
         kl = (((mean - ref_mean) ** 2).flatten(1).mean(dim=1) / (2 * variance)).mean()
         loss = loss + settings.kl_beta * kl
-    stats = {"kl": kl.detach(), "ratio": ratio.detach().mean(),
+    stats = {"kl": kl.detach(), "ratio": ratio.detach().mean(), "ratio_dev": (ratio.detach() - 1).abs().max(),
              "clip_frac": ((ratio - 1).abs() > settings.clip_range).float().mean().detach()}
     return loss * settings.scale, stats

@@ -231,6 +231,7 @@ class BackwardResult:
     ratio_mean: float
     clip_frac: float
     num_passes: int
+    ratio_max_dev: float  # max |ratio - 1| over the micro-batch's samples and trained steps
 
 
 def run_backward(model: FlowModel, plan: BackwardPlan, batch: Trajectory, cond: Conditioning,
@@ -292,7 +293,8 @@ def run_backward(model: FlowModel, plan: BackwardPlan, batch: Trajectory, cond: 
     def average(key: str) -> float:
         return float(torch.stack([s[key] for s in stats]).mean())
 
-    return BackwardResult(loss_total, average("kl"), average("ratio"), average("clip_frac"), len(plan.pass_steps))
+    return BackwardResult(loss_total, average("kl"), average("ratio"), average("clip_frac"), len(plan.pass_steps),
+                          float(torch.stack([s["ratio_dev"] for s in stats]).max()))
 
 
 def _reference_velocities(model: FlowModel, plan: BackwardPlan, batch: Trajectory, forward,

@@ -7,7 +7,12 @@ One JSON object per iteration, with namespaced keys (as TensorBoard and TRL grou
     reward/NAME            mean of each reward term (NAME as in the combined reward; ``mean`` and ``std`` are taken)
     eval/reward_mean       mean reward of the fixed-seed ODE samples of the held-out prompts (eval iterations)
     eval/reward/NAME       the same for each reward term
+    eval/judge/NAME        mean score of each judge (``eval.judges``: rewards that score the eval samples only, never
+                           training), on the same samples
+    eval/hacking_alarm     on the eval where the reward-hacking alarm fired: its one line (:mod:`jagg_core.judges`)
     train/loss, train/kl, train/ratio_mean, train/clip_frac, train/grad_norm, train/lr
+    train/ratio_max_dev    grpo: max |ratio - 1| of the first (on-policy) optimizer step over its samples and trained
+                           steps; 0 up to rounding when the rollout and the training pass agree
     train/policy_loss      nft, awm: the loss without its KL terms
     train/lag_deviation    nft, awm: mean squared distance of the velocity to the lagging policy's (NFT's old policy,
                            AWM's EMA regularizer) on the trained rows
@@ -32,6 +37,7 @@ EVAL_REWARD_MEAN = "eval/reward_mean"
 LOSS = "train/loss"
 KL = "train/kl"
 RATIO_MEAN = "train/ratio_mean"
+RATIO_MAX_DEV = "train/ratio_max_dev"
 CLIP_FRAC = "train/clip_frac"
 GRAD_NORM = "train/grad_norm"
 POLICY_LOSS = "train/policy_loss"
@@ -49,6 +55,8 @@ TIME_ROLLOUT = "time/rollout_s"
 TIME_TRAIN = "time/train_s"
 TIME_AUDIT = "time/audit_s"
 TIME_EVAL = "time/eval_s"
+JUDGE_PREFIX = "eval/judge/"
+HACKING_ALARM = "eval/hacking_alarm"
 #: the seconds an iteration spends, phase by phase (a phase it skipped is absent from its row)
 PHASE_TIMES = (TIME_ROLLOUT, TIME_TRAIN, TIME_AUDIT, TIME_EVAL)
 
@@ -66,6 +74,17 @@ def reward_part(name: str) -> str:
 def eval_reward_part(name: str) -> str:
     """The key of one reward term's mean on the eval samples."""
     return f"eval/reward/{name}"
+
+
+def judge_key(name: str) -> str:
+    """The key of one judge's mean on the eval samples."""
+    return f"{JUDGE_PREFIX}{name}"
+
+
+def judge_names(rows: list[dict]) -> list[str]:
+    """The judges that scored any of ``rows``, in the order they first appear."""
+    names = (key.removeprefix(JUDGE_PREFIX) for row in rows for key in row if key.startswith(JUDGE_PREFIX))
+    return list(dict.fromkeys(names))
 
 
 #: flat key of the first run directories -> namespaced key

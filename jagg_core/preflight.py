@@ -13,13 +13,15 @@ from .config import ModelConfig, RunConfig
 
 
 def check_references(config: RunConfig) -> None:
-    """The base model, the rewards (names, options), the prompts and the trackers' packages exist; raises
-    :class:`~jagg_core.errors.UserError`."""
+    """The base model, the rewards and judges (names, options, no judge equal to a training reward), the prompts and
+    the trackers' packages exist; raises :class:`~jagg_core.errors.UserError`."""
+    from .judges import check_judges
     from .prompts import run_prompts
     from .rewards.catalog import check_reward_specs
     from .tracking import check_trackers
     check_model(config.model)
     check_reward_specs(config.rewards)
+    check_judges(config)
     check_trackers(config.train.report_to)
     run_prompts(config.prompts)
 

@@ -37,6 +37,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--list-presets", action="store_true", help="list the presets and exit")
     parser.add_argument("--plan", action="store_true",
                         help="print the expected peak GPU memory by part (from the model's configs), then exit")
+    parser.add_argument("--doctor", action="store_true",
+                        help="run the base eval and one iteration, print the doctor's checklist and stop (resumable "
+                        "with --resume); exit 1 when a check fails")
     parser.add_argument("--gpu-memory", type=float, metavar="GB",
                         help="with --plan: the GPU memory to fit (default: the free memory of this machine's GPU)")
     return parser.parse_args(argv)
@@ -79,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
             for name, description in list_presets().items():
                 print(f"{name:28s} {description}")
             return 0
+        if args.doctor and args.resume:
+            raise UserError("--doctor checks a new run's first iteration; drop --resume (or --doctor)")
         config, run_dir = resolve(args)
         check_references(config)
         if args.plan:
@@ -87,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             print(config.to_yaml(), end="")
             print(f"# run directory: {run_dir}", file=sys.stderr)
             return 0
-        return train(config, run_dir, resume=args.resume)
+        return train(config, run_dir, resume=args.resume, doctor_only=args.doctor)
 
 
 def print_plan(config: RunConfig, gpu_memory: float | None) -> int:
@@ -101,10 +106,12 @@ def print_plan(config: RunConfig, gpu_memory: float | None) -> int:
     return 0
 
 
-def train(config: RunConfig, run_dir: Path, resume: bool) -> int:
+def train(config: RunConfig, run_dir: Path, resume: bool, doctor_only: bool = False) -> int:
     """Train in ``run_dir``; its lock is taken first (another live trainer there is a one-line error and changes
-    nothing), then SIGTERM/SIGINT at any moment end with status ``stopped`` and exit 128 + signal."""
-    from .stopping import StopRequested, install_stop_handlers
+    nothing), then SIGTERM/SIGINT at any moment end with status ``stopped`` and exit 128 + signal; the reward-hacking
+    alarm under ``train.on_hacking: stop`` ends it ``stopped`` with exit 3. ``doctor_only`` (``--doctor``): the base
+    eval and the first iteration, then ``stopped``; exit 1 when a check of the doctor failed."""
+    from .stopping import AlarmStop, StopRequested, install_stop_handlers
 
     install_stop_handlers()
     run = RunDirectory(run_dir)
@@ -120,12 +127,24 @@ def train(config: RunConfig, run_dir: Path, resume: bool) -> int:
         from .quiet import quiet_libraries
         quiet_libraries()
         from .trainer import Trainer
-        trainer = Trainer(config, run_dir, resume=resume)
+        trainer = Trainer(config, run_dir, resume=resume, doctor_only=doctor_only)
         trainer.setup()
         trainer.fit()
+        if doctor_only:
+            passed = bool((trainer.doctor_report or {}).get("passed"))
+            print(f"{PROG}: doctor {'passed' if passed else 'FAILED'}; the run stopped after iteration 1, continue it "
+                  f"with --resume --output-dir {run_dir}")
+            return 0 if passed else 1
         if config.hub.push and is_main:
             from .hub import push_if_configured
             print(f"pushed to {push_if_configured(run_dir, config)}")
+    except AlarmStop as alarm:
+        if is_main:
+            _record_end(run, "stopped", f"{alarm}; stopped by the alarm (train.on_hacking stop), checkpoint kept")
+        print(f"{PROG}: stopped by the reward-hacking alarm: {alarm}; the best adapter is in {run.best_dir}; resume "
+              f"with --resume --output-dir {run_dir} (--set train.on_hacking=warn to go on regardless)",
+              file=sys.stderr)
+        return AlarmStop.exit_code
     except StopRequested as stopped:
         if is_main:
             _record_end(run, "stopped", f"stopped by {stopped}; resume with --resume")

@@ -12,8 +12,13 @@
     RUN/tracking/              experiment trackers' files (TensorBoard events, W&B)
     RUN/text_embeddings.safetensors  every prompt's text-encoder output (model.cache_text_embeddings)
     RUN/lora/pytorch_lora_weights.safetensors   latest adapter, diffusers format
+    RUN/best/pytorch_lora_weights.safetensors   the adapter of the best eval so far (``eval.best_by``), with
+    RUN/best/best.json         {"iteration", "metric" (a metrics key), "label" (in words), "value", "reason"}
+    RUN/doctor.json            the first iteration's checklist: {"iteration", "passed", "checks": [{"check",
+                               "status": pass|fail|skip, "detail", "fix"}]} (also in status.json's "doctor")
     RUN/status.json            {"state": running|finished|failed|stopped, "phase": loading|base eval|training,
-                               "message" (what it is doing, e.g. "base eval 16/64"), "pid", "iteration", ...}
+                               "message" (what it is doing, e.g. "base eval 16/64"), "pid", "iteration",
+                               "doctor" (as doctor.json), "alarm" (the reward-hacking alarm's line), ...}
     RUN/train.log              the trainer's log lines
     RUN/stdout.log             the output of a job the app launched
     RUN/.trainer.lock          held (flock) by the live trainer; the OS releases it when the process dies
@@ -46,6 +51,7 @@ LORA_FILE = "pytorch_lora_weights.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 TRAINING_STATE_FILE = "training_state.pt"
 STATE_FILE = "trainer_state.json"
+BEST_RECORD = "best.json"
 GRID_FILE = "grid.png"  # an eval's samples in one captioned picture
 ITERATION_NAME = re.compile(r"iter_(\d+)")
 
@@ -129,6 +135,19 @@ class RunDirectory:
     @property
     def lora_file(self) -> Path:
         return self.lora_dir / LORA_FILE
+
+    @property
+    def best_dir(self) -> Path:
+        """The adapter of the best eval so far (``eval.best_by``) and its record."""
+        return self.path / "best"
+
+    @property
+    def best_lora_file(self) -> Path:
+        return self.best_dir / LORA_FILE
+
+    @property
+    def doctor_file(self) -> Path:
+        return self.path / "doctor.json"
 
     @property
     def tracking_dir(self) -> Path:
@@ -376,6 +395,35 @@ class RunDirectory:
             if not stale.name.endswith(f"-{os.getpid()}"):
                 shutil.rmtree(stale, ignore_errors=True)
         return final
+
+    # ----- the best adapter and the doctor's checklist ----------------------------------------
+    def write_best(self, write_adapter, record: dict) -> None:
+        """Replace ``RUN/best/`` atomically: ``write_adapter(folder)`` writes the adapter, then ``record`` goes to
+        ``best.json`` (see the module's list)."""
+        tmp = self.path / f".best.{os.getpid()}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        write_adapter(tmp)
+        (tmp / BEST_RECORD).write_text(json.dumps(record, indent=1))
+        old = self.path / f".best.{os.getpid()}.old"
+        if self.best_dir.exists():
+            os.replace(self.best_dir, old)
+        os.replace(tmp, self.best_dir)
+        shutil.rmtree(old, ignore_errors=True)
+
+    def write_best_record(self, record: dict) -> None:
+        """Bring ``best.json`` up to date (the adapter stays)."""
+        self.write_json(self.best_dir / BEST_RECORD, record)
+
+    def read_best(self) -> dict:
+        """``best.json`` when the best adapter exists; else an empty mapping."""
+        return _read_json(self.best_dir / BEST_RECORD, dict) if self.best_lora_file.is_file() else {}
+
+    def write_doctor(self, report: dict) -> None:
+        self.write_json(self.doctor_file, report)
+
+    def read_doctor(self) -> dict:
+        return _read_json(self.doctor_file, dict)
 
     def publish_lora(self, checkpoint: Path) -> None:
         """Copy the checkpoint's adapter to ``RUN/lora/`` atomically."""

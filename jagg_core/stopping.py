@@ -27,6 +27,12 @@ class StopRequested(Exception):
         return 128 + self.signum
 
 
+class AlarmStop(Exception):
+    """The reward-hacking alarm ended the run (``train.on_hacking: stop``); the message is the alarm's line."""
+
+    exit_code = 3
+
+
 class StopHandler:
     def __init__(self):
         self.requested: int | None = None   # the signal received while deferred

@@ -30,20 +30,23 @@ from tqdm.auto import tqdm
 from . import metrics
 from .algorithms import make_algorithm
 from .algorithms.base import Rollout, TrainingContext, iteration_seed
-from .config import RunConfig
+from .config import RunConfig, term_names
+from .doctor import Probe, audit_check, checklist, gradient_check, range_check, ratio_check, report_lines, rewards_check
 from .errors import UserError
 from .grpo import group_advantages
 from .hubclient import resolve_lora
 from .images import captioned_grid, sample_pictures, still_frames, to_pil
+from .judges import BestAdapter, EvalScores, HackingAlarm, build_judges, load_judges
 from .models import load_flow_model
 from .models.base import FlowModel
 from .models.text_embeddings import load_embeddings, save_embeddings
 from .prompts import run_prompts
 from .rewards import build_rewards
+from .rewards.catalog import reward_entry
 from .rundir import OPTIMIZER_FILE, TRAINING_STATE_FILE, RunDirectory
 from .sampler import initial_noise, ode_sample
 from .sharding import Sharding, fsdp_requested
-from .stopping import STOP, StopRequested
+from .stopping import STOP, AlarmStop, StopRequested
 from .tracking import log_eval_grid, log_row, start_trackers
 
 
@@ -70,8 +73,12 @@ def make_optimizer(name: str, params, lr: float, weight_decay: float) -> torch.o
 
 
 class Trainer:
-    def __init__(self, config: RunConfig, run_dir: str | Path, *, resume: bool = False):
+    def __init__(self, config: RunConfig, run_dir: str | Path, *, resume: bool = False, doctor_only: bool = False):
+        """``doctor_only``: the base eval and the first iteration with its doctor, then stop (``--doctor``)."""
+        if doctor_only:
+            config = config.model_copy(update={"train": config.train.model_copy(update={"doctor": True})})
         self.config = config
+        self.doctor_only = doctor_only
         self.run = RunDirectory(run_dir)
         self.accelerator = Accelerator(mixed_precision=config.train.mixed_precision, cpu=not torch.cuda.is_available(),
                                        log_with=config.train.report_to or None, project_dir=self.run.tracking_dir)
@@ -80,6 +87,11 @@ class Trainer:
         self.start_iteration = 1
         self.resume = resume
         self.non_finite_streak = 0  # iterations in a row whose reward had a NaN/inf (updates skipped)
+        self.alarm = HackingAlarm(config.eval.hacking_window, config.eval.hacking_z)
+        self.best = BestAdapter(config.eval.best_by)
+        self.alarm_stop: str | None = None  # the alarm's line when it ends the run (train.on_hacking: stop)
+        self.base_eval: dict | None = None  # the base model's eval row (the doctor's range check)
+        self.doctor_report: dict | None = None
 
     # ----- set-up ----------------------------------------------------------------------
     def setup(self) -> None:
@@ -88,6 +100,12 @@ class Trainer:
             self.run.create()
         torch.manual_seed(cfg.train.seed)
         self.train_prompts, self.eval_prompts = run_prompts(cfg.prompts)
+        self.judges = build_judges(cfg, self.accelerator.device)
+        if self.judges is not None:  # a judge that cannot load fails the run now, before the base model loads
+            self._phase("loading", "loading the judges " + ", ".join(self.judges.names))
+            frames = (cfg.sampling.num_frames,) if cfg.sampling.num_frames > 1 else ()
+            load_judges(self.judges, torch.full((1, *frames, 3, cfg.sampling.resolution, cfg.sampling.resolution),
+                                                0.5), self.eval_prompts[:1])
         self.model = self._load_model()
         if cfg.train.gradient_checkpointing:
             self.model.transformer.enable_gradient_checkpointing()
@@ -175,9 +193,11 @@ class Trainer:
 
     def _training_state(self) -> dict:
         """What a checkpoint needs beyond the adapter file and the optimizer: the schedule, the EMA and the LoRA
-        weights being trained (the adapter file holds the average when EMA is on), and the algorithm's state (GRPO:
-        the audited window cosines that route windows; NFT, AWM: their lagging policy)."""
+        weights being trained (the adapter file holds the average when EMA is on), the algorithm's state (GRPO: the
+        audited window cosines that route windows; NFT, AWM: their lagging policy), and what the evals decided (the
+        hacking alarm's history, the best adapter's record)."""
         return {**self.algorithm.state_dict(), "lr_scheduler": self.lr_scheduler.state_dict(),
+                "hacking_alarm": self.alarm.state_dict(), "best_adapter": self.best.state_dict(),
                 "ema": self.ema.state_dict() if self.ema is not None else None,
                 "lora": [param.detach().cpu() for param in self.params]}
 
@@ -189,6 +209,9 @@ class Trainer:
         state = torch.load(path, map_location="cpu", weights_only=False)
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.algorithm.load_state_dict(state)
+        if "hacking_alarm" in state:
+            self.alarm.load_state_dict(state["hacking_alarm"])
+            self.best.load_state_dict(state["best_adapter"])
         if self.ema is not None and state["ema"] is not None:
             self.ema.load_state_dict(state["ema"])
         with torch.no_grad():
@@ -329,6 +352,7 @@ class Trainer:
         if not self.is_main:  # a sharded transformer samples on every process; rank 0 scores and writes
             return {}
         rewards, parts = self.reward(images, self.eval_prompts)
+        _, judged = self.judges(images, self.eval_prompts) if self.judges is not None else (None, {})
         what = "base model" if iteration == 0 else f"iteration {iteration}"
         sheet = captioned_grid(to_pil(still_frames(images)),
                                [f"{p} · {r:.2f}" for p, r in zip(self.eval_prompts, rewards.tolist())],
@@ -337,19 +361,62 @@ class Trainer:
         self.run.write_images(self.run.samples_dir(iteration), pictures, self.eval_prompts, grid=sheet, videos=videos,
                               fps=cfg.sampling.fps, rewards=rewards.tolist(), iteration=iteration)
         log_eval_grid(self.accelerator, sheet, iteration)
-        return {metrics.EVAL_REWARD_MEAN: float(rewards.mean()),
-                **{metrics.eval_reward_part(name): float(v.mean()) for name, v in parts.items()},
-                metrics.TIME_EVAL: time.perf_counter() - began}
+        row = {metrics.EVAL_REWARD_MEAN: float(rewards.mean()),
+               **{metrics.eval_reward_part(name): float(v.mean()) for name, v in parts.items()},
+               **{metrics.judge_key(name): float(v.mean()) for name, v in judged.items()},
+               metrics.TIME_EVAL: time.perf_counter() - began}
+        self.watch_eval(iteration, rewards, judged, row)
+        return row
+
+    def watch_eval(self, iteration: int, rewards: torch.Tensor, judged: dict[str, torch.Tensor], row: dict) -> None:
+        """Show the eval to the hacking alarm (its line goes to ``row``, the log and the status, and under
+        ``train.on_hacking: stop`` ends the run after this iteration) and to the best adapter (``RUN/best``)."""
+        scores = EvalScores(iteration, rewards.tolist(), {name: v.tolist() for name, v in judged.items()})
+        alarm = self.alarm.observe(scores)
+        if alarm:
+            row[metrics.HACKING_ALARM] = alarm
+            self._log(f"WARNING {alarm}")
+            self.run.write_status("running", alarm=alarm)
+            if self.config.train.on_hacking == "stop":
+                self.alarm_stop = alarm
+        if self.best.consider(iteration, row):
+            self.run.write_best(self._save_adapter, self.best.record)
+        elif self.best.record is not None:
+            self.run.write_best_record(self.best.record)
 
     def save_checkpoint(self, iteration: int) -> None:
         """The adapter (the EMA weights when on: the one to publish), the optimizer and the training state."""
         def contents(folder: Path) -> None:
-            with self.averaged_weights():
-                self.model.save_lora(folder)
+            self._save_adapter(folder)
             torch.save(self.optimizer.state_dict(), folder / OPTIMIZER_FILE)
             torch.save(self._training_state(), folder / TRAINING_STATE_FILE)
         checkpoint = self.run.write_checkpoint(iteration, contents, keep=self.config.train.keep_checkpoints)
         self.run.publish_lora(checkpoint)
+
+    def _save_adapter(self, folder: Path) -> None:
+        """The adapter to publish (the EMA weights when on) into ``folder``."""
+        with self.averaged_weights():
+            self.model.save_lora(folder)
+
+    # ----- the first iteration's doctor --------------------------------------------------------
+    def examine(self, iteration: int, all_rewards: torch.Tensor, stats: dict, cosine: float | None,
+                velocity_change: float | None) -> None:
+        """The doctor's checklist of the first iteration (:mod:`jagg_core.doctor`): to the log, ``RUN/doctor.json``
+        and the status."""
+        cfg = self.config
+        ranges = {term: reward_entry(spec.name).expected_range
+                  for spec, term in zip(cfg.rewards, term_names([spec.name for spec in cfg.rewards]))}
+        checks = [rewards_check(all_rewards, cfg.grpo.num_generations),
+                  ratio_check(stats.get(metrics.RATIO_MAX_DEV)),
+                  gradient_check(stats.get(metrics.GRAD_NORM), velocity_change),
+                  range_check(self.base_eval, ranges),
+                  audit_check(cosine, cfg)]
+        self.doctor_report = checklist(iteration, checks)
+        if self.is_main:
+            self.run.write_doctor(self.doctor_report)
+            self.run.write_status("running", doctor=self.doctor_report)
+            for line in report_lines(self.doctor_report):
+                self._log(line)
 
     # ----- the loop ------------------------------------------------------------------------
     def fit(self) -> None:
@@ -370,20 +437,24 @@ class Trainer:
                 self.evaluate(0)  # every process takes part in a sharded transformer's forwards
         if self.start_iteration == 1 and self.is_main:
             base = {metrics.ITERATION: 0, **self.evaluate(0)}
+            self.base_eval = base
             self.run.append_metrics(base)
             log_row(self.accelerator, base)
             self._log(f"iter 0/{total}  base eval reward {base[metrics.EVAL_REWARD_MEAN]:.4f}")
         self._phase("training", f"training iteration {self.start_iteration}/{total}")
         bar = tqdm(range(self.start_iteration, total + 1), initial=self.start_iteration - 1, total=total,
                    desc=cfg.train.algorithm.upper(), disable=not self.is_main, dynamic_ncols=True)
+        last = min(total, 1) if self.doctor_only else total
         for iteration in bar:
             with STOP.deferred():
                 row = self.iteration(iteration)
-                stopping = self._stop_requested_anywhere()
+                stopping = self._max_over_processes(STOP.requested or 0)
+                alarm_stop = self._max_over_processes(int(self.alarm_stop is not None))
+                ending = stopping or alarm_stop or iteration == last
                 if self.is_main:
                     self.run.append_metrics(row)
                     log_row(self.accelerator, row)
-                    if iteration % checkpoint_every == 0 or iteration == total or stopping:
+                    if iteration % checkpoint_every == 0 or iteration == total or ending:
                         self.save_checkpoint(iteration)
                     self.run.write_status("running", iteration=iteration, phase="training",
                                           message=f"iteration {iteration}/{total} done")
@@ -391,6 +462,11 @@ class Trainer:
                 self.accelerator.wait_for_everyone()
             if stopping:
                 raise StopRequested(stopping)
+            if alarm_stop:
+                raise AlarmStop(self.alarm_stop or "the reward-hacking alarm fired on the main process")
+            if iteration == last < total:
+                self._end_doctor_only(iteration)
+                return
         identical = self._adapters_identical_across_processes()
         if self.is_main:
             self.run.write_status("finished", iteration=total, message=f"finished {total} iterations",
@@ -402,10 +478,18 @@ class Trainer:
         """Finish the experiment trackers (flushes their files)."""
         self.accelerator.end_training()
 
-    def _stop_requested_anywhere(self) -> int:
-        """The stop signal any process received during this iteration (0: none); every process takes the same
+    def _end_doctor_only(self, iteration: int) -> None:
+        """``--doctor``: the run stops after the checked iteration, resumable."""
+        if self.is_main:
+            report = self.doctor_report or {}
+            verdict = "every check passed" if report.get("passed") else "a check failed (see the checklist)"
+            self.run.write_status("stopped", iteration=iteration, message=f"doctor: {verdict}; continue the run with "
+                                  "--resume")
+
+    def _max_over_processes(self, value: int) -> int:
+        """The largest ``value`` of all processes (a stop signal, an alarm's stop): every process takes the same
         decision, so their collectives stay matched."""
-        local = torch.tensor([STOP.requested or 0], device=self.accelerator.device)
+        local = torch.tensor([value], device=self.accelerator.device)
         return int(self.accelerator.gather(local).max())
 
     def eval_due(self, iteration: int) -> bool:
@@ -426,14 +510,28 @@ class Trainer:
         all_rewards = self.accelerator.gather(rollout.rewards.to(self.accelerator.device)).cpu()
         learning_rate = self.lr_scheduler.get_last_lr()[0]  # the rate of this iteration's (first) update
         began = time.perf_counter()
+        doctor = cfg.train.doctor and iteration == 1
+        cosine = velocity_change = None
+        doctor_s = 0.0  # the doctor's own seconds, not the update's
         if self.rewards_usable(all_rewards, iteration):
             advantages = self.advantages(rollout)
             plan = self.algorithm.plan(rollout, advantages, iteration)
+            if doctor:
+                doctor_began = time.perf_counter()
+                probe = Probe(self.model, rollout.sampled.latents, rollout.cond, self.accelerator.autocast)
+                cosine, before = self.algorithm.audit_cosine(rollout, advantages, plan), probe.velocity()
+                doctor_s = time.perf_counter() - doctor_began
             stats = self.optimizer_steps(rollout, advantages, plan)
             self.algorithm.after_update(iteration)
+            if doctor:
+                doctor_began = time.perf_counter()
+                velocity_change = Probe.change(before, probe.velocity())
+                doctor_s += time.perf_counter() - doctor_began
         else:
             stats = {metrics.SKIPPED: True}
-        time_train = time.perf_counter() - began - stats.get(metrics.TIME_AUDIT, 0.0)  # the update's; the audit's apart
+        time_train = time.perf_counter() - began - stats.get(metrics.TIME_AUDIT, 0.0) - doctor_s  # the update's
+        if doctor:
+            self.examine(iteration, all_rewards, stats, cosine, velocity_change)
         finite = all_rewards[torch.isfinite(all_rewards)]
         row = {metrics.ITERATION: iteration,
                metrics.REWARD_MEAN: float(finite.mean()) if finite.numel() else float("nan"),

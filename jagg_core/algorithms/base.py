@@ -114,6 +114,11 @@ class Algorithm(ABC):
     def after_update(self, iteration: int) -> None:
         """Called after the optimizer steps of iteration ``iteration``."""
 
+    def audit_cosine(self, rollout: Rollout, advantages: torch.Tensor, plan: Any) -> float | None:
+        """Before the update: the cosine of this algorithm's gradient with the exact one on this rollout, for the
+        first iteration's doctor (:mod:`jagg_core.doctor`); None when the gradient is exact."""
+        return None
+
     def state_dict(self) -> dict:
         return {}
 

@@ -120,6 +120,18 @@ class GrpoAlgorithm(Algorithm):
         return {metrics.JAGG_GRAD_COSINE: fidelity.cosine, metrics.JAGG_GRAD_REL_ERR: fidelity.rel_err,
                 metrics.JAGG_WINDOW_COSINES: fidelity.window_cosines, metrics.TIME_AUDIT: time.perf_counter() - began}
 
+    def audit_cosine(self, rollout: Rollout, advantages: torch.Tensor, plan: GrpoPlan) -> float | None:
+        """The plan's audit cosine; when no audit was due, one measured now that leaves the routing as it was."""
+        if plan.audited:
+            return plan.audited[metrics.JAGG_GRAD_COSINE]
+        if not plan.backward.interpolated:
+            return None
+        routing = dict(self.audited_cosines)
+        try:
+            return self.audit(rollout, advantages, plan.backward)[metrics.JAGG_GRAD_COSINE]
+        finally:
+            self.audited_cosines = routing
+
     # ----- backward --------------------------------------------------------------------
     def accumulate_gradients(self, rollout: Rollout, advantages: torch.Tensor, plan: BackwardPlan, on_policy: bool,
                              samples: torch.Tensor | None = None) -> list[BackwardResult]:
@@ -142,6 +154,7 @@ class GrpoAlgorithm(Algorithm):
         count = len(results)
         return {metrics.LOSS: sum(r.loss for r in results), metrics.KL: sum(r.kl for r in results) / count,
                 metrics.RATIO_MEAN: sum(r.ratio_mean for r in results) / count,
+                metrics.RATIO_MAX_DEV: max(r.ratio_max_dev for r in results),
                 metrics.CLIP_FRAC: sum(r.clip_frac for r in results) / count}
 
     def summarize(self, plan: GrpoPlan, steps: list[dict[str, float]]) -> dict:
@@ -151,6 +164,7 @@ class GrpoAlgorithm(Algorithm):
         return {metrics.LOSS: sum(s[metrics.LOSS] for s in steps) / len(steps),
                 **{key: sum(s[key] for s in steps) / len(steps)
                    for key in (metrics.KL, metrics.RATIO_MEAN, metrics.CLIP_FRAC)},
+                metrics.RATIO_MAX_DEV: steps[0][metrics.RATIO_MAX_DEV],
                 metrics.JAGG_WINDOWS: len(backward.windows), metrics.JAGG_ROUTED_FRAC: backward.routed_frac,
                 metrics.JAGG_LINEARITY_MEAN: backward.linearity_mean,
                 metrics.BACKWARD_PASSES: len(backward.pass_steps), **plan.audited}

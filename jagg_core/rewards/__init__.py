@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..config import RewardSpec, SamplingConfig
+from ..config import RewardSpec, SamplingConfig, term_names
 from ..errors import UserError
 from .catalog import available_rewards, reward_entry, reward_options
 
@@ -80,9 +80,6 @@ class CombinedReward:
 def build_rewards(specs: list[RewardSpec], device: str | torch.device = "cpu",
                   reward_frames: int = SamplingConfig.model_fields["reward_frames"].default) -> CombinedReward:
     """A :class:`CombinedReward` from the config's ``rewards`` list (``reward_frames``: ``sampling.reward_frames``)."""
-    names, seen = [], {}
-    for spec in specs:
-        seen[spec.name] = seen.get(spec.name, 0) + 1
-        names.append(spec.name if seen[spec.name] == 1 else f"{spec.name}_{seen[spec.name]}")
     rewards = [build_reward(spec, device) for spec in specs]
-    return CombinedReward(rewards, [spec.weight for spec in specs], names, reward_frames)
+    return CombinedReward(rewards, [spec.weight for spec in specs], term_names([spec.name for spec in specs]),
+                          reward_frames)

@@ -81,6 +81,9 @@ class RewardEntry:
     options: type[RewardOptions] = NoOptions
     #: millions of parameters of the default scoring model, held in float32 on the training device (memory plan)
     device_params_m: float = 0.0
+    #: (low, high): the scores a working base model's samples get (None: unbounded on that side); the first
+    #: iteration's doctor checks the base eval against it
+    expected_range: tuple[float | None, float | None] = (None, None)
 
     def load_class(self):
         module, _, cls = self.implementation.partition(":")
@@ -88,18 +91,21 @@ class RewardEntry:
 
 
 CATALOG: dict[str, RewardEntry] = {entry.name: entry for entry in [
-    RewardEntry("shapes", "shapes:ShapesReward"),
-    RewardEntry("jpeg_compressibility", "jpeg:JpegCompressibility"),
-    RewardEntry("jpeg_incompressibility", "jpeg:JpegIncompressibility"),
-    RewardEntry("clip_score", "clip:ClipScore", ClipOptions, 428),
-    RewardEntry("pickscore", "clip:PickScore", PickScoreOptions, 986),
-    RewardEntry("aesthetic", "clip:Aesthetic", AestheticOptions, 429),
-    RewardEntry("hpsv2", "packaged:HPSv2", HpsOptions, 986),
-    RewardEntry("image_reward", "packaged:ImageReward", ImageRewardOptions, 447),
-    RewardEntry("ocr", "ocr:OcrReward", OcrOptions),
-    RewardEntry("clip_directional", "clip:ClipDirectional", ClipDirectionalOptions, 428),
+    # shapes: a blank image scores 0.02, pure noise about 0.2
+    RewardEntry("shapes", "shapes:ShapesReward", expected_range=(0.3, 1.0)),
+    RewardEntry("shapes_fidelity", "shapes:ShapesFidelity", expected_range=(0.3, 1.0)),
+    RewardEntry("jpeg_compressibility", "jpeg:JpegCompressibility", expected_range=(None, 0.0)),
+    RewardEntry("jpeg_incompressibility", "jpeg:JpegIncompressibility", expected_range=(0.0, None)),
+    # CLIP cosines of an image with its own prompt: 0.15-0.40 when the image shows it
+    RewardEntry("clip_score", "clip:ClipScore", ClipOptions, 428, expected_range=(0.1, 1.0)),
+    RewardEntry("pickscore", "clip:PickScore", PickScoreOptions, 986, expected_range=(10.0, 35.0)),
+    RewardEntry("aesthetic", "clip:Aesthetic", AestheticOptions, 429, expected_range=(2.0, 9.0)),
+    RewardEntry("hpsv2", "packaged:HPSv2", HpsOptions, 986, expected_range=(0.1, 1.0)),
+    RewardEntry("image_reward", "packaged:ImageReward", ImageRewardOptions, 447, expected_range=(-2.5, 2.5)),
+    RewardEntry("ocr", "ocr:OcrReward", OcrOptions, expected_range=(0.0, 1.0)),
+    RewardEntry("clip_directional", "clip:ClipDirectional", ClipDirectionalOptions, 428, expected_range=(-1.0, 1.0)),
     RewardEntry("http", "remote:HttpReward", HttpOptions),
-    RewardEntry("temporal_consistency", "temporal:TemporalConsistency", ClipOptions, 428),
+    RewardEntry("temporal_consistency", "temporal:TemporalConsistency", ClipOptions, 428, expected_range=(0.5, 1.0)),
 ]}
 
 
