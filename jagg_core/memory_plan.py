@@ -17,7 +17,7 @@ How it is computed:
   forward with grad and the backward itself (with gradient checkpointing when on), ``2 x`` the micro-batch when JAGG's
   endpoints are joint. Mixed precision runs these in the compute dtype.
 - **Fixed parts**: the rollout batch's trajectory (latents, velocities, reference velocities, float32),
-  its conditioning and decoded images; the reward model (its catalog size, float32).
+  its conditioning and decoded images; the reward and judge models (their catalog sizes, float32).
 - **Phases**: set-up (the text encoders alone: the transformer and VAE come to the device after them),
   rollout forward, VAE decode, backward. The peak is the largest phase's resident parts plus its transient.
 
@@ -198,10 +198,10 @@ def plan_memory(config: RunConfig) -> MemoryPlan:
                                .removesuffix("ForCausalLM") for e in encoders)
     if not cfg.model.cache_text_embeddings:
         plan.resident[f"text encoders ({encoder_names})"] = encoder_bytes
-    for spec in cfg.rewards:
+    for role, spec in [*(("reward", spec) for spec in cfg.rewards), *(("judge", spec) for spec in cfg.eval.judges)]:
         params = reward_entry(spec.name).device_params_m * 1e6
         if params:
-            plan.resident[f"reward {spec.name} ({params / 1e6:.0f} M, float32)"] = params * 4
+            plan.resident[f"{role} {spec.name} ({params / 1e6:.0f} M, float32)"] = params * 4
 
     lora = model.add_lora(cfg.lora)
     lora_count = sum(p.numel() for p in lora)
