@@ -71,7 +71,7 @@ def load_judges(judges: CombinedReward, images: torch.Tensor, prompts: list[str]
         try:
             single(images, prompts)
         except UserError as err:
-            raise UserError(f"judge '{name}' cannot score: {err}") from None
+            raise UserError(f"judge '{name}' cannot score the eval samples: {err}") from None
         except Exception as err:  # a model that fails to download or load fails in many ways
             raise UserError(f"judge '{name}' failed to load ({type(err).__name__}: {str(err)[:200]}); fix its "
                             "options or remove it from eval.judges") from None

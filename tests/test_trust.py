@@ -82,7 +82,8 @@ def test_a_judge_that_fails_to_load_fails_the_run_in_one_line_before_the_base_mo
     result = run_cli("--preset", "tiny-sd3", "--output-dir", str(run_dir),
                      "--set", f"eval.judges=[{{name: clip_score, options: {{model_id: {tmp_path / 'no-clip'}}}}}]")
     assert result.returncode != 0 and "Traceback" not in result.stderr
-    assert "judge 'clip_score' failed to load" in result.stderr
+    assert "judge 'clip_score' cannot score the eval samples: cannot load" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
     status = RunDirectory(run_dir).read_status()
     assert status["state"] == "failed" and "judge 'clip_score'" in status["message"]
     assert not RunDirectory(run_dir).read_metrics()  # not even the base eval ran
