@@ -224,16 +224,16 @@ class JobControl:
     # ----- runs ----------------------------------------------------------------------------
     def runs(self) -> list[Path]:
         """The run directories under the root, newest first (by the ``-YYYYmmdd-HHMMSS`` of their name)."""
-        found = [p for p in self.root.iterdir() if p.is_dir() and RunDirectory(p).is_run()]
+        found = [p for p in self.root.iterdir() if self.run_dir(p.name) is not None]
         return sorted(found, key=_created, reverse=True)
 
     def run_dir(self, name: str) -> Path | None:
-        """The run called ``name``: a folder directly in the root (no path, no link leading out) holding a run."""
+        """The run called ``name``: a folder directly in the root (no path, not a link) holding a run."""
         if not name or len(name) > MAX_NAME or name in (".", "..") or "/" in name or "\\" in name:
             return None
         path = self.root / name
-        inside = path.resolve().parent == self.root.resolve()
-        return path if inside and RunDirectory(path).is_run() else None
+        inside = not path.is_symlink() and path.resolve().parent == self.root.resolve()
+        return path if inside and path.is_dir() and RunDirectory(path).is_run() else None
 
     def trained_elsewhere(self) -> Path | None:
         """A run of the root that a live process started outside this app is training (it holds the run's lock)."""

@@ -82,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
             for name, description in list_presets().items():
                 print(f"{name:28s} {description}")
             return 0
+        if args.gpu_memory is not None and not args.gpu_memory > 0:
+            raise UserError(f"--gpu-memory {args.gpu_memory:g}: give the GPU's memory in GB, a positive number")
         if args.doctor and args.resume:
             raise UserError("--doctor checks a new run's first iteration; drop --resume (or --doctor)")
         config, run_dir = resolve(args)

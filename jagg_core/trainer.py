@@ -96,8 +96,9 @@ class Trainer:
     # ----- set-up ----------------------------------------------------------------------
     def setup(self) -> None:
         cfg = self.config
-        if self.is_main:
+        if self.is_main:  # the config first: a run killed while its model loads (or downloads) can be resumed
             self.run.create()
+            self.run.write_config(cfg.to_yaml())
         torch.manual_seed(cfg.train.seed)
         self.train_prompts, self.eval_prompts = run_prompts(cfg.prompts)
         self.judges = build_judges(cfg, self.accelerator.device)
@@ -130,7 +131,6 @@ class Trainer:
         if self.resume:
             self._load_checkpoint()
         if self.is_main:
-            self.run.write_config(cfg.to_yaml())
             self.run.write_run_info(self.model.family, cfg.model.name, hardware=self._hardware())
         start_trackers(self.accelerator, cfg, self.run)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -228,6 +229,30 @@ def root(tmp_path):
 def test_run_names_resolve_inside_the_runs_root_only(root, name):
     assert JobControl(root).run_dir(name) is None
     assert JobControl(root).run_dir("mine") == root / "mine"
+
+
+def test_the_runs_list_holds_only_runs_the_page_can_use(root):
+    """A link in the runs root, even to a run, is not listed (every action on it would be refused)."""
+    assert JobControl(root).runs() == [root / "mine"]
+
+
+def test_a_run_killed_while_its_model_loads_resumes(tmp_path):
+    """The resolved config is written before the model loads, so ``--resume`` works from the first second."""
+    run_dir = tmp_path / "run"
+    process = subprocess.Popen([sys.executable, "-m", "jagg_core.run", "--preset", "tiny-sd3", "--output-dir",
+                                str(run_dir), "--set", "train.iterations=1"], cwd=ROOT, env=ENV,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run = RunDirectory(run_dir)
+    while process.poll() is None and not run.is_run():
+        time.sleep(0.005)
+    phase = run.read_status().get("phase")
+    process.kill()
+    process.wait()
+    assert phase == "loading" and run.is_run() and not run.read_metrics()
+    resumed = subprocess.run([sys.executable, "-m", "jagg_core.run", "--resume", "--output-dir", str(run_dir)],
+                             cwd=ROOT, env=ENV, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert run.read_status()["state"] == "finished"
 
 
 def test_long_names_make_a_short_run_folder(root):

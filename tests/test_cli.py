@@ -52,6 +52,9 @@ def test_dry_run_prints_the_resolved_config_with_overrides():
     (["--set", "prompts.source=missing.txt"], "missing.txt"),
     (["--config", "does-not-exist.yaml"], "config file 'does-not-exist.yaml' does not exist"),
     (["--set", "model.name=./no-such-folder", "--output-dir", "{tmp}/run"], "model './no-such-folder' is neither"),
+    (["--plan", "--gpu-memory", "-5"], "--gpu-memory -5: give the GPU's memory in GB, a positive number"),
+    (["--plan", "--gpu-memory", "0"], "--gpu-memory 0: give the GPU's memory in GB"),
+    (["--doctor", "--resume", "--output-dir", "{tmp}/run"], "--doctor checks a new run's first iteration"),
 ])
 def test_bad_input_is_one_line_and_exit_code_two(args, message, tmp_path):
     result = run_cli(*[a.replace("{tmp}", str(tmp_path)) for a in args])

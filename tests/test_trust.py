@@ -179,15 +179,15 @@ def test_the_doctor_does_not_change_the_run(tmp_path):
     """The doctor's audit and velocity probe draw nothing from the run's generators and leave its gradients: the
     adapter is bit for bit that of a run without it."""
     adapters = []
-    for doctor in ("true", "false"):
+    for doctor, hash_seed in (("true", "1"), ("false", "2")):
         run_dir = tmp_path / doctor
         result = run_cli(*tiny_run_args(run_dir, "--set", f"train.doctor={doctor}", "--set", "train.iterations=2",
-                                        "--set", "lora.dropout=0.1"))
+                                        "--set", "lora.dropout=0.1"), env={"PYTHONHASHSEED": hash_seed})
         assert result.returncode == 0, result.stderr
         assert RunDirectory(run_dir).doctor_file.is_file() == (doctor == "true")
-        adapters.append(load_file(RunDirectory(run_dir).lora_file))
-    assert adapters[0].keys() == adapters[1].keys()
-    assert all(torch.equal(adapters[0][k], adapters[1][k]) for k in adapters[0])
+        adapters.append(RunDirectory(run_dir).lora_file.read_bytes())
+    # equal weights give an equal file: the peft metadata's sets are written sorted, whatever the hash seed
+    assert adapters[0] == adapters[1]
 
 
 def test_doctor_cli_fails_a_reward_constant_within_groups_and_the_run_resumes(tmp_path):

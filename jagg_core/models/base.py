@@ -152,9 +152,11 @@ class FlowModel(ABC):
         """Write ``pytorch_lora_weights.safetensors`` in diffusers format (``pipe.load_lora_weights``).
 
         The adapter's peft config (rank, alpha, targets) goes into the file's metadata: without it,
-        ``load_lora_weights`` assumes ``alpha = rank``, a wrong scale whenever ``lora.alpha != lora.rank``."""
+        ``load_lora_weights`` assumes ``alpha = rank``, a wrong scale whenever ``lora.alpha != lora.rank``. Its sets
+        (``target_modules``) are written sorted, so equal weights give an equal file."""
         state = {k: v.detach().to("cpu").contiguous() for k, v in self.lora_state_dict().items()}
-        metadata = self.transformer.peft_config["default"].to_dict()
+        metadata = {key: sorted(value) if isinstance(value, set) else value
+                    for key, value in self.transformer.peft_config["default"].to_dict().items()}
         type(self.pipe).save_lora_weights(str(directory), transformer_lora_layers=state, safe_serialization=True,
                                           transformer_lora_adapter_metadata=metadata)
         return Path(directory) / "pytorch_lora_weights.safetensors"
