@@ -26,21 +26,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jagg_core.errors import UserError
+from jagg_core.run_queue import RunQueue, runs_root
 from jagg_core.rundir import RunDirectory
 
-RUNS_DIR_ENV = "JAGG_RUNS_DIR"
+__all__ = ["JobControl", "runs_root"]
+
 LOCK_NAME = ".active-job.json"
 RUN_STAMP = re.compile(r"-(\d{8}-\d{6})(-\d+)?$")
 STOP_GRACE_S = 120.0  # the trainer finishes its iteration and checkpoints it before it exits
 MAX_NAME = 120  # characters of a run folder's name
 LAUNCHING_GRACE_S = 60.0  # an empty lock younger than this is a launch in progress, older is stale
-
-
-def runs_root() -> Path:
-    """The folder that holds the runs: ``$JAGG_RUNS_DIR``, default ``./runs``."""
-    root = Path(os.environ.get(RUNS_DIR_ENV, "runs")).expanduser().resolve()
-    root.mkdir(parents=True, exist_ok=True)
-    return root
+QUEUE_POLL_S = 2.0  # how often the queue's worker looks for a free machine
 
 
 def launch_command(run_dir: Path, mixed_precision: str, resume: bool) -> list[str]:
@@ -112,6 +108,7 @@ class JobControl:
         self._mutex = threading.Lock()
         self._children: dict[int, subprocess.Popen] = {}  # jobs this process launched, reaped by poll()
         self._stopping: int | None = None  # pid of the job stop() is ending
+        self.queue = RunQueue(root)
 
     # ----- the lock ------------------------------------------------------------------------
     def _read_lock(self) -> dict | None:
@@ -220,6 +217,35 @@ class JobControl:
             os.killpg(pgid, signum)
         except ProcessLookupError:
             pass
+
+    # ----- the queue ---------------------------------------------------------------------------
+    def start_next_queued(self) -> Job | None:
+        """Launch the first queued run (:mod:`jagg_core.run_queue`) when no run trains on this machine, neither this
+        app's job nor one started elsewhere; the launched job, or None."""
+        run_dir = self.queue.next()
+        if run_dir is None or self.active() is not None or self.trained_elsewhere() is not None:
+            return None
+        precision = (RunDirectory(run_dir).read_config().get("train") or {}).get("mixed_precision", "no")
+        try:
+            job = self.launch(run_dir, precision)
+        except UserError:  # another launch won the race; the queue waits for the next free moment
+            return None
+        self.queue.started(run_dir.name)
+        return job
+
+    def run_queue_in_background(self, poll_s: float = QUEUE_POLL_S) -> threading.Thread:
+        """A daemon thread that starts the queued runs in turn, for as long as the app lives."""
+        def work() -> None:
+            while True:
+                try:
+                    self.start_next_queued()
+                except (OSError, UserError):  # a run folder removed or damaged meanwhile: look again later
+                    pass
+                time.sleep(poll_s)
+
+        thread = threading.Thread(target=work, name="run-queue", daemon=True)
+        thread.start()
+        return thread
 
     # ----- runs ----------------------------------------------------------------------------
     def runs(self) -> list[Path]:

@@ -17,10 +17,10 @@ from pathlib import Path
 from .config import DEFAULT_PRESET, RunConfig, list_presets, load_config
 from .errors import UserError, exit_on_user_error
 from .preflight import check_references
+from .run_queue import RunQueue, runs_dir
 from .rundir import RunDirectory
 
 PROG = "jagg_core.run"
-RUNS_DIR = Path("runs")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -37,6 +37,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--list-presets", action="store_true", help="list the presets and exit")
     parser.add_argument("--plan", action="store_true",
                         help="print the expected peak GPU memory by part (from the model's configs), then exit")
+    parser.add_argument("--queue", action="store_true",
+                        help="write and check the run's config, then add it to the page's queue of runs (the app "
+                        "starts it when no run trains); the run folder must be in $JAGG_RUNS_DIR (default runs)")
     parser.add_argument("--doctor", action="store_true",
                         help="run the base eval and one iteration, print the doctor's checklist and stop (resumable "
                         "with --resume); exit 1 when a check fails")
@@ -46,9 +49,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def latest_run_dir(name: str) -> Path:
-    candidates = sorted(RUNS_DIR.glob(f"{name}-*"), key=lambda p: p.stat().st_mtime)
+    candidates = sorted(runs_dir().glob(f"{name}-*"), key=lambda p: p.stat().st_mtime)
     if not candidates:
-        raise UserError(f"--resume found no run named '{name}' under {RUNS_DIR}/; pass --output-dir RUN")
+        raise UserError(f"--resume found no run named '{name}' under {runs_dir()}/; pass --output-dir RUN")
     return candidates[-1]
 
 
@@ -68,7 +71,7 @@ def resolve(args: argparse.Namespace) -> tuple[RunConfig, Path]:
     if run_dir is None and config.output_dir:
         run_dir = Path(config.output_dir)
     if run_dir is None:
-        run_dir = latest_run_dir(config.name) if args.resume else RUNS_DIR / f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        run_dir = latest_run_dir(config.name) if args.resume else runs_dir() / f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     checkpoints = RunDirectory(run_dir).checkpoints_dir
     if not args.resume and checkpoints.is_dir() and any(checkpoints.iterdir()):
         raise UserError(f"{run_dir} already holds a run; add --resume to continue it or choose another --output-dir")
@@ -84,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.gpu_memory is not None and not args.gpu_memory > 0:
             raise UserError(f"--gpu-memory {args.gpu_memory:g}: give the GPU's memory in GB, a positive number")
+        if args.queue and (args.resume or args.doctor):
+            raise UserError("--queue adds a new run to the queue; drop --resume and --doctor")
         if args.doctor and args.resume:
             raise UserError("--doctor checks a new run's first iteration; drop --resume (or --doctor)")
         config, run_dir = resolve(args)
@@ -94,7 +99,21 @@ def main(argv: list[str] | None = None) -> int:
             print(config.to_yaml(), end="")
             print(f"# run directory: {run_dir}", file=sys.stderr)
             return 0
+        if args.queue:
+            return enqueue(config, run_dir)
         return train(config, run_dir, resume=args.resume, doctor_only=args.doctor)
+
+
+def enqueue(config: RunConfig, run_dir: Path) -> int:
+    """``--queue``: the run's folder with its config, added to the queue the app runs (:mod:`.run_queue`)."""
+    if run_dir.resolve().parent != runs_dir().resolve():
+        raise UserError(f"--queue: the run folder must be directly in {runs_dir()} (the app's runs folder, "
+                        "$JAGG_RUNS_DIR); leave out --output-dir or give a folder there")
+    run = RunDirectory(run_dir)
+    run.write_config(config.to_yaml())
+    position = RunQueue(run_dir.parent).add(run_dir)
+    print(f"queued {run_dir} at position {position}; the app (python app.py) starts it when no run trains")
+    return 0
 
 
 def print_plan(config: RunConfig, gpu_memory: float | None) -> int:
