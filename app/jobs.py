@@ -37,18 +37,39 @@ STOP_GRACE_S = 120.0  # the trainer finishes its iteration and checkpoints it be
 MAX_NAME = 120  # characters of a run folder's name
 LAUNCHING_GRACE_S = 60.0  # an empty lock younger than this is a launch in progress, older is stale
 QUEUE_POLL_S = 2.0  # how often the queue's worker looks for a free machine
+FSDP_CONFIG = Path(__file__).resolve().parent.parent / "presets" / "accelerate" / "fsdp.yaml"
 
 
-def launch_command(run_dir: Path, mixed_precision: str, resume: bool) -> list[str]:
-    """The ``accelerate launch`` command line of a one-process job (``--cpu`` when there is no CUDA GPU)."""
+@dataclass(frozen=True)
+class Placement:
+    """How many processes a job runs (one per GPU; on a CPU, processes sharing its cores) and whether they shard
+    the transformer (FSDP, ``presets/accelerate/fsdp.yaml``) or each hold all of it (data parallel)."""
+
+    processes: int = 1
+    sharded: bool = False
+
+    def words(self) -> str:
+        if self.processes == 1:
+            return "1 process"
+        return f"{self.processes} processes, " + ("the transformer sharded (FSDP)" if self.sharded else "data parallel")
+
+
+def launch_command(run_dir: Path, mixed_precision: str, resume: bool, placement: Placement = Placement()) -> list[str]:
+    """The ``accelerate launch`` command line of a job: one process, several data parallel (gloo on a CPU), or
+    several sharding the transformer with the FSDP config (``--cpu`` for one process without a CUDA GPU)."""
     import psutil
     import torch
 
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
-               "--mixed_precision", mixed_precision, "--dynamo_backend", "no",
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(placement.processes),
+               "--num_machines", "1", "--mixed_precision", mixed_precision, "--dynamo_backend", "no",
                "--quiet"]  # a failed run's log ends with its one-line error, not the launcher's traceback
+    if placement.sharded:
+        command += ["--config_file", str(FSDP_CONFIG)]
+    elif placement.processes > 1:
+        command += ["--multi_gpu"]
     if not torch.cuda.is_available():  # the thread count accelerate picks; given, it keeps a warning out of the log
-        command += ["--cpu", "--num_cpu_threads_per_process", str(psutil.cpu_count(logical=False) or 1)]
+        cores = max(1, (psutil.cpu_count(logical=False) or 1) // placement.processes)
+        command += (["--cpu"] if placement.processes == 1 else []) + ["--num_cpu_threads_per_process", str(cores)]
     command += ["-m", "jagg_core.run", "--config", str(RunDirectory(run_dir).config_file), "--output-dir", str(run_dir)]
     return command + (["--resume"] if resume else [])
 
@@ -155,8 +176,9 @@ class JobControl:
         run.write_status("failed", message=f"the training process ended{exit_part}: {why}")
 
     # ----- launch and stop -------------------------------------------------------------------
-    def launch(self, run_dir: Path, mixed_precision: str, resume: bool = False) -> Job:
-        """Start the job of ``run_dir`` (its config.yaml must exist); refuse if a job is active."""
+    def launch(self, run_dir: Path, mixed_precision: str, resume: bool = False,
+               placement: Placement = Placement()) -> Job:
+        """Start the job of ``run_dir`` (its config.yaml must exist) on ``placement``; refuse if a job is active."""
         with self._mutex:
             busy = self.active()
             if busy is not None:
@@ -168,8 +190,8 @@ class JobControl:
             os.close(fd)
             try:
                 with RunDirectory(run_dir).output_log.open("ab") as output:
-                    process = subprocess.Popen(launch_command(run_dir, mixed_precision, resume), stdout=output,
-                                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    command = launch_command(run_dir, mixed_precision, resume, placement)
+                    process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
             except BaseException:
                 self.lock_file.unlink(missing_ok=True)

@@ -9,6 +9,9 @@ import subprocess
 import psutil
 
 QUERY = "name,memory.free,memory.total,utilization.gpu"
+#: a GPU is free for a new run when at least this share of its memory is free and it is this idle (percent busy)
+FREE_MEMORY_SHARE = 0.9
+IDLE_PERCENT = 10
 
 
 def gpu_rows() -> list[list[str]]:
@@ -37,3 +40,42 @@ def hardware_words() -> str:
     memory = psutil.virtual_memory()
     return (f"**No CUDA GPU:** runs train on the CPU ({psutil.cpu_count(logical=False) or 1} cores, "
             f"{psutil.cpu_percent():.0f}% busy, {memory.available / 2**30:.1f} / {memory.total / 2**30:.1f} GiB memory free)")
+
+
+def free_gpus() -> int:
+    """How many GPUs no other work holds (:data:`FREE_MEMORY_SHARE` of their memory free, at most
+    :data:`IDLE_PERCENT` busy)."""
+    free = 0
+    for _name, available, total, usage in gpu_rows():
+        try:
+            free += float(available) >= FREE_MEMORY_SHARE * float(total) and float(usage) <= IDLE_PERCENT
+        except ValueError:
+            continue
+    return free
+
+
+def process_choices() -> tuple[int, int]:
+    """``(default, most)`` processes for a run: all free GPUs (at least 1) of all GPUs; on a CPU 1 of its cores."""
+    gpus = len(gpu_rows())
+    if gpus:
+        return max(1, free_gpus()), gpus
+    return 1, psutil.cpu_count(logical=False) or 1
+
+
+def placement_for(config, processes: int):
+    """How a run of ``config`` uses ``processes`` processes, and why, in words: data parallel when the memory plan
+    fits the smallest free memory of the GPUs, the transformer sharded (FSDP) when it does not; on a CPU always data
+    parallel."""
+    from jagg_core.memory_plan import GB, plan_memory  # torch: loaded on first use
+
+    from .jobs import Placement
+
+    rows = gpu_rows()
+    if processes <= 1 or not rows:
+        return Placement(processes), ""
+    free_gb = min(float(free) for _name, free, _total, _usage in rows[:processes]) * 2 ** 20 / GB
+    planned = plan_memory(config).total / GB
+    if planned <= free_gb:
+        return Placement(processes), f"data parallel: the plan ({planned:.1f} GB) fits each GPU ({free_gb:.1f} GB free)"
+    return Placement(processes, sharded=True), (f"the transformer sharded over {processes} GPUs (FSDP): the plan "
+                                                f"({planned:.1f} GB) does not fit one GPU ({free_gb:.1f} GB free)")

@@ -1,7 +1,7 @@
 """The run directory: the contract between the trainer, the app, the Hub module and tests.
 
     RUN/config.yaml            resolved config (no secrets)
-    RUN/run_info.json          {"family", "base_model", "hardware"}
+    RUN/run_info.json          {"family", "base_model", "hardware", "processes"}
     RUN/metrics.jsonl          one JSON object per iteration (keys: :mod:`jagg_core.metrics`)
     RUN/samples/iter_NNNNNN/   fixed-seed eval samples: 000.png ... + prompts.json + info.json + grid.png (all of
                                them in one picture, each captioned with its prompt and reward); a video model's
@@ -248,8 +248,9 @@ class RunDirectory:
         except (UserError, KeyError, TypeError, ValueError):
             return 0
 
-    def write_run_info(self, family: str, base_model: str, hardware: str) -> None:
-        self.write_json(self.run_info_file, {"family": family, "base_model": base_model, "hardware": hardware})
+    def write_run_info(self, family: str, base_model: str, hardware: str, processes: int = 1) -> None:
+        self.write_json(self.run_info_file, {"family": family, "base_model": base_model, "hardware": hardware,
+                                             "processes": processes})
 
     def read_run_info(self) -> dict:
         return _read_json(self.run_info_file, dict)

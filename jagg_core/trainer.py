@@ -130,8 +130,10 @@ class Trainer:
         self.reward = build_rewards(cfg.rewards, self.accelerator.device, reward_frames=cfg.sampling.reward_frames)
         if self.resume:
             self._load_checkpoint()
+            self._say_if_process_count_changed()
         if self.is_main:
-            self.run.write_run_info(self.model.family, cfg.model.name, hardware=self._hardware())
+            self.run.write_run_info(self.model.family, cfg.model.name, hardware=self._hardware(),
+                                    processes=self.accelerator.num_processes)
         start_trackers(self.accelerator, cfg, self.run)
 
     def _load_model(self) -> FlowModel:
@@ -190,6 +192,14 @@ class Trainer:
         if self.is_main:
             self.run.truncate_metrics(-1)  # nothing to continue: the base eval and every iteration run again
         self._log(f"no usable checkpoint in {self.run.path}; starting from iteration 1")
+
+    def _say_if_process_count_changed(self) -> None:
+        """A resume on another number of processes than the run's last is valid but not exact: say so."""
+        before, now = self.run.read_run_info().get("processes"), self.accelerator.num_processes
+        if isinstance(before, int) and before != now:
+            self._log(f"resumed on {now} process(es); the run trained on {before} before: each process draws its own "
+                      f"prompts and noise, so from here the run differs from one that went on with {before} (valid, "
+                      "not bit-identical)")
 
     def _training_state(self) -> dict:
         """What a checkpoint needs beyond the adapter file and the optimizer: the schedule, the EMA and the LoRA
