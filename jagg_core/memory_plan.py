@@ -258,12 +258,20 @@ def plan_memory(config: RunConfig) -> MemoryPlan:
     plan.phase_parts["rollout forward"] = trajectory + cond_bytes
     plan.phases["rollout forward"] = _traced(lambda: forward(max(chunk, eval_chunk)), weights)
 
-    def decode() -> None:
-        with torch.no_grad():
-            model.decode(torch.zeros((samples, *latent), device=META))
+    def decode(count: int) -> int:
+        def run() -> None:
+            with torch.no_grad():
+                model.decode(torch.zeros((count, *latent), device=META))
+        return _traced(run, weights)
 
     plan.phase_parts["VAE decode"] = trajectory + cond_bytes
-    plan.phases["VAE decode"] = _traced(decode, weights)
+    if cfg.model.vae_slicing and samples > 2:
+        # one image at a time: every image adds its output to the one image's transient; traced for 1 and 2 images
+        # and extended, instead of tracing all of them (the meta device's decode is slow: seconds an image)
+        one = decode(1)
+        plan.phases["VAE decode"] = one + (samples - 1) * (decode(2) - one)
+    else:
+        plan.phases["VAE decode"] = decode(samples)
 
     micro = math.ceil(rows / cfg.train.gradient_accumulation_steps)
     stacked = micro * (2 if _joint_passes(cfg) else 1)
