@@ -47,9 +47,11 @@ def hub_errors(what: str, repo_id: str | None = None, denied: str = "your token 
                filename: str = LORA_FILE) -> Iterator[None]:
     """Turn the Hub client's failures during ``what`` into one-line UserErrors.
 
-    ``repo_id`` names the repo in the offline advice (``hf download REPO``); ``denied`` explains an
-    HTTP 403; ``filename`` is the file a "no such file in the repo" answer is about.
+    ``repo_id`` names the repo in the offline advice (``hf download REPO``) and the page where a gated repo's
+    licence is accepted; ``denied`` explains an HTTP 403; ``filename`` is the file a "no such file in the repo"
+    answer is about.
     """
+    from huggingface_hub import constants
     from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled,
                                         RemoteEntryNotFoundError, RepositoryNotFoundError)
     try:  # the HTTP client huggingface_hub uses: httpx2 from huggingface_hub 2.x, httpx before
@@ -69,7 +71,9 @@ def hub_errors(what: str, repo_id: str | None = None, denied: str = "your token 
         raise UserError(f"cannot {what}: the Hub is unreachable and it is not in the local cache; check your "
                         f"connection, or {offline_advice}") from None
     except GatedRepoError:
-        raise UserError(f"cannot {what}: the repo is gated; accept its terms on the Hub, then `hf auth login`") from None
+        page = f"at {constants.ENDPOINT}/{repo_id}" if repo_id else "on the Hub"
+        raise UserError(f"cannot {what}: the repo is gated; accept its licence {page}, then `hf auth login` (or set "
+                        "HF_TOKEN) with a token of that account") from None
     except RepositoryNotFoundError:
         raise UserError(f"cannot {what}: no such Hub repo, or it is private; check the name, or use a token "
                         "that can read it (`hf auth login`)") from None

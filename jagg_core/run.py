@@ -16,11 +16,12 @@ from pathlib import Path
 
 from .config import DEFAULT_PRESET, RunConfig, list_presets, load_config
 from .errors import UserError, exit_on_user_error
-from .preflight import check_references
+from .preflight import check_model, check_references
 from .run_queue import RunQueue, runs_dir
 from .rundir import RunDirectory
 
 PROG = "jagg_core.run"
+PRINT_EVERY_S = 5.0  # a download's progress line in the output, at most this often
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -92,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.doctor and args.resume:
             raise UserError("--doctor checks a new run's first iteration; drop --resume (or --doctor)")
         config, run_dir = resolve(args)
-        check_references(config)
+        plan = check_references(config)
+        if plan is not None and plan.left:
+            print(f"{PROG}: {plan.summary()}", file=sys.stderr)
         if args.plan:
             return print_plan(config, args.gpu_memory)
         if args.dry_run:
@@ -142,9 +145,9 @@ def train(config: RunConfig, run_dir: Path, resume: bool, doctor_only: bool = Fa
     trainer = None
     try:
         if is_main:  # what the run does from its first second: the page and the log say it
-            loading = f"loading the model {config.model.name}"
-            run.write_status("running", pid=os.getpid(), phase="loading", message=loading)
-            print(f"{PROG}: {loading}", flush=True)
+            _say_loading(run, config)
+        if download_base_model(config, run if is_main else None) and is_main:
+            _say_loading(run, config)
         from .quiet import quiet_libraries
         quiet_libraries()
         from .trainer import Trainer
@@ -190,6 +193,41 @@ def train(config: RunConfig, run_dir: Path, resume: bool, doctor_only: bool = Fa
         if trainer is not None:
             trainer.close()
     return 0
+
+
+def _say_loading(run: RunDirectory, config: RunConfig) -> None:
+    loading = f"loading the model {config.model.name}"
+    run.write_status("running", pid=os.getpid(), phase="loading", message=loading, download=None)
+    print(f"{PROG}: {loading}", flush=True)
+
+
+def download_base_model(config: RunConfig, run: RunDirectory | None) -> bool:
+    """The ``downloading`` phase: a Hub base model with files not yet in the Hugging Face cache is downloaded there
+    (:mod:`jagg_core.download`: it continues an interrupted download) before the trainer loads it; True if it was.
+
+    With ``run`` (the main process) it is reported about once a second in status.json: ``phase: downloading``,
+    ``message`` ("downloading OWNER/NAME: 3.2 of 23.8 GB, 41 MB/s, about 8 min left") and ``download``: ``{"done":
+    bytes of the model in the cache, "total": bytes of the files the run needs, "rate": bytes/s}``, and the message
+    is printed at most every :data:`PRINT_EVERY_S` seconds and at the end. Every process downloads (each file under a
+    lock, so a file is fetched once): none loads the model before its files are complete."""
+    from .download import download_model
+    plan = check_model(config.model)  # again: the cache may have changed since the pre-flight
+    if plan is None or not plan.pending:
+        return False
+    printed = [float("-inf")]  # when the last line was printed (time.monotonic())
+
+    def report(transfer, end: bool = False) -> None:
+        line = transfer.line(config.model.name)
+        run.write_status("running", phase="downloading", message=line,
+                         download={"done": transfer.done, "total": transfer.total, "rate": round(transfer.rate)})
+        if end or time.monotonic() - printed[0] >= PRINT_EVERY_S:
+            print(f"{PROG}: {line}", flush=True)
+            printed[0] = time.monotonic()
+
+    end = download_model(plan, report if run is not None else None)
+    if run is not None:
+        report(end, end=True)
+    return True
 
 
 def _record_end(run: RunDirectory, state: str, message: str) -> None:

@@ -16,8 +16,10 @@
     RUN/best/best.json         {"iteration", "metric" (a metrics key), "label" (in words), "value", "reason"}
     RUN/doctor.json            the first iteration's checklist: {"iteration", "passed", "checks": [{"check",
                                "status": pass|fail|skip, "detail", "fix"}]} (also in status.json's "doctor")
-    RUN/status.json            {"state": running|finished|failed|stopped, "phase": loading|base eval|training,
-                               "message" (what it is doing, e.g. "base eval 16/64"), "pid", "iteration",
+    RUN/status.json            {"state": running|finished|failed|stopped, "phase": loading|downloading|base eval|
+                               training, "message" (what it is doing, e.g. "base eval 16/64"), "pid", "iteration",
+                               "download" (phase downloading: {"done": bytes of the base model in the Hugging Face
+                               cache, "total": bytes it needs, "rate": bytes/s}; null otherwise),
                                "doctor" (as doctor.json), "alarm" (the reward-hacking alarm's line), ...}
     RUN/train.log              the trainer's log lines
     RUN/stdout.log             the output of a job the app launched

@@ -5,16 +5,27 @@ It implements only what ``huggingface_hub`` calls to push a commit and download 
     GET  /api/whoami-v2                               who owns the token
     GET  /api/agent-harnesses                         the client's user-agent registry (empty)
     POST /api/repos/create                            create a model repo (409 if it exists)
-    GET  /api/models/{owner}/{name}                   repo info (create_repo(exist_ok=True) after a 403)
+    GET  /api/models/{owner}/{name}[/revision/{rev}]  repo info (create_repo(exist_ok=True) after a 403); with
+                                                      ?blobs=true each file's size, blobId and LFS sha256
     POST /api/validate-yaml                           model card metadata rules (see validate_card_metadata)
     POST /api/models/{owner}/{name}/preupload/{rev}   answers "regular" for every file: no LFS/Xet path
     POST /api/models/{owner}/{name}/commit/{rev}      NDJSON commit with inline base64 files
-    HEAD|GET /{owner}/{name}/resolve/{rev}/{path}     file download
+    HEAD|GET /{owner}/{name}/resolve/{rev}/{path}     file download; a GET honours ``Range: bytes=START-[END]``
+                                                      (206)
 
 Tokens map to users (``FakeHub.add_token``); a token may be read-only. Like the real Hub, an unknown token gets
 401, writing to a namespace that is not the user's (or one of their orgs) gets 403, and a missing or private repo
-of someone else gets 404 ``RepoNotFound``. Every request body is kept in ``FakeHub.bodies`` so tests can check
-what was sent, and requests to routes the fake lacks in ``FakeHub.unrouted``.
+of someone else gets 404 ``RepoNotFound``. A gated repo (``add_repo(..., gated=True, granted=USERS)``) lists its
+files to anyone but serves them only to the users who accepted its licence: 401 ``GatedRepo`` without a token, 403
+``GatedRepo`` with another user's. Every request body is kept in ``FakeHub.bodies`` so tests can check what was
+sent, and requests to routes the fake lacks in ``FakeHub.unrouted``.
+
+Files are stored as the Hub stores them: weights (:data:`LFS_ENDINGS`) in LFS, their ETag and blob the content's
+sha256, the others in git, their ETag the git blob id. Each file GET is recorded in ``FakeHub.downloads`` (the
+file, the Range asked, the bytes sent). Faults for download tests: ``drops[path] = Drop(at, then_unavailable)``
+makes the next GET of ``path`` send the file up to byte ``at`` and close the connection (then answer 503 to the
+file's GETs while ``path`` is in ``unavailable``); ``holds[path] = threading.Event()`` makes a GET of ``path`` send
+its headers and wait for the event before the body.
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ import re
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs
 
 import yaml
 
@@ -33,6 +45,9 @@ import yaml
 REPO_ID = re.compile(r"^[\w.-]{1,96}/[\w.-]{1,96}$")
 PIPELINE_TAGS = {"text-to-image", "image-to-image", "unconditional-image-generation", "text-generation"}
 YAML_BLOCK = re.compile(r"^\s*---\r?\n([\s\S]*?)\r?\n---[ \t]*(\r?\n|$)")
+#: files kept in LFS, as the Hub's default .gitattributes says
+LFS_ENDINGS = (".safetensors", ".bin", ".ckpt", ".msgpack", ".onnx", ".pb", ".pt", ".pth")
+RANGE = re.compile(r"bytes=(\d+)-(\d*)")
 
 
 def validate_card_metadata(readme: str) -> list[str]:
@@ -72,10 +87,44 @@ class Repo:
     private: bool
     files: dict[str, bytes] = field(default_factory=dict)
     commits: list[str] = field(default_factory=list)
+    gated: bool = False
+    granted: set[str] = field(default_factory=set)  # users who accepted a gated repo's licence
 
     @property
     def sha(self) -> str:
         return hashlib.sha1("".join(self.commits).encode()).hexdigest()
+
+    def blob(self, path: str) -> str:
+        """The file's ETag: the sha256 of an LFS file, the git blob id of the others."""
+        data = self.files[path]
+        if path.endswith(LFS_ENDINGS):
+            return hashlib.sha256(data).hexdigest()
+        return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+    def sibling(self, path: str) -> dict:
+        """The file's entry in the repo info with ?blobs=true."""
+        data = self.files[path]
+        if not path.endswith(LFS_ENDINGS):
+            return {"rfilename": path, "size": len(data), "blobId": self.blob(path)}
+        return {"rfilename": path, "size": len(data), "blobId": hashlib.sha1(path.encode()).hexdigest(),
+                "lfs": {"size": len(data), "sha256": self.blob(path), "pointerSize": 134}}
+
+
+@dataclass
+class Drop:
+    """Close the connection once the file is sent up to byte ``at``; then the file is unavailable if asked."""
+
+    at: int
+    then_unavailable: bool = False
+
+
+@dataclass
+class Download:
+    """A file GET: the file, the Range header asked (None for all of it) and the bytes sent."""
+
+    path: str
+    range: str | None
+    sent: int
 
 
 @dataclass
@@ -93,6 +142,10 @@ class FakeHub:
         self.repos: dict[str, Repo] = {}
         self.bodies: list[bytes] = []
         self.unrouted: list[str] = []  # requests the fake does not implement (tests assert there are none)
+        self.downloads: list[Download] = []
+        self.drops: dict[str, Drop] = {}
+        self.unavailable: set[str] = set()
+        self.holds: dict[str, threading.Event] = {}
         self.lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _make_handler(self))
         self._server.daemon_threads = True
@@ -101,8 +154,10 @@ class FakeHub:
     def add_token(self, token: str, user: str, role: str = "write", orgs: tuple[str, ...] = ()) -> None:
         self.tokens[token] = Token(user, role, orgs)
 
-    def add_repo(self, repo_id: str, files: dict[str, bytes] | None = None, private: bool = False) -> Repo:
-        repo = self.repos[repo_id] = Repo(repo_id.split("/")[0], private, dict(files or {}), ["initial"])
+    def add_repo(self, repo_id: str, files: dict[str, bytes] | None = None, private: bool = False,
+                 gated: bool = False, granted: tuple[str, ...] = ()) -> Repo:
+        repo = self.repos[repo_id] = Repo(repo_id.split("/")[0], private, dict(files or {}), ["initial"], gated,
+                                          set(granted))
         return repo
 
     def __enter__(self) -> FakeHub:
@@ -173,7 +228,8 @@ def _make_handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             return repo
 
         def _dispatch(self, method: str):
-            path = self.path.split("?")[0]
+            path, _, query = self.path.partition("?")
+            self.query = parse_qs(query)
             body = self._body() if method == "POST" else b""
             try:
                 token = self._token()
@@ -227,10 +283,12 @@ def _make_handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             else:
                 self._send(200, reply)
 
-        def repo_info(self, token, body, repo_id, head=False):
+        def repo_info(self, token, body, repo_id, revision=None, head=False):
             repo = self._repo(repo_id, token)
-            self._send(200, {"id": repo_id, "sha": repo.sha, "private": repo.private,
-                             "siblings": [{"rfilename": name} for name in repo.files]})
+            blobs = self.query.get("blobs") == ["True"] or self.query.get("blobs") == ["true"]
+            self._send(200, {"id": repo_id, "sha": repo.sha, "private": repo.private, "gated": repo.gated and "auto",
+                             "siblings": [repo.sibling(name) if blobs else {"rfilename": name}
+                                          for name in repo.files]})
 
         def validate_yaml(self, token, body, head=False):
             errors = validate_card_metadata(json.loads(body)["content"])
@@ -262,11 +320,41 @@ def _make_handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
 
         def resolve(self, token, body, repo_id, revision, filename, head=False):
             repo = self._repo(repo_id, token)
+            if repo.gated and (token is None or token.user not in repo.granted):
+                raise _Reply(401 if token is None else 403, f"Access to model {repo_id} is restricted; you must "
+                             "accept its licence to access it", "GatedRepo")
             if filename not in repo.files:
                 raise _Reply(404, "Entry not found", "EntryNotFound")
             data = repo.files[filename]
-            etag = hashlib.sha256(data).hexdigest()
-            self._send(200, data, {"X-Repo-Commit": repo.sha, "ETag": f'"{etag}"'}, head=head)
+            headers = {"X-Repo-Commit": repo.sha, "ETag": f'"{repo.blob(filename)}"', "Accept-Ranges": "bytes"}
+            if head:
+                return self._send(200, data, headers, head=True)
+            if filename in hub.unavailable:
+                raise _Reply(503, "Service temporarily unavailable")
+            asked = self.headers.get("Range")
+            start, end = 0, len(data)
+            if asked:
+                first, last = RANGE.fullmatch(asked).groups()
+                start, end = int(first), int(last) + 1 if last else len(data)
+                headers["Content-Range"] = f"bytes {start}-{end - 1}/{len(data)}"
+            with hub.lock:
+                drop = hub.drops.pop(filename, None)
+            hold = hub.holds.get(filename)
+            self.send_response(206 if asked else 200)
+            for key, value in {**headers, "Content-Length": end - start}.items():
+                self.send_header(key, str(value))
+            self.end_headers()
+            if hold is not None:
+                hold.wait()
+            sent = data[start:end] if drop is None else data[start:drop.at]
+            with hub.lock:  # before the bytes go: the client may be done with them before this thread goes on
+                hub.downloads.append(Download(filename, asked, len(sent)))
+                if drop is not None and drop.then_unavailable:
+                    hub.unavailable.add(filename)
+            self.wfile.write(sent)
+            if drop is not None:  # the connection breaks before the file's end
+                self.wfile.flush()
+                self.close_connection = True
 
     repo = r"([\w.-]+/[\w.-]+)"
     ROUTES = [
@@ -275,6 +363,7 @@ def _make_handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
         (r"/api/repos/create", "POST", Handler.create_repo),
         (r"/api/validate-yaml", "POST", Handler.validate_yaml),
         (rf"/api/models/{repo}", "GET", Handler.repo_info),
+        (rf"/api/models/{repo}/revision/([^/]+)", "GET", Handler.repo_info),
         (rf"/api/models/{repo}/preupload/([^/]+)", "POST", Handler.preupload),
         (rf"/api/models/{repo}/commit/([^/]+)", "POST", Handler.commit),
         (rf"/{repo}/resolve/([^/]+)/(.+)", "GET", Handler.resolve),
