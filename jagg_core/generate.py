@@ -1,7 +1,8 @@
 """Sample a prompt of one's own with a run's adapter, beside the base model, as the run's evals do (the same
 fixed-seed ODE sampler and sizes)::
 
-    python -m jagg_core.generate RUN "a red circle on a blue background" --out pair.png [--checkpoint iter_N] [--seed 0]
+    python -m jagg_core.generate RUN "a red circle on a blue background" --out pair.png [--seed 0]
+    python -m jagg_core.generate RUN "a red circle" --out pair.png --checkpoint best   # or iter_N; default: latest
 
 It writes one picture: the base model on the left, the adapter on the right, the same noise (of a video model, the
 videos' middle frames). The page's "Try the
@@ -14,24 +15,16 @@ import argparse
 import sys
 from pathlib import Path
 
+from .adapters import choose_adapter
 from .errors import UserError, exit_on_user_error
 from .rundir import RunDirectory
 
 PROG = "jagg_core.generate"
 
 
-def adapter_file(run_dir: Path, checkpoint: str | None) -> Path:
-    """The run's latest adapter, or that of ``checkpoint`` (``iter_N``); a one-line error when there is none yet."""
-    run = RunDirectory(run_dir)
-    if checkpoint:
-        return run.checkpoint_adapter(checkpoint)[1]
-    if not run.lora_file.is_file():
-        raise UserError(f"{run.path.name} has no adapter yet: wait for its first checkpoint")
-    return run.lora_file
-
-
 def generate(run_dir: Path, prompt: str, checkpoint: str | None = None, seed: int = 0):
-    """A PIL image of ``prompt``: the base model's sample beside the adapter's, from the same noise."""
+    """A PIL image of ``prompt``: the base model's sample beside the adapter's (the latest, ``best`` or ``iter_N``:
+    :func:`~jagg_core.adapters.choose_adapter`), from the same noise."""
     from .config import validate_config
     from .quiet import quiet_libraries
     quiet_libraries()
@@ -42,7 +35,7 @@ def generate(run_dir: Path, prompt: str, checkpoint: str | None = None, seed: in
     from .sampler import initial_noise, ode_sample
 
     config = validate_config(RunDirectory(run_dir).read_config())
-    adapter = adapter_file(run_dir, checkpoint)
+    adapter = choose_adapter(run_dir, checkpoint)
     if not prompt.strip():
         raise UserError("type a prompt")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -58,11 +51,10 @@ def generate(run_dir: Path, prompt: str, checkpoint: str | None = None, seed: in
         model.transformer.disable_adapters()
         base = model.decode(ode_sample(model, cond, sigmas, z0))
         model.transformer.enable_adapters()
-        model.load_lora(adapter)
+        model.load_lora(adapter.file)
         tuned = model.decode(ode_sample(model, cond, sigmas, z0))
-    label = checkpoint or "latest adapter"
-    return captioned_grid(to_pil(still_frames(torch.cat([base, tuned]))), ["base model", label], title=prompt[:80],
-                          columns=2, cell=max(256, size))
+    return captioned_grid(to_pil(still_frames(torch.cat([base, tuned]))), ["base model", adapter.label],
+                          title=prompt[:80], columns=2, cell=max(256, size))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_dir", help="the run directory")
     parser.add_argument("prompt")
     parser.add_argument("--out", required=True, help="the PNG to write")
-    parser.add_argument("--checkpoint", help="iter_N (default: the latest adapter)")
+    parser.add_argument("--checkpoint", metavar="best|iter_N",
+                        help="the best adapter (RUN/best) or a checkpoint's (default: the latest adapter)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     with exit_on_user_error(PROG):

@@ -1,11 +1,14 @@
 """Publish a run's LoRA to the Hugging Face Hub.
 
-    python -m jagg_core.hub push RUN --repo-id USER/NAME [--private] [--checkpoint iter_N]
-    python -m jagg_core.hub card RUN --repo-id USER/NAME [--checkpoint iter_N]   # print the model card
+    python -m jagg_core.hub push RUN --repo-id USER/NAME [--private] [--checkpoint best|iter_N]
+    python -m jagg_core.hub card RUN --repo-id USER/NAME [--checkpoint best|iter_N]   # print the model card
 
 A push creates the repo if needed and uploads, in one commit, the adapter, the model card, the eval samples, the
-reward curve, the before/after grid and the config without secrets (see :mod:`jagg_core.model_card`). It only
-reads the run directory, so a failed push changes nothing locally and can simply be retried.
+reward curve, the before/after grid and the config without secrets (see :mod:`jagg_core.model_card`). The adapter
+is the latest by default; ``--checkpoint best`` pushes the best one (``RUN/best``: the best eval by
+``eval.best_by``, its card saying which iteration and why), ``--checkpoint iter_N`` a checkpoint's
+(:mod:`jagg_core.adapters`). It only reads the run directory, so a failed push changes nothing locally and can
+simply be retried.
 
 The token is the one passed in (the app's field), else ``HF_TOKEN``, else the one stored by ``hf auth login``.
 It is only handed to ``huggingface_hub`` for the HTTP headers: never written, logged, or put in an uploaded file
@@ -49,7 +52,8 @@ def _token_in(operation: CommitOperationAdd, needle: bytes, chunk_size: int = 1 
 
 
 def write_model_card(run_dir: str | Path, repo_id: str, checkpoint: str | None = None) -> ModelCard:
-    """The model card a push of ``run_dir`` (latest adapter, or ``checkpoint``) to ``repo_id`` would upload."""
+    """The model card a push of ``run_dir`` (latest adapter, or ``checkpoint``: ``best`` or ``iter_N``) to
+    ``repo_id`` would upload."""
     return build_model_card(read_run(run_dir, checkpoint), repo_id)
 
 
@@ -58,8 +62,8 @@ def push_run(run_dir: str | Path, repo_id: str, *, private: bool = False, checkp
     """Upload a run's adapter and model card to ``repo_id`` in one commit; return the repo URL.
 
     ``repo_id`` is ``USER/NAME`` or ``ORG/NAME`` (a bare ``NAME`` goes under the token's user). ``private`` only
-    applies when the repo is created. ``checkpoint`` (``iter_N``) publishes that checkpoint instead of the latest
-    adapter. Raises :class:`UserError` for anything the user can fix.
+    applies when the repo is created. ``checkpoint`` publishes the best adapter (``best``) or a checkpoint's
+    (``iter_N``) instead of the latest. Raises :class:`UserError` for anything the user can fix.
     """
     snap = read_run(run_dir, checkpoint)  # what the user can fix first: there is an adapter, the id is well formed
     if not repo_id:
@@ -87,9 +91,8 @@ def push_run(run_dir: str | Path, repo_id: str, *, private: bool = False, checkp
               "organization where you have write access")
     with hub_errors(f"push to {repo_id}", denied=denied):
         url = api.create_repo(repo_id, private=private, exist_ok=True)
-        label = snap.checkpoint or "latest adapter"
         at = f", iteration {snap.iteration}" if snap.iteration is not None else ""
-        api.create_commit(repo_id, operations, commit_message=f"JAGG Studio: {label}{at}")
+        api.create_commit(repo_id, operations, commit_message=f"JAGG Studio: {snap.adapter.label}{at}")
     return str(url)
 
 
@@ -108,7 +111,9 @@ def main(argv: list[str] | None = None) -> None:
         command = commands.add_parser(name, help=help_text)
         command.add_argument("run_dir", metavar="RUN", help="run directory")
         command.add_argument("--repo-id", required=True, help="USER/NAME or ORG/NAME")
-        command.add_argument("--checkpoint", help="publish this checkpoint (iter_N) instead of the latest adapter")
+        command.add_argument("--checkpoint", metavar="best|iter_N",
+                             help="publish the best adapter (best: RUN/best, the best eval by eval.best_by) or a "
+                                  "checkpoint's (iter_N) instead of the latest adapter")
         if name == "push":
             command.add_argument("--private", action="store_true", help="create the repo as private")
     args = parser.parse_args(argv)

@@ -1,14 +1,17 @@
 """What a run publishes: its model card, reward curve, before/after grid and public config.
 
 Everything here is read from the run directory (see DESIGN.md, "The run directory") and nothing is written
-to it, so a card can be previewed while a run is still going. :mod:`jagg_core.hub` uploads the result.
+to it, so a card can be previewed while a run is still going. :mod:`jagg_core.hub` uploads the result. The adapter
+is the latest, the best (``eval.best_by``) or a checkpoint's (:mod:`jagg_core.adapters`); the card says which, and
+why for the best, and quotes the newest reward-hacking alarm up to its iteration.
 
 Files in the published repo::
 
     pytorch_lora_weights.safetensors   the adapter (diffusers format)
     README.md                          the model card built by build_model_card
     config.yaml                        the resolved config, secrets removed
-    images/reward_curve.png            training reward (mean +- std) and held-out eval reward per iteration
+    images/reward_curve.png            training reward (mean +- std), held-out eval reward and each judge's eval
+                                       mean (dashed) per iteration
     images/before_after.png            eval samples of the base model (top) and of the adapter (bottom)
     samples/NNN.png                    the adapter's eval samples (also the card's widget; a video's frame strip)
     samples/NNN.mp4                    a video model's eval videos, embedded in the card
@@ -29,7 +32,7 @@ import yaml
 from huggingface_hub import ModelCard, ModelCardData
 
 from . import metrics
-from .errors import UserError
+from .adapters import BEST, Adapter, choose_adapter
 from .rundir import GRID_FILE as GRID_NAME
 from .rundir import LORA_FILE, ImageSet, RunDirectory, iteration_dirname
 
@@ -49,8 +52,7 @@ class RunSnapshot:
     config: dict
     run_info: dict
     metrics: list[dict]
-    checkpoint: str | None
-    adapter: Path
+    adapter: Adapter  # which adapter is pushed, and for the best, why
     iteration: int | None
     before: ImageSet | None
     after: ImageSet | None
@@ -61,22 +63,20 @@ class RunSnapshot:
 
 
 def read_run(run_dir: str | Path, checkpoint: str | None = None) -> RunSnapshot:
-    """Gather what a push publishes: the latest adapter, or the one of ``checkpoint`` (``iter_N``)."""
+    """Gather what a push publishes: the latest adapter, the best (``best``) or a checkpoint's (``iter_N``), and the
+    metrics rows and eval samples up to its iteration."""
     run = RunDirectory(run_dir)
     config = run.read_config()
+    adapter = choose_adapter(run.path, checkpoint)
     rows = run.read_metrics()
-    if checkpoint is None:
-        checkpoint_name, adapter = None, run.lora_file
-        if not adapter.is_file():
-            raise UserError(f"{run.path} has no adapter yet ({adapter} is missing): wait for the first checkpoint")
+    iteration = adapter.iteration
+    if iteration is None:
         iteration = rows[-1][metrics.ITERATION] if rows else None
     else:
-        iteration, adapter = run.checkpoint_adapter(checkpoint)
-        checkpoint_name = iteration_dirname(iteration)
         rows = [row for row in rows if row[metrics.ITERATION] <= iteration]
     sampled = run.sample_iterations()
     trained = [i for i in sampled if i > 0 and (iteration is None or i <= iteration)]
-    return RunSnapshot(config, run.read_run_info(), rows, checkpoint_name, adapter, iteration,
+    return RunSnapshot(config, run.read_run_info(), rows, adapter, iteration,
                        run.samples(0) if 0 in sampled else None, run.samples(trained[-1]) if trained else None)
 
 
@@ -94,8 +94,9 @@ def public_config(config: dict) -> str:
     return yaml.safe_dump(_scrub(config), sort_keys=False)
 
 
-def reward_curve_png(rows: list[dict]) -> bytes:
-    """Training reward (mean with a +-std band) and held-out eval reward against iteration, as PNG bytes."""
+def reward_curve_figure(rows: list[dict]):
+    """Training reward (mean with a +-std band), held-out eval reward and, dashed on a second y-axis (their scales
+    differ), each judge's eval mean against iteration: a matplotlib Figure."""
     from matplotlib.figure import Figure  # no pyplot: no global state, safe in the app's worker threads
 
     train = [row for row in rows if metrics.REWARD_MEAN in row]
@@ -114,10 +115,27 @@ def reward_curve_png(rows: list[dict]) -> bytes:
     ax.set_xlabel("iteration")
     ax.set_ylabel("reward")
     ax.grid(alpha=0.3)
-    ax.legend(loc="best")
+    axes = [ax]
+    judges = metrics.judge_names(rows)
+    if judges:
+        judge_ax = ax.twinx()
+        judge_ax.set_ylabel("judge score (dashed)")
+        for i, name in enumerate(judges):
+            key = metrics.judge_key(name)
+            scored = [row for row in rows if isinstance(row.get(key), (int, float))]
+            judge_ax.plot([row[metrics.ITERATION] for row in scored], [row[key] for row in scored], "s--",
+                          color=f"C{i + 2}", label=f"judge {name}")  # C0, C1: the rewards
+        axes.append(judge_ax)
+    handles = [handle for axis in axes for handle in axis.get_legend_handles_labels()[0]]
+    axes[-1].legend(handles=handles, loc="best")  # on the top axis, drawn over every line
     fig.tight_layout()
+    return fig
+
+
+def reward_curve_png(rows: list[dict]) -> bytes:
+    """:func:`reward_curve_figure` as PNG bytes."""
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
+    reward_curve_figure(rows).savefig(buffer, format="png")
     return buffer.getvalue()
 
 
@@ -230,15 +248,41 @@ def _sampler_words(config: dict) -> str:
 
 
 def _results_table(first: dict, last: dict) -> str:
-    """Held-out reward, and each reward term's, of the base model (first eval) and the adapter (last eval)."""
+    """Held-out reward, each reward term's and each judge's (``eval.judges``), of the base model (first eval) and the
+    adapter (last eval)."""
     prefix = metrics.eval_reward_part("")
     terms = [key for key in last if key.startswith(prefix) and key in first]
-    header = "| | iteration | held-out reward |" + "".join(f" {key.removeprefix(prefix)} |" for key in terms)
-    lines = [header, "|---" * (3 + len(terms)) + "|"]
+    judges = [metrics.judge_key(name) for name in metrics.judge_names([last]) if metrics.judge_key(name) in first]
+    columns = [key.removeprefix(prefix) for key in terms] + [
+        f"judge {key.removeprefix(metrics.JUDGE_PREFIX)}" for key in judges]
+    header = "| | iteration | held-out reward |" + "".join(f" {column} |" for column in columns)
+    lines = [header, "|---" * (3 + len(columns)) + "|"]
     for label, row in (("before", first), ("after", last)):
         lines.append(f"| {label} | {row[metrics.ITERATION]} | {row[metrics.EVAL_REWARD_MEAN]:.4f} |"
-                     + "".join(f" {row[key]:.4f} |" for key in terms))
-    return "Mean reward of fixed-seed samples of held-out prompts:\n\n" + "\n".join(lines) + "\n"
+                     + "".join(f" {row[key]:.4f} |" for key in terms + judges))
+    judged = " (the judges score the same samples; training never saw their scores)" if judges else ""
+    return f"Mean reward of fixed-seed samples of held-out prompts{judged}:\n\n" + "\n".join(lines) + "\n"
+
+
+def _which_adapter(snap: RunSnapshot) -> str:
+    """Which adapter of the run this is, in one sentence (the best: its iteration and why)."""
+    adapter = snap.adapter
+    if adapter.choice == BEST:
+        return f"This is the best adapter of the run: iteration {adapter.iteration}, {adapter.record['reason']}."
+    if adapter.choice is None:
+        at = f" (iteration {snap.iteration})" if snap.iteration is not None else ""
+        return f"This is the latest adapter{at}."
+    return f"This is checkpoint {adapter.choice}."
+
+
+def _hacking_warning(rows: list[dict]) -> str:
+    """A warning line quoting the newest reward-hacking alarm of ``rows``; empty when none fired."""
+    alarms = [row for row in rows if row.get(metrics.HACKING_ALARM)]
+    if not alarms:
+        return ""
+    newest = alarms[-1]
+    return (f"> ⚠️ **Warning, at iteration {newest[metrics.ITERATION]}:** {newest[metrics.HACKING_ALARM]}. Compare "
+            "the eval samples before trusting the reward.\n")
 
 
 def _training_time(rows: list[dict]) -> float:
@@ -295,7 +339,10 @@ def build_model_card(snap: RunSnapshot, repo_id: str) -> ModelCard:
     base_text = f"[{base}](https://huggingface.co/{base})" if on_hub else f"`{base}`"
     parts = [f"# {name}\n",
              f"A LoRA adapter for {base_text} fine-tuned with {algorithm_name(snap.config)} reinforcement learning in JAGG Studio "
-             f"(rewards: {', '.join(f'`{n}`' for n in reward_names)}).\n"]
+             f"(rewards: {', '.join(f'`{n}`' for n in reward_names)}).\n",
+             f"{_which_adapter(snap)}\n"]
+    if warning := _hacking_warning(snap.metrics):
+        parts.append(warning)
     if snap.config.get("description"):
         parts.append(f"{snap.config['description'].strip()}\n")
     if snap.before and snap.after:
@@ -346,7 +393,7 @@ def eval_grids(snap: RunSnapshot) -> dict[str, Path]:
 def publish_files(snap: RunSnapshot, repo_id: str) -> dict[str, bytes | Path]:
     """Every file of the published repo: path in the repo -> bytes, or a local path for the adapter."""
     files: dict[str, bytes | Path] = {
-        LORA_FILE: snap.adapter,
+        LORA_FILE: snap.adapter.file,
         "README.md": str(build_model_card(snap, repo_id)).encode(),
         "config.yaml": public_config(snap.config).encode(),
     }
