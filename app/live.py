@@ -13,6 +13,8 @@ from pathlib import Path
 import pandas as pd
 
 from jagg_core import metrics
+from jagg_core.adapters import BEST, LATEST_LABEL, Adapter, best_words, choose_adapter
+from jagg_core.config import term_names
 from jagg_core.errors import UserError
 from jagg_core.rundir import ImageSet, RunDirectory, iteration_dirname
 from jagg_core.tracking import dashboard_hints
@@ -35,6 +37,7 @@ class Progress:
     elapsed_s: float | None
     eta_s: float | None
     phase_s: dict[str, float] | None = None  # mean seconds of each phase of time/* where it ran (eval: per eval)
+    alarm: str = ""  # the newest reward-hacking alarm's line: status.json's, else the metrics'
 
 
 def progress(run_dir: Path, job_started_at: float | None = None) -> Progress:
@@ -61,12 +64,15 @@ def progress(run_dir: Path, job_started_at: float | None = None) -> Progress:
     elif started:
         elapsed = (updated or started) - started
     eta = None
-    trained = [r for r in run.read_metrics() if r[metrics.ITERATION] > 0]
+    rows = run.read_metrics()
+    trained = [r for r in rows if r[metrics.ITERATION] > 0]
     if state == "running":
         times = [metrics.seconds(r) for r in trained[-ETA_WINDOW:]]
         if times:
             eta = max(0.0, (total - iteration) * sum(times) / len(times))
-    return Progress(state, message, iteration, total, elapsed, eta, phase_seconds(trained))
+    alarms = [r[metrics.HACKING_ALARM] for r in rows if r.get(metrics.HACKING_ALARM)]
+    alarm = str(status.get("alarm") or (alarms[-1] if alarms else ""))
+    return Progress(state, message, iteration, total, elapsed, eta, phase_seconds(trained), alarm)
 
 
 def phase_seconds(rows: list[dict]) -> dict[str, float]:
@@ -103,10 +109,13 @@ STATE_WORDS = {
 
 
 def status_words(run_dir: Path | None, prog: Progress | None) -> str:
-    """The run's state in words (Markdown), with the trainer's message when it explains a failure."""
+    """The run's state in words (Markdown), with the trainer's message when it explains a failure, and the
+    reward-hacking alarm's line in bold when it fired."""
     if run_dir is None or prog is None:
         return "**No run yet.** Set up a run and press **Start**."
     words = f"{STATE_WORDS.get(prog.state, prog.state)}  \nRun `{run_dir.name}`"
+    if prog.alarm:
+        words += f"  \n**⚠️ {prog.alarm}**"
     if prog.state in ("starting", "running"):
         words += f"  \nNow: {prog.message or 'launching the training process'}"
     if prog.state == "failed" and prog.message:
@@ -141,22 +150,78 @@ LOSS_SERIES = {metrics.LOSS: "loss", metrics.KL: "KL"}
 FIDELITY_SERIES = {metrics.JAGG_GRAD_COSINE: "grad cosine vs exact"}
 
 
+JUDGE_TITLE = "Eval reward and judges, change since the base model"
+EVAL_CHANGE = "eval reward"
+
+
+def _frame(points: list[tuple[int, float, str]], labels) -> pd.DataFrame:
+    """A plot's long-format frame ``(iteration, value, series)`` of ``points``. The page's plot fixes its axis types
+    and series from the first frame it gets, so every frame is typed and names every series of ``labels`` (one not
+    measured yet gets a NaN point, which is not drawn)."""
+    present = {label for _, _, label in points}
+    points = points + [(0, float("nan"), label) for label in labels if label not in present]
+    return pd.DataFrame(points, columns=["iteration", "value", "series"]).astype(
+        {"iteration": "int64", "value": "float64", "series": "str"})
+
+
 def curves(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """Long-format frames ``(iteration, value, series)`` for the reward plot, the loss plot and the fidelity plot
     (``backward.audit_every``: a point per audited iteration)."""
     rows = RunDirectory(run_dir).read_metrics()
 
     def frame(series: dict[str, str]) -> pd.DataFrame:
-        points = [(row[metrics.ITERATION], float(row[key]), label) for row in rows for key, label in series.items()
-                  if isinstance(row.get(key), (int, float))]
-        # The page's plot fixes its axis types and series from the first frame it gets, so every frame is typed
-        # and names every series (one not measured yet gets a NaN point, which is not drawn).
-        present = {label for _, _, label in points}
-        points += [(0, float("nan"), label) for label in series.values() if label not in present]
-        return pd.DataFrame(points, columns=["iteration", "value", "series"]).astype(
-            {"iteration": "int64", "value": "float64", "series": "str"})
+        return _frame([(row[metrics.ITERATION], float(row[key]), label) for row in rows
+                       for key, label in series.items() if isinstance(row.get(key), (int, float))], series.values())
 
     return frame(REWARD_SERIES), frame(LOSS_SERIES), frame(FIDELITY_SERIES)
+
+
+def judges(run_dir: Path) -> list[str]:
+    """The run's judges (``eval.judges``, named as in the metrics) and any other judge its metrics hold."""
+    run = RunDirectory(run_dir)
+    try:
+        configured = (run.read_config().get("eval") or {}).get("judges") or []
+    except UserError:
+        configured = []
+    names = term_names([str(judge.get("name")) for judge in configured])
+    return list(dict.fromkeys([*names, *metrics.judge_names(run.read_metrics())]))
+
+
+def judge_curve(run_dir: Path) -> pd.DataFrame:
+    """The long-format frame of the judges plot: the held-out reward's eval mean (series ``eval reward``) and each
+    judge's (``judge NAME``) against iteration, each as its change since its first eval (the base model's), since
+    their scales differ. Every judge of the run is a series from the start (:func:`judges`)."""
+    rows = RunDirectory(run_dir).read_metrics()
+    series = {metrics.EVAL_REWARD_MEAN: EVAL_CHANGE, **{metrics.judge_key(name): f"judge {name}"
+                                                        for name in judges(run_dir)}}
+    points = []
+    for key, label in series.items():
+        scored = [row for row in rows if isinstance(row.get(key), (int, float))]
+        points += [(row[metrics.ITERATION], float(row[key]) - float(scored[0][key]), label) for row in scored]
+    return _frame(points, series.values())
+
+
+DOCTOR_MARKS = {"pass": "✅", "fail": "❌", "skip": "–"}
+
+
+def doctor_words(run_dir: Path) -> str:
+    """The first iteration's checklist (``RUN/doctor.json``) as Markdown: a line per check, ✅ passed, ❌ failed
+    (with its fix) or – skipped, with its detail; empty before the first iteration."""
+    report = RunDirectory(run_dir).read_doctor()
+    if not report:
+        return ""
+    checks = report.get("checks") or []
+    failed = sum(check.get("status") == "fail" for check in checks)
+    verdict = f"{failed} of {len(checks)} failed" if failed else "passed"
+    lines = [f"**First-iteration check** (iteration {report.get('iteration', 1)}): {verdict}", ""]
+    for check in checks:
+        line = f"- {DOCTOR_MARKS.get(check.get('status'), '–')} {check.get('check')}"
+        if check.get("detail"):
+            line += f": {check['detail']}"
+        if check.get("status") == "fail" and check.get("fix"):
+            line += f"  \n  **Fix:** {check['fix']}"
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def captioned(images: ImageSet | None) -> list[tuple[str, str]]:
@@ -223,3 +288,34 @@ def log_tail(run_dir: Path, lines: int = 40) -> str:
 def checkpoints(run_dir: Path) -> list[str]:
     """The run's complete checkpoints, newest first (``iter_000010`` ...)."""
     return [iteration_dirname(i) for i in reversed(RunDirectory(run_dir).checkpoint_iterations())]
+
+
+def adapter_choices(run_dir: Path) -> list[tuple[str, str]]:
+    """Publish's adapters as ``(label, value)``: the latest adapter, the best when the run has one (labelled with
+    its iteration and metric, e.g. ``best (iteration 40, judge shapes_fidelity 0.912)``, its value ``best``), then
+    each checkpoint, newest first."""
+    best = RunDirectory(run_dir).read_best()
+    choices = [(LATEST_LABEL, LATEST_LABEL)]
+    if best:
+        choices.append((f"best ({best_words(best)})", BEST))
+    return choices + [(name, name) for name in checkpoints(run_dir)]
+
+
+def adapter_name(choice: str | None) -> str | None:
+    """The adapter of Publish's dropdown value for a push, a try or a download: None for the latest, else ``best``
+    or ``iter_N``."""
+    return None if choice in (None, "", LATEST_LABEL) else choice
+
+
+def chosen_adapter(run_dir: Path, choice: str | None) -> Adapter | None:
+    """The adapter chosen in Publish's dropdown; None while the run has none of that kind."""
+    try:
+        return choose_adapter(run_dir, adapter_name(choice))
+    except UserError:
+        return None
+
+
+def download_label(adapter: Adapter | None) -> str:
+    """The download button's words: ``Download adapter`` (the latest), ``Download best adapter``, ``Download
+    iter_000120``."""
+    return "Download adapter" if adapter is None or adapter.choice is None else f"Download {adapter.label}"

@@ -6,7 +6,7 @@ Stable API endpoints (``gradio_client``):
     /stop     -> message                       ends the active job; its last checkpoint stays
     /resume   run name -> (message, run name)  continues a stopped or failed run from its last checkpoint
     /status   run name ("" = the active run, else the newest) -> dict (see :meth:`Studio.status`)
-    /push     run, checkpoint, repo id, visibility, token -> message with the repo link
+    /push     run, adapter ("latest adapter", best, iter_N), repo id, visibility, token -> message with the repo link
     /load_preset  preset -> the form's fields
     /export   the set-up form's fields -> (the run config YAML file, the equivalent ``python -m jagg_core.run`` command)
     /delete   run name -> (message, run name)  deletes a run that is not training
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import itertools
 import os
 import shutil
 import subprocess
@@ -32,6 +33,7 @@ from typing import Any
 import gradio as gr
 
 from jagg_core import hub
+from jagg_core.adapters import LATEST_LABEL as LATEST_ADAPTER
 from jagg_core.config import DEFAULT_PRESET, list_presets, validate_config
 from jagg_core.errors import UserError
 from jagg_core.prompts import builtin_prompt_sets
@@ -47,8 +49,7 @@ from .system import hardware_words
 
 REFRESH_S = 1.5
 HARDWARE_REFRESH_S = 5.0
-SERIES_COLORS = ("#2563eb", "#f97316")
-LATEST_ADAPTER = "latest adapter"
+SERIES_COLORS = ("#2563eb", "#f97316", "#16a34a", "#dc2626", "#9333ea", "#0891b2", "#ca8a04", "#db2777")
 PRIVATE, PUBLIC = "private", "public"
 FORM_FIELDS = ("preset", "name", "model", "rewards", "weights", "prompt_mode", "prompt_set", "prompt_file",
                "prompt_text", "eval_text")
@@ -98,10 +99,32 @@ def algorithm_chosen(algorithm: str) -> list:
     return [gr.update(visible=knob.algorithm in (None, algorithm)) for knob in KNOBS]
 
 
-def _colors(series: dict[str, str]) -> dict[str, str]:
+def _colors(labels) -> dict[str, str]:
     """A fixed colour per series label. The plot's legend is fixed by its first data otherwise, and a series that
     appears later (the first eval after the first rollouts) would not be drawn."""
-    return dict(zip(series.values(), SERIES_COLORS))
+    return dict(zip(labels, itertools.cycle(SERIES_COLORS)))
+
+
+def _judge_plot(run_dir: Path | None, seen: dict, signature: Any):
+    """The judges plot's update for ``run_dir``, whose metrics file has ``signature``: its frame and colour map (hidden
+    for a run without judges), or nothing new. The judges, so the series, differ between runs, and the page's plot
+    draws only the series it was drawn with, when it got its first frame: so before a frame with other series than
+    those the page holds (``seen``), the plot is emptied, and its next frame draws it anew."""
+    if seen.get("judge") == signature:
+        return gr.skip()
+    frame = live.judge_curve(run_dir) if run_dir else None
+    series = tuple(dict.fromkeys(frame["series"])) if frame is not None else ()
+    if seen.get("judge_series") and seen["judge_series"] != series:
+        seen["judge_series"] = ()
+        return gr.update(value=None)
+    seen["judge"], seen["judge_series"] = signature, series
+    return gr.update(value=frame, color_map=_colors(series), visible=len(series) > 1)
+
+
+def _forget_shown(seen: dict) -> dict:
+    """What the page shows, forgotten so that a refresh sends it all again (after the user picks a run), but for the
+    series of the judges plot, which the plot keeps (:func:`_judge_plot`)."""
+    return {"judge_series": seen.get("judge_series")}
 
 
 def _named(fn, names: tuple[str, ...]):
@@ -286,7 +309,7 @@ class Studio:
         out = Path(tempfile.mkdtemp(prefix="jagg-generate-")) / "generated.png"
         command = [sys.executable, "-m", "jagg_core.generate", str(run_dir), prompt.strip(), "--out", str(out),
                    "--seed", str(int(seed or 0))]
-        if checkpoint not in (None, "", LATEST_ADAPTER):
+        if live.adapter_name(checkpoint):
             command += ["--checkpoint", checkpoint]
         result = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL)
         if result.returncode != 0 or not out.is_file():
@@ -345,9 +368,10 @@ class Studio:
         return [p.name for p in self.jobs.runs()]
 
     # ----- live view -------------------------------------------------------------------------
-    def refresh(self, selected: str, seen: dict) -> tuple:
-        """Everything the live view shows, for the selected run. ``seen`` (per page) holds a signature of what the
-        page already shows, so unchanged parts are skipped instead of sent again."""
+    def refresh(self, selected: str, adapter_choice: str, seen: dict) -> tuple:
+        """Everything the live view shows, for the selected run; the download button gives the adapter chosen in
+        Publish's dropdown (``adapter_choice``). ``seen`` (per page) holds a signature of what the page already
+        shows, so unchanged parts are skipped instead of sent again."""
         job = self.jobs.active()
         names = self._run_names()
         active_name = job.run_dir.name if job else None
@@ -385,17 +409,23 @@ class Studio:
         resumable = job is None and prog is not None and prog.state in ("stopped", "failed", "interrupted")
         status, timing = live.status_words(run_dir, prog), live.timing_words(prog)
         bar = (prog.iteration, prog.total) if prog else (0, 0)
-        adapter = run.lora_file if run and run.lora_file.is_file() else None
+        choices = tuple(live.adapter_choices(run_dir)) if run_dir else ((LATEST_ADAPTER, LATEST_ADAPTER),)
+        chosen = adapter_choice if adapter_choice in [value for _, value in choices] else LATEST_ADAPTER
+        adapter = live.chosen_adapter(run_dir, chosen) if run_dir else None
+        adapter_file = adapter.file if adapter else None
         log = live.log_tail(run_dir) if run_dir else ""
-        ckpts = tuple(live.checkpoints(run_dir)) if run_dir else ()
+        metrics_signature = (selected, mtime(run and run.metrics_file))
         buttons = (job is None, job is not None, resumable)
         outputs = [
             *changed("runs", (tuple(names), selected), lambda: gr.update(choices=names, value=selected)),
             *changed("status", status, lambda: status),
             *changed("timing", timing, lambda: timing),
+            *changed("doctor", (selected, mtime(run and run.doctor_file)),
+                     lambda: live.doctor_words(run_dir) if run_dir else ""),
             *changed("bar", bar, lambda: live.progress_bar(*bar)),
-            *changed("metrics", (selected, mtime(run and run.metrics_file)),
-                     lambda: live.curves(run_dir) if run_dir else (None, None, None), count=3),
+            _judge_plot(run_dir, seen, metrics_signature),
+            *changed("metrics", metrics_signature, lambda: live.curves(run_dir) if run_dir else (None, None, None),
+                     count=3),
             *changed("samples", (selected, tuple(sample_iterations), mtime(last_samples)), samples, count=2),
             *changed("video", (selected, tuple(sample_iterations), mtime(last_samples)), video),
             *changed("grids", (selected, tuple(sample_iterations), mtime(last_samples)),
@@ -403,9 +433,10 @@ class Studio:
             *changed("rollouts", (selected, mtime(run and run.rollouts_dir)),
                      lambda: live.captioned(run.rollouts()) if run else []),
             *changed("log", log, lambda: log),
-            *changed("download", (selected, mtime(adapter)),
-                     lambda: gr.update(value=str(adapter) if adapter else None, interactive=adapter is not None)),
-            *changed("checkpoints", ckpts, lambda: gr.update(choices=[LATEST_ADAPTER, *ckpts], value=LATEST_ADAPTER)),
+            *changed("download", (selected, str(adapter_file), mtime(adapter_file)),
+                     lambda: gr.update(value=str(adapter_file) if adapter_file else None,
+                                       label=live.download_label(adapter), interactive=adapter is not None)),
+            *changed("adapters", choices, lambda: gr.update(choices=list(choices), value=chosen)),
             *changed("buttons", buttons, lambda: [gr.update(interactive=b) for b in buttons], count=3),
         ]
         return (*outputs, seen)
@@ -429,8 +460,7 @@ class Studio:
         token = (token or "").strip() or (oauth_token.token if oauth_token else None)
         try:
             url = hub.push_run(run_dir, (repo_id or "").strip(), private=visibility == PRIVATE,
-                               checkpoint=None if checkpoint in (None, "", LATEST_ADAPTER) else checkpoint,
-                               token=token)
+                               checkpoint=live.adapter_name(checkpoint), token=token)
         except UserError as err:
             return f"**Not pushed:** {err}"
         return f"**Pushed:** [{url}]({url})"
@@ -512,14 +542,17 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                 run_message = gr.Markdown(elem_id="run-message")
                 progress_bar = gr.HTML(live.progress_bar(0, 0), elem_id="progress")
                 timing = gr.Markdown(elem_id="timing")
+                doctor = gr.Markdown(elem_id="doctor")
                 with gr.Row():
                     reward_plot = gr.LinePlot(x="iteration", y="value", color="series", title="Reward", height=240,
-                                              color_map=_colors(live.REWARD_SERIES), elem_id="reward-plot")
+                                              color_map=_colors(live.REWARD_SERIES.values()), elem_id="reward-plot")
                     loss_plot = gr.LinePlot(x="iteration", y="value", color="series", title="Loss", height=240,
-                                            color_map=_colors(live.LOSS_SERIES), elem_id="loss-plot")
+                                            color_map=_colors(live.LOSS_SERIES.values()), elem_id="loss-plot")
                 fidelity_plot = gr.LinePlot(x="iteration", y="value", color="series", height=200,
                                             title="JAGG gradient fidelity (audited iterations, backward.audit_every)",
-                                            color_map=_colors(live.FIDELITY_SERIES), elem_id="fidelity-plot")
+                                            color_map=_colors(live.FIDELITY_SERIES.values()), elem_id="fidelity-plot")
+                judge_plot = gr.LinePlot(x="iteration", y="value", color="series", height=240, title=live.JUDGE_TITLE,
+                                         visible=False, elem_id="judge-plot")
                 gr.Markdown("**Fixed-seed eval samples** (held-out prompts): the base model beside the latest.")
                 with gr.Row():
                     base_samples = gr.Gallery(label="Iteration 0 (base model)", columns=2, height=380,
@@ -586,15 +619,15 @@ def build_app(root: Path | None = None) -> gr.Blocks:
         gr.api(studio.status, api_name="status")
 
         seen = gr.State({})
-        live_outputs = [run_select, run_status, timing, progress_bar, reward_plot, loss_plot, fidelity_plot,
-                        base_samples, latest_samples, latest_video, eval_grids, rollouts, log, download, checkpoint,
-                        start, stop, resume, seen]
+        live_inputs = [run_select, checkpoint, seen]
+        live_outputs = [run_select, run_status, timing, doctor, progress_bar, judge_plot, reward_plot, loss_plot,
+                        fidelity_plot, base_samples, latest_samples, latest_video, eval_grids, rollouts, log, download,
+                        checkpoint, start, stop, resume, seen]
         timer = gr.Timer(REFRESH_S)
-        for trigger in (timer.tick, demo.load):
-            trigger(studio.refresh, [run_select, seen], live_outputs, show_progress="hidden",
-                    api_visibility="private")
-        run_select.input(lambda: {}, None, seen, api_visibility="private").then(
-            studio.refresh, [run_select, seen], live_outputs, show_progress="hidden", api_visibility="private")
+        for trigger in (timer.tick, demo.load, checkpoint.input):  # the download follows the chosen adapter
+            trigger(studio.refresh, live_inputs, live_outputs, show_progress="hidden", api_visibility="private")
+        run_select.input(_forget_shown, seen, seen, api_visibility="private").then(
+            studio.refresh, live_inputs, live_outputs, show_progress="hidden", api_visibility="private")
         demo.load(studio.active_form, None,
                   [name, model, rewards, weights, prompt_mode, prompt_set, prompt_text, eval_text, *knobs],
                   api_visibility="private")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -126,3 +127,56 @@ def wait_on_states_only(page) -> None:
     from playwright.sync_api import expect
     expect.set_options(timeout=BROWSER_CAP_MS)
     page.set_default_timeout(BROWSER_CAP_MS)
+
+
+#: the reward-hacking alarm's line, as the trainer writes it (jagg_core.metrics.HACKING_ALARM)
+HACKING_ALARM_LINE = ("reward hacking suspected: the eval reward rose +0.081 over iterations 2-4 while judge "
+                      "shapes_fidelity fell -0.052 (allowance 0.011)")
+#: a first-iteration checklist (RUN/doctor.json) with a passed, a failed and a skipped check
+DOCTOR_REPORT = {"iteration": 1, "passed": False, "checks": [
+    {"check": "rewards vary within groups", "status": "pass", "detail": "std 0.12 within groups", "fix": ""},
+    {"check": "the gradient moves the velocity", "status": "fail", "detail": "the velocity moved 0.0",
+     "fix": "raise train.learning_rate"},
+    {"check": "the JAGG audit agrees", "status": "skip", "detail": "no audit at iteration 1", "fix": ""}]}
+
+
+def add_judges(run_dir: Path, judges: dict[str, dict[int, float]], best_iteration: int, adapter: Path,
+               alarm_iteration: int | None = None) -> dict:
+    """Give a fabricated run what a trainer with ``eval.judges`` writes, in place of any judges it had: the judges in
+    its config, each judge's eval mean on its metrics rows (``judges``: name -> {iteration: mean}), the alarm's line
+    on the row of
+    ``alarm_iteration`` and in status.json, a copy of ``adapter`` as the best adapter of ``best_iteration`` (by the
+    first judge) and :data:`DOCTOR_REPORT`. Returns the best's record."""
+    import shutil
+
+    import yaml
+
+    from jagg_core import metrics
+    from jagg_core.rundir import LORA_FILE, RunDirectory
+
+    run = RunDirectory(run_dir)
+    config = run.read_config()
+    config["eval"] = {**(config.get("eval") or {}), "judges": [{"name": name, "options": {}} for name in judges],
+                      "best_by": next(iter(judges))}
+    run.write_config(yaml.safe_dump(config, sort_keys=False))
+    rows = []
+    for row in run.read_metrics():
+        iteration = row[metrics.ITERATION]
+        row = {key: value for key, value in row.items()
+               if not key.startswith(metrics.JUDGE_PREFIX) and key != metrics.HACKING_ALARM}
+        row.update({metrics.judge_key(name): means[iteration] for name, means in judges.items() if iteration in means})
+        if iteration == alarm_iteration:
+            row[metrics.HACKING_ALARM] = HACKING_ALARM_LINE
+        rows.append(row)
+    run.metrics_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    name = next(iter(judges))
+    value = judges[name][best_iteration]
+    record = {"iteration": best_iteration, "metric": metrics.judge_key(name), "label": f"judge {name}",
+              "value": value, "reason": f"the highest judge {name} ({value:.3f}) of the "
+                                        f"{sum(0 < i <= best_iteration for i in judges[name])} evals of the adapter "
+                                        f"so far, at iteration {best_iteration}"}
+    run.write_best(lambda folder: shutil.copyfile(adapter, folder / LORA_FILE), record)
+    run.write_doctor(DOCTOR_REPORT)
+    status = {key: value for key, value in run.read_status().items() if key != "alarm"}
+    run.write_json(run.status_file, status | ({"alarm": HACKING_ALARM_LINE} if alarm_iteration is not None else {}))
+    return record

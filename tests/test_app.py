@@ -25,10 +25,13 @@ import yaml
 from app import live
 from app.form import KNOBS, PROMPTS_TEXT, Form, build_config, preset_form, weight_rows
 from app.jobs import LOCK_NAME, JobControl, _group_alive
-from jagg_core.config import list_presets, load_config
+from jagg_core import metrics
+from jagg_core.config import RunConfig, list_presets, load_config
 from jagg_core.errors import UserError
 from jagg_core.rundir import RunDirectory
 from tests.fake_hub_server import FakeHub
+
+from conftest import HACKING_ALARM_LINE, add_judges
 
 REPO = Path(__file__).resolve().parent.parent
 TOKEN = "hf_appWriteToken1234567890"
@@ -285,3 +288,46 @@ def test_a_failed_job_logs_its_one_line_error_without_the_launchers_traceback(tm
     from app.jobs import launch_command
 
     assert "--quiet" in launch_command(tmp_path, "no", resume=False)
+
+
+def test_the_live_view_reads_the_judges_the_alarm_the_first_iteration_check_and_the_best_adapter(tmp_path):
+    run = RunDirectory(tmp_path / "judged-20250101-000000")
+    run.write_config(RunConfig().to_yaml())
+    for i in range(5):
+        run.append_metrics({metrics.ITERATION: i, **({metrics.EVAL_REWARD_MEAN: 0.5 + 0.05 * i} if i % 2 == 0 else {})})
+    run.lora_dir.mkdir()
+    run.lora_file.write_bytes(b"latest")
+    (tmp_path / "best.safetensors").write_bytes(b"best")
+    assert set(live.judge_curve(run.path)["series"]) == {"eval reward"}
+    assert live.doctor_words(run.path) == "" and live.progress(run.path).alarm == ""
+    assert live.adapter_choices(run.path) == [("latest adapter", "latest adapter")]
+    assert live.chosen_adapter(run.path, "best") is None
+
+    # a second judge that has not scored yet is a series already (the page's plot keeps its first series)
+    add_judges(run.path, {"shapes_fidelity": {0: 0.6, 2: 0.9, 4: 0.7}, "aesthetic": {}}, best_iteration=2,
+               adapter=tmp_path / "best.safetensors", alarm_iteration=4)
+    frame = live.judge_curve(run.path)
+    assert list(dict.fromkeys(frame["series"])) == ["eval reward", "judge shapes_fidelity", "judge aesthetic"]
+    change = {label: group.dropna()["value"].round(6).tolist() for label, group in frame.groupby("series")}
+    assert change == {"eval reward": [0.0, 0.1, 0.2], "judge shapes_fidelity": [0.0, 0.3, 0.1], "judge aesthetic": []}
+    assert frame[frame["series"] == "eval reward"]["iteration"].tolist() == [0, 2, 4]
+
+    words = live.status_words(run.path, live.progress(run.path))
+    assert f"**⚠️ {HACKING_ALARM_LINE}**" in words and "judge shapes_fidelity fell" in words
+    run.write_json(run.status_file, {"state": "finished"})  # a status without the alarm: the metrics' is shown
+    assert live.progress(run.path).alarm == HACKING_ALARM_LINE
+
+    doctor = live.doctor_words(run.path).splitlines()
+    assert doctor[0] == "**First-iteration check** (iteration 1): 1 of 3 failed"
+    assert doctor[2:] == ["- ✅ rewards vary within groups: std 0.12 within groups",
+                          "- ❌ the gradient moves the velocity: the velocity moved 0.0  ",
+                          "  **Fix:** raise train.learning_rate",
+                          "- – the JAGG audit agrees: no audit at iteration 1"]
+
+    assert live.adapter_choices(run.path) == [("latest adapter", "latest adapter"),
+                                              ("best (iteration 2, judge shapes_fidelity 0.900)", "best")]
+    best, latest = live.chosen_adapter(run.path, "best"), live.chosen_adapter(run.path, "latest adapter")
+    assert best.file.read_bytes() == b"best" and latest.file == run.lora_file
+    assert (live.download_label(best), live.download_label(latest)) == ("Download best adapter", "Download adapter")
+    assert [live.adapter_name(v) for v in ("latest adapter", None, "best", "iter_000002")] == [
+        None, None, "best", "iter_000002"]

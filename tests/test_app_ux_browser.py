@@ -6,21 +6,26 @@ label; the set-up exports as YAML and as a command line that ``--dry-run`` resol
 the status says what is happening from the start (loading the model, the base eval's n/N), and a reloaded page
 shows the active run's settings. After it: a captioned eval grid per eval, on disk and in the timeline, a read-only
 progress bar, the log at its end, the adapter downloaded, a prompt of one's own generated with it, Publish's checks in the order a user can fix them,
-the machine's GPU or CPU, and a run deleted. It saves ``docs/screenshot-finished.png`` for the README."""
+the machine's GPU or CPU, and a run deleted. Copies of the run given judges (as a trainer with ``eval.judges`` writes
+them) show the judges' curves, also after switching between runs with other judges, the reward-hacking alarm, the
+first-iteration check, and offer their best adapter to download and try. It saves ``docs/screenshot-finished.png``
+for the README."""
 
 from __future__ import annotations
 
 import re
 import shlex
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
 
-from jagg_core.rundir import RunDirectory
+from jagg_core.rundir import LORA_FILE, RunDirectory
 from tests.fake_hub_server import FakeHub
-from conftest import wait_on_states_only
+from conftest import HACKING_ALARM_LINE, add_judges, wait_on_states_only
 from tests.test_app import REPO, serve_app
 from tests.test_app_browser import CHROMIUM, CHROMIUM_ARGS
 
@@ -237,3 +242,52 @@ def test_the_page_shows_the_machine_and_deletes_a_run(studio):
     page.locator("#delete-btn").click()
     expect(page.locator("#run-message")).to_contain_text(f"Deleted {empty.name}")
     assert not empty.exists() and any(p.name.startswith(RUN_NAME) for p in runs.iterdir())
+
+
+def _judged_copy(finished: RunDirectory, name: str, judges: dict[str, tuple[float, ...]], best: Path) -> RunDirectory:
+    """A copy of the finished run with ``judges`` (a mean per eval), ``best`` as its best adapter (iteration 2), the
+    alarm at its last eval and a first-iteration check with a failed line."""
+    copy = finished.path.parent / name
+    shutil.copytree(finished.path, copy)
+    evals = finished.sample_iterations()
+    add_judges(copy, {judge: dict(zip(evals, means)) for judge, means in judges.items()}, best_iteration=2,
+               adapter=best, alarm_iteration=evals[-1])
+    return RunDirectory(copy)
+
+
+def test_a_judged_run_shows_its_judges_the_alarm_the_first_iteration_check_and_its_best_adapter(studio, tmp_path):
+    from playwright.sync_api import expect
+
+    page, runs = studio
+    finished = RunDirectory(next(p for p in runs.iterdir() if p.name.startswith(RUN_NAME)))
+    earlier = finished.checkpoint_dir(finished.checkpoint_iterations()[-2]) / LORA_FILE  # the best: not the latest
+    assert earlier.read_bytes() != finished.lora_file.read_bytes()
+    one = _judged_copy(finished, "judged-one-20250101-000000", {"shapes_fidelity": (0.6, 0.7, 0.9, 0.8)}, earlier)
+    two = _judged_copy(finished, "judged-two-20250101-000000",
+                       {"aesthetic": (5.0, 5.2, 5.3, 5.1), "clip_score": (0.30, 0.31, 0.32, 0.33)}, earlier)
+    plot = page.locator("#judge-plot")
+    lines = plot.locator('path[aria-roledescription="line mark"]')
+    for run, judges in ((one, ["shapes_fidelity"]), (two, ["aesthetic", "clip_score"]), (one, ["shapes_fidelity"])):
+        _select_run(page, run.path.name)
+        for series in ["eval reward", *(f"judge {judge}" for judge in judges)]:
+            expect(plot).to_contain_text(series)
+        expect(lines).to_have_count(1 + len(judges))  # every series drawn, also after a run with other judges
+
+    expect(page.locator("#run-status")).to_contain_text(HACKING_ALARM_LINE)
+    doctor = page.locator("#doctor")
+    expect(doctor).to_contain_text("First-iteration check (iteration 1): 1 of 3 failed")
+    expect(doctor).to_contain_text("✅ rewards vary within groups: std 0.12 within groups")
+    expect(doctor).to_contain_text("❌ the gradient moves the velocity: the velocity moved 0.0")
+    expect(doctor).to_contain_text("Fix: raise train.learning_rate")
+
+    page.locator("#push-checkpoint input").click()
+    page.locator("ul[role=listbox] li", has_text="best (iteration 2, judge shapes_fidelity 0.900)").click()
+    expect(page.locator("#download-btn")).to_contain_text("Download best adapter")
+    with page.expect_download() as download:
+        page.locator("#download-btn").click()
+    saved = tmp_path / "best.safetensors"
+    download.value.save_as(saved)
+    assert saved.read_bytes() == earlier.read_bytes()
+    _fill(page, "try-prompt", "a red circle on a blue background, top left")
+    page.locator("#generate-btn").click()
+    expect(page.locator("#try-message")).to_contain_text(f"{one.path.name}, best: the base model (left)")

@@ -27,13 +27,19 @@ from jagg_core.config import RunConfig
 from jagg_core.errors import UserError
 from jagg_core.hub import push_if_configured, push_run, write_model_card
 from jagg_core.hubclient import resolve_lora, resolve_token
+from jagg_core.model_card import reward_curve_figure
 from jagg_core.models import build_tiny_pipeline
+from jagg_core.rundir import RunDirectory
 from tests.fake_hub_server import FakeHub, validate_card_metadata
+
+from conftest import HACKING_ALARM_LINE, add_judges
 
 TOKEN = "hf_aliceWriteToken1234567890"
 READ_TOKEN = "hf_aliceReadOnly0987654321"
 BASE_MODEL = "stabilityai/stable-diffusion-3.5-medium"
 PROMPTS = ["a red circle", "a blue square", "a green triangle"]
+#: a judge's eval means at the fixture's evals (0, 2, 4): best at iteration 2, then it falls as the reward rises
+JUDGES = {"shapes_fidelity": {0: 0.6, 2: 0.9, 4: 0.7}}
 EXPECTED_FILES = {
     "pytorch_lora_weights.safetensors", "README.md", "config.yaml", "images/reward_curve.png",
     "images/before_after.png", "samples/000.png", "samples/001.png", "samples/002.png",
@@ -232,6 +238,55 @@ def test_model_card_preview_of_a_bare_run(tmp_path, capsys):
     assert "images/" not in card.text and 'pipe.load_lora_weights("alice/bare")' in card.text
 
 
+# --- judges, the best adapter, the hacking alarm ---------------------------------------------------------------------
+
+def _judged(run_dir):
+    """The fixture's run with a judge, its best adapter at iteration 2 (the checkpoint's) and the alarm at 4."""
+    adapter = run_dir / "checkpoints/iter_000002/pytorch_lora_weights.safetensors"
+    return add_judges(run_dir, JUDGES, best_iteration=2, adapter=adapter, alarm_iteration=4)
+
+
+def test_the_best_adapter_is_pushed_with_a_card_that_says_which_and_why(fake_hub, run_dir, monkeypatch):
+    record = _judged(run_dir)
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    hub_module.main(["push", str(run_dir), "--repo-id", "alice/best", "--checkpoint", "best"])
+
+    repo = fake_hub.repos["alice/best"]
+    assert repo.files["pytorch_lora_weights.safetensors"] == RunDirectory(run_dir).best_lora_file.read_bytes()
+    assert repo.commits == ["JAGG Studio: best adapter, iteration 2"]
+    card = ModelCard(repo.files["README.md"].decode()).text
+    assert f"This is the best adapter of the run: iteration 2, {record['reason']}." in card
+    assert "| | iteration | held-out reward | judge shapes_fidelity |" in card
+    assert "| before | 0 | 0.2500 | 0.6000 |" in card and "| after | 2 | 0.5000 | 0.9000 |" in card
+    assert "reward hacking" not in card  # the alarm fired after the best adapter's iteration
+    grid = Image.open(io.BytesIO(repo.files["images/before_after.png"]))
+    assert grid.getpixel((10, grid.height - 10)) == (255, 165, 0)  # iteration 2 samples (orange)
+
+
+def test_the_latest_adapters_card_quotes_the_alarm_and_names_its_iteration(fake_hub, run_dir):
+    _judged(run_dir)
+    push_run(run_dir, "alice/latest", token=TOKEN)
+    repo = fake_hub.repos["alice/latest"]
+    assert repo.commits == ["JAGG Studio: latest adapter, iteration 4"]
+    card = ModelCard(repo.files["README.md"].decode()).text
+    assert "This is the latest adapter (iteration 4)." in card
+    assert f"> ⚠️ **Warning, at iteration 4:** {HACKING_ALARM_LINE}." in card
+    assert card.index("This is the latest adapter") < card.index("Warning") < card.index("## Results")
+    assert "| after | 4 | 0.7500 | 0.7000 |" in card
+    assert "This is checkpoint iter_000002." in str(write_model_card(run_dir, "alice/early", "iter_2"))
+
+
+def test_the_reward_curve_plots_each_judge_dashed_beside_the_rewards(run_dir):
+    _judged(run_dir)
+    figure = reward_curve_figure(RunDirectory(run_dir).read_metrics())
+    legend = next(axis.get_legend() for axis in figure.axes if axis.get_legend())
+    labels = [text.get_text() for text in legend.get_texts()]
+    assert labels == ["train reward (mean)", "held-out eval reward", "judge shapes_fidelity"]
+    judge = next(line for axis in figure.axes for line in axis.lines if line.get_label() == "judge shapes_fidelity")
+    assert judge.get_linestyle() == "--"
+    assert list(judge.get_xdata()) == [0, 2, 4] and list(judge.get_ydata()) == [0.6, 0.9, 0.7]
+
+
 # --- errors --------------------------------------------------------------------------------------------------------
 
 def _free_port() -> int:
@@ -249,6 +304,7 @@ def _free_port() -> int:
     ("hub unreachable", "the Hugging Face Hub is unreachable; check your connection and retry"),
     ("offline mode", "offline mode is on; unset HF_HUB_OFFLINE"),
     ("missing checkpoint", "has no checkpoint iter_000007; available: iter_000002"),
+    ("no best adapter", "has no best adapter yet: it is written at the first eval after training starts"),
     ("token in the run", "refusing to push: the Hugging Face token appears in README.md"),
 ])
 def test_push_errors_are_one_line_and_leave_the_run_intact(case, message, fake_hub, run_dir, monkeypatch, tmp_path):
@@ -270,6 +326,8 @@ def test_push_errors_are_one_line_and_leave_the_run_intact(case, message, fake_h
         monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     elif case == "missing checkpoint":
         checkpoint = "iter_7"
+    elif case == "no best adapter":
+        checkpoint = "best"
     elif case == "token in the run":
         config = yaml.safe_load((run_dir / "config.yaml").read_text())
         config["description"] = f"my token is {TOKEN}"
@@ -282,7 +340,8 @@ def test_push_errors_are_one_line_and_leave_the_run_intact(case, message, fake_h
     assert message in str(err.value) and "\n" not in str(err.value) and TOKEN not in str(err.value)
     assert fake_hub.repos["bob/theirs"].files == {"README.md": b"bob's"} and "alice/shapes-lora" not in fake_hub.repos
     assert _tree(run_dir) == before
-    if case not in ("missing checkpoint", "token in the run"):  # fix the cause and retry: the push goes through
+    if case not in ("missing checkpoint", "no best adapter", "token in the run"):
+        # fix the cause and retry: the push goes through
         _point_client_at(monkeypatch, fake_hub.url, tmp_path)
         monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
         push_run(run_dir, "alice/shapes-lora", token=TOKEN)
