@@ -21,6 +21,7 @@ import yaml
 
 from jagg_core.config import (ALGORITHM_LABELS, DEFAULT_PRESET, RunConfig, apply_override, flat_keys, key_owner,
                               list_presets, preset_path, reset_other_algorithms, validate_config, yaml_value)
+from jagg_core.download import DownloadPlan
 from jagg_core.errors import UserError
 from jagg_core.prompts import FILE_SUFFIXES, builtin_prompt_sets, load_prompts
 from jagg_core.preflight import check_references
@@ -310,6 +311,12 @@ def _prompt_source(form: Form, run_dir: Path) -> str:
 
 def build_config(form: Form, run_dir: Path) -> RunConfig:
     """The validated config of ``form`` for a new run in ``run_dir`` (which receives the user's prompt file)."""
+    return checked_config(form, run_dir)[0]
+
+
+def checked_config(form: Form, run_dir: Path) -> tuple[RunConfig, DownloadPlan | None]:
+    """:func:`build_config`, and the base model's download plan of the pre-flight check (``.left``: bytes still to
+    download; None when it is not a Hub model or the Hub is offline)."""
     if not form.preset:
         raise UserError("choose a preset to start from")
     data = yaml.safe_load(preset_path(form.preset).read_text())
@@ -340,10 +347,10 @@ def build_config(form: Form, run_dir: Path) -> RunConfig:
     reset_other_algorithms(data)  # the hidden knobs of the algorithms not chosen keep their defaults
     try:
         config = validate_config(data)
-        check_references(config)
+        plan = check_references(config)
     except UserError as err:
         raise UserError(with_labels(str(err))) from None
-    return config
+    return config, plan
 
 
 def prompt_preview(source: str, limit: int = 200) -> str:

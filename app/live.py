@@ -6,6 +6,7 @@ so a read never sees half a file. Missing files mean "not yet" and give empty va
 
 from __future__ import annotations
 
+import html
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ from jagg_core.tracking import dashboard_hints
 
 LOG_TAIL_BYTES = 64 * 1024
 ETA_WINDOW = 5  # iterations averaged for the ETA
-STARTING_PHASES = ("loading", "base eval")  # the trainer's status phases before its first iteration
+STARTING_PHASES = ("downloading", "loading", "base eval")  # the trainer's status phases before its first iteration
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class Progress:
     eta_s: float | None
     phase_s: dict[str, float] | None = None  # mean seconds of each phase of time/* where it ran (eval: per eval)
     alarm: str = ""  # the newest reward-hacking alarm's line: status.json's, else the metrics'
+    download: dict | None = None  # while the base model downloads: status.json's {"done", "total", "rate"} (bytes)
 
 
 def progress(run_dir: Path, job_started_at: float | None = None) -> Progress:
@@ -72,7 +74,9 @@ def progress(run_dir: Path, job_started_at: float | None = None) -> Progress:
             eta = max(0.0, (total - iteration) * sum(times) / len(times))
     alarms = [r[metrics.HACKING_ALARM] for r in rows if r.get(metrics.HACKING_ALARM)]
     alarm = str(status.get("alarm") or (alarms[-1] if alarms else ""))
-    return Progress(state, message, iteration, total, elapsed, eta, phase_seconds(trained), alarm)
+    download = status.get("download") if status.get("phase") == "downloading" and state == "starting" else None
+    download = download if isinstance(download, dict) and download.get("total") else None
+    return Progress(state, message, iteration, total, elapsed, eta, phase_seconds(trained), alarm, download)
 
 
 def phase_seconds(rows: list[dict]) -> dict[str, float]:
@@ -272,8 +276,15 @@ def eval_grids(run_dir: Path) -> list[tuple[str, str]]:
     return timeline
 
 
-def progress_bar(iteration: int, total: int) -> str:
-    """The run's progress as a read-only HTML bar with ``iteration / total``."""
+def progress_bar(iteration: int, total: int, download: dict | None = None, message: str = "") -> str:
+    """The run's progress as a read-only HTML bar with ``iteration / total``; while the base model downloads
+    (``download``: status.json's ``{"done", "total", "rate"}``), the download's bytes done of total with the trainer's
+    ``message`` ("downloading OWNER/NAME: 3.2 of 23.8 GB, 41 MB/s, about 8 min left")."""
+    if download:
+        done, whole = int(download.get("done") or 0), max(int(download.get("total") or 0), 1)
+        words = html.escape(message or f"downloading the base model: {100 * done // whole}%")
+        return (f'<div class="run-progress"><progress value="{done}" max="{whole}"></progress>'
+                f"<span>{words}</span></div>")
     return (f'<div class="run-progress"><progress value="{iteration}" max="{max(total, 1)}"></progress>'
             f"<span>{iteration} / {total} iterations</span></div>")
 

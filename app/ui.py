@@ -42,8 +42,8 @@ from jagg_core.rundir import RunDirectory
 
 from . import access, live
 from .form import (ADVANCED_KNOBS, ALGORITHM_KNOBS, KNOBS, MAIN_KNOBS, PROMPT_MODES, PROMPTS_BUILTIN, PROMPTS_TEXT,
-                   PROMPTS_UPLOAD, Form, Knob, build_config, cli_command, config_form, model_choices, preset_form, prompt_preview,
-                   weight_rows)
+                   PROMPTS_UPLOAD, Form, Knob, build_config, checked_config, cli_command, config_form, model_choices,
+                   preset_form, prompt_preview, weight_rows)
 from .jobs import JobControl, runs_root
 from .system import hardware_words
 
@@ -176,6 +176,14 @@ def _memory_warning(config) -> str:
     verdict = check_fits(plan_memory(config), config, free)
     return f" **Warning: {verdict}.**" if verdict.startswith("does not fit") else ""
 
+def _download_words(plan) -> str:
+    """``: the base model OWNER/NAME: 23.8 GB to download first (of 33.1 GB)`` when the pre-flight's download plan
+    has bytes left, else nothing."""
+    if plan is None or plan.left <= 0:
+        return ""
+    return f"; {plan.summary().replace(' to download', ' to download first')}"
+
+
 class Studio:
     """The event handlers, bound to one runs root."""
 
@@ -229,14 +237,15 @@ class Studio:
         form = _form(values)
         run_dir = self.jobs.new_run_dir(form.name or form.preset)
         try:
-            config = build_config(form, run_dir)
+            config, download = checked_config(form, run_dir)
             warning = _memory_warning(config)
             RunDirectory(run_dir).write_config(config.to_yaml())
             self.jobs.launch(run_dir, config.train.mixed_precision)
         except (UserError, OSError) as err:
             shutil.rmtree(run_dir, ignore_errors=True)
             return self._refuse(str(err))
-        return f"Started `{run_dir.name}`.{warning}", gr.update(choices=self._run_names(), value=run_dir.name)
+        return (f"Started `{run_dir.name}`{_download_words(download)}.{warning}",
+                gr.update(choices=self._run_names(), value=run_dir.name))
 
     @staticmethod
     def plan(*values) -> str:
@@ -408,7 +417,7 @@ class Studio:
         last_samples = run.samples_dir(sample_iterations[-1]) if sample_iterations else None
         resumable = job is None and prog is not None and prog.state in ("stopped", "failed", "interrupted")
         status, timing = live.status_words(run_dir, prog), live.timing_words(prog)
-        bar = (prog.iteration, prog.total) if prog else (0, 0)
+        bar = (prog.iteration, prog.total, prog.download, prog.message if prog.download else "") if prog else (0, 0)
         choices = tuple(live.adapter_choices(run_dir)) if run_dir else ((LATEST_ADAPTER, LATEST_ADAPTER),)
         chosen = adapter_choice if adapter_choice in [value for _, value in choices] else LATEST_ADAPTER
         adapter = live.chosen_adapter(run_dir, chosen) if run_dir else None

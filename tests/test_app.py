@@ -331,3 +331,55 @@ def test_the_live_view_reads_the_judges_the_alarm_the_first_iteration_check_and_
     assert (live.download_label(best), live.download_label(latest)) == ("Download best adapter", "Download adapter")
     assert [live.adapter_name(v) for v in ("latest adapter", None, "best", "iter_000002")] == [
         None, None, "best", "iter_000002"]
+
+
+# --- the page's handlers, called directly (no server) ----------------------------------------------------------------
+def _studio_values(name: str = "page") -> list:
+    """The set-up form's values (``START_PARAMS``'s order) of the default preset, a tiny run named ``name``."""
+    from app.ui import FORM_FIELDS
+    from jagg_core.config import DEFAULT_PRESET
+
+    form = preset_form(DEFAULT_PRESET)
+    fields = {"preset": DEFAULT_PRESET, "name": name, "model": form.model, "rewards": form.rewards,
+              "weights": form.weights, "prompt_mode": form.prompt_mode, "prompt_set": form.prompt_set,
+              "prompt_file": None, "prompt_text": "", "eval_text": ""}
+    return [fields[f] for f in FORM_FIELDS] + [form.knobs[k.key] for k in KNOBS]
+
+
+@pytest.fixture
+def studio(tmp_path, monkeypatch):
+    """A Studio on ``tmp_path`` whose launches only record their arguments (no training process)."""
+    from app.ui import Studio
+
+    page = Studio(tmp_path)
+    page.launched = []
+    monkeypatch.setattr(page.jobs, "launch", lambda run_dir, precision, resume=False, placement=None:
+                        page.launched.append((run_dir.name, resume, placement)))
+    return page
+
+
+def test_the_first_download_is_a_bar_on_the_page_and_start_says_what_is_left(tmp_path, studio, monkeypatch):
+    from jagg_core.download import DownloadPlan, HubFile
+
+    run = RunDirectory(tmp_path / "dl-20250101-000000")
+    run.write_config("name: dl\ntrain: {iterations: 10}\n")
+    launched = time.time()
+    line = "downloading owner/model: 3.2 of 23.8 GB, 41 MB/s, about 8 min left"
+    run.write_status("running", phase="downloading", message=line,
+                     download={"done": 3_200_000_000, "total": 23_800_000_000, "rate": 41_000_000})
+    prog = live.progress(run.path, launched)
+    assert prog.state == "starting" and prog.download["total"] == 23_800_000_000
+    assert f"Now: {line}" in live.status_words(run.path, prog)
+    bar = live.progress_bar(prog.iteration, prog.total, prog.download, prog.message)
+    assert 'value="3200000000" max="23800000000"' in bar and line in bar
+    run.write_status("running", phase="loading", message="loading the model", download=None)
+    assert live.progress(run.path, launched).download is None
+    assert "0 / 10 iterations" in live.progress_bar(0, 10, None)
+
+    plan = DownloadPlan("owner/model", "c0ffee", (HubFile("a.safetensors", 23_800_000_000, "b1", 0, False),
+                                                   HubFile("model_index.json", 500, "b2", 500, True)))
+    monkeypatch.setattr("app.form.check_references", lambda config: plan)
+    message, _ = studio.start(*_studio_values())
+    assert message.startswith("Started `page-") and "the base model owner/model: 23.8 GB to download first" in message
+    monkeypatch.setattr("app.form.check_references", lambda config: None)
+    assert "to download" not in studio.start(*_studio_values())[0]
