@@ -17,6 +17,7 @@ from jagg_core import metrics
 from jagg_core.adapters import BEST, LATEST_LABEL, Adapter, best_words, choose_adapter
 from jagg_core.config import term_names
 from jagg_core.errors import UserError
+from jagg_core.run_queue import RunQueue
 from jagg_core.rundir import ImageSet, RunDirectory, iteration_dirname
 from jagg_core.tracking import dashboard_hints
 
@@ -103,6 +104,7 @@ def duration(seconds: float | None) -> str:
 
 STATE_WORDS = {
     "none": "**Not started.**",
+    "queued": "**Queued.** It starts when the machine frees.",
     "starting": "**Starting…**",
     "running": "**Training…**",
     "finished": "**Finished.** The adapter is ready to push.",
@@ -117,7 +119,11 @@ def status_words(run_dir: Path | None, prog: Progress | None) -> str:
     reward-hacking alarm's line in bold when it fired."""
     if run_dir is None or prog is None:
         return "**No run yet.** Set up a run and press **Start**."
-    words = f"{STATE_WORDS.get(prog.state, prog.state)}  \nRun `{run_dir.name}`"
+    state = STATE_WORDS.get(prog.state, prog.state)
+    if prog.state == "queued":
+        position = RunQueue(run_dir.parent).position(run_dir.name)
+        state = f"**Queued (position {position}).** It starts when the machine frees." if position else state
+    words = f"{state}  \nRun `{run_dir.name}`"
     if prog.alarm:
         words += f"  \n**⚠️ {prog.alarm}**"
     if prog.state in ("starting", "running"):
@@ -274,6 +280,13 @@ def eval_grids(run_dir: Path) -> list[tuple[str, str]]:
             reward = f" · eval reward {rewards[iteration]:.3f}" if iteration in rewards else ""
             timeline.append((str(run.grid_file(iteration)), caption + reward))
     return timeline
+
+
+def queue_words(names: list[str]) -> str:
+    """The Queue block's list: each queued run with its position, the next to start first."""
+    if not names:
+        return "No run is queued. **Start** while a run trains queues the new run."
+    return "\n".join(f"{position}. `{name}`" for position, name in enumerate(names, 1))
 
 
 def progress_bar(iteration: int, total: int, download: dict | None = None, message: str = "") -> str:

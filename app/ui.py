@@ -11,6 +11,8 @@ Stable API endpoints (``gradio_client``):
     /export   the set-up form's fields -> (the run config YAML file, the equivalent ``python -m jagg_core.run`` command)
     /delete   run name -> (message, run name)  deletes a run that is not training
     /generate run, adapter, prompt, seed -> (image, message)  the base model beside the adapter for one's own prompt
+    /queue_up, /queue_down, /queue_remove  queued run -> (message, queue words, queued runs)  reorder or empty the
+              queue (Start while a run trains queues the new run)
 
 On a Hugging Face Space only the owner and the users in ``JAGG_ALLOWED_USERS`` may start, stop, resume, push, delete
 or generate (:mod:`app.access`); everyone can watch. The handlers only launch and signal processes (:mod:`app.jobs`)
@@ -62,7 +64,7 @@ START_PARAMS = FORM_FIELDS + tuple(k.key.replace(".", "_") for k in KNOBS)
 OPTIONAL_PARAMS = {k.key.replace(".", "_") for k in KNOBS if k.optional}
 CSS = """
 #title h1 {margin-bottom: 0}
-#form-message, #push-result, #run-message, #try-message {min-height: 1.5em}
+#form-message, #push-result, #run-message, #try-message, #queue-message {min-height: 1.5em}
 .run-progress {display: flex; align-items: center; gap: 0.75em}
 .run-progress progress {flex: 1; height: 0.9em}
 """
@@ -224,28 +226,31 @@ class Studio:
     # ----- job control -----------------------------------------------------------------------
     def start(self, *values, profile: gr.OAuthProfile | None = None) -> tuple[str, Any]:
         """Validate the form (``values`` in the order of ``START_PARAMS``), write RUN/config.yaml and launch the
-        job; refuse with the reason otherwise."""
+        job; while a run trains, queue the new run instead (:mod:`jagg_core.run_queue`: it starts when the machine
+        frees); refuse with the reason otherwise."""
         if refused := _refusal(profile):
             return self._refuse(refused)
         busy = self.jobs.active()
-        if busy is not None:
-            return self._refuse(f"a run is active ({busy.run_dir.name}); stop it before starting another")
-        elsewhere = self.jobs.trained_elsewhere()
-        if elsewhere is not None:
-            return self._refuse(f"{elsewhere.name} is training in a process started outside this page; "
-                                "stop it before starting another")
+        training = busy.run_dir if busy is not None else self.jobs.trained_elsewhere()
         form = _form(values)
         run_dir = self.jobs.new_run_dir(form.name or form.preset)
         try:
             config, download = checked_config(form, run_dir)
-            warning = _memory_warning(config)
+            warning = _memory_warning(config) if training is None else ""
             RunDirectory(run_dir).write_config(config.to_yaml())
-            self.jobs.launch(run_dir, config.train.mixed_precision)
+            if training is not None:
+                position = self.jobs.queue.add(run_dir)
+            else:
+                self.jobs.launch(run_dir, config.train.mixed_precision)
         except (UserError, OSError) as err:
             shutil.rmtree(run_dir, ignore_errors=True)
             return self._refuse(str(err))
-        return (f"Started `{run_dir.name}`{_download_words(download)}.{warning}",
-                gr.update(choices=self._run_names(), value=run_dir.name))
+        chosen = gr.update(choices=self._run_names(), value=run_dir.name)
+        if training is not None:
+            return (f"Queued `{run_dir.name}` at position {position}: it starts when `{training.name}` ends"
+                    f"{'' if position == 1 else f' and the {position - 1} before it have run'}"
+                    f"{_download_words(download)}.", chosen)
+        return f"Started `{run_dir.name}`{_download_words(download)}.{warning}", chosen
 
     @staticmethod
     def plan(*values) -> str:
@@ -300,6 +305,8 @@ class Studio:
         job = self.jobs.active()
         if (job is not None and job.run_dir == run_dir) or RunDirectory(run_dir).trainer_alive():
             return f"**Not deleted:** `{run_dir.name}` is training; stop it first.", gr.skip()
+        if self.jobs.queue.position(run_dir.name) is not None:
+            self.jobs.queue.remove(run_dir.name)
         shutil.rmtree(run_dir)
         names = self._run_names()
         return f"Deleted `{run_dir.name}`.", gr.update(choices=names, value=names[0] if names else None)
@@ -336,6 +343,42 @@ class Studio:
             return "No run is active."
         return f"Stopped `{job.run_dir.name}`; its last checkpoint is kept. Press **Resume** to continue."
 
+    # ----- the queue ---------------------------------------------------------------------------
+    def queue_view(self) -> tuple[str, Any]:
+        """The Queue block: the queued runs with their positions (Markdown), and its dropdown of them."""
+        names = self.jobs.queue.names()
+        return live.queue_words(names), gr.update(choices=names, value=names[0] if names else None)
+
+    def queue_move(self, name: str | None, offset: int, profile: gr.OAuthProfile | None = None) -> tuple:
+        """Move the queued run ``name`` ``offset`` places (negative: sooner); (message, queue words, dropdown)."""
+        if refused := _refusal(profile):
+            return f"**Not moved:** {refused}", gr.skip(), gr.skip()
+        try:
+            position = self.jobs.queue.move(name or "", offset)
+        except UserError as err:
+            return f"**Not moved:** {err}", *self.queue_view()
+        words, _ = self.queue_view()
+        return (f"`{name}` is at position {position}.", words,
+                gr.update(choices=self.jobs.queue.names(), value=name))
+
+    def queue_up(self, name: str | None, profile: gr.OAuthProfile | None = None) -> tuple:
+        """Move the queued run ``name`` one place sooner."""
+        return self.queue_move(name, -1, profile=profile)
+
+    def queue_down(self, name: str | None, profile: gr.OAuthProfile | None = None) -> tuple:
+        """Move the queued run ``name`` one place later."""
+        return self.queue_move(name, 1, profile=profile)
+
+    def queue_remove(self, name: str | None, profile: gr.OAuthProfile | None = None) -> tuple:
+        """Take the run ``name`` out of the queue; its folder stays (Resume starts it)."""
+        if refused := _refusal(profile):
+            return f"**Not removed:** {refused}", gr.skip(), gr.skip()
+        try:
+            self.jobs.queue.remove(name or "")
+        except UserError as err:
+            return f"**Not removed:** {err}", *self.queue_view()
+        return f"Took `{name}` out of the queue; Resume starts it.", *self.queue_view()
+
     def resume(self, name: str, profile: gr.OAuthProfile | None = None) -> tuple[str, Any]:
         """Relaunch a stopped, failed or interrupted run with ``--resume``."""
         if refused := _refusal(profile):
@@ -357,6 +400,7 @@ class Studio:
             self.jobs.launch(run_dir, precision, resume=True)
         except (UserError, OSError) as err:
             return self._refuse(str(err))
+        self.jobs.queue.started(run_dir.name)  # a queued run resumed by hand is not started again
         return f"Resumed `{run_dir.name}`.", gr.update(choices=self._run_names(), value=run_dir.name)
 
     def status(self, run: str = "") -> dict:
@@ -377,10 +421,11 @@ class Studio:
         return [p.name for p in self.jobs.runs()]
 
     # ----- live view -------------------------------------------------------------------------
-    def refresh(self, selected: str, adapter_choice: str, seen: dict) -> tuple:
+    def refresh(self, selected: str, adapter_choice: str, seen: dict, queue_choice: str | None = None) -> tuple:
         """Everything the live view shows, for the selected run; the download button gives the adapter chosen in
-        Publish's dropdown (``adapter_choice``). ``seen`` (per page) holds a signature of what the page already
-        shows, so unchanged parts are skipped instead of sent again."""
+        Publish's dropdown (``adapter_choice``), the Queue block keeps the queued run chosen in its dropdown
+        (``queue_choice``). ``seen`` (per page) holds a signature of what the page already shows, so unchanged parts
+        are skipped instead of sent again."""
         job = self.jobs.active()
         names = self._run_names()
         active_name = job.run_dir.name if job else None
@@ -425,6 +470,8 @@ class Studio:
         log = live.log_tail(run_dir) if run_dir else ""
         metrics_signature = (selected, mtime(run and run.metrics_file))
         buttons = (job is None, job is not None, resumable)
+        queued = self.jobs.queue.names()
+        queue_pick = queue_choice if queue_choice in queued else (queued[0] if queued else None)
         outputs = [
             *changed("runs", (tuple(names), selected), lambda: gr.update(choices=names, value=selected)),
             *changed("status", status, lambda: status),
@@ -447,6 +494,8 @@ class Studio:
                                        label=live.download_label(adapter), interactive=adapter is not None)),
             *changed("adapters", choices, lambda: gr.update(choices=list(choices), value=chosen)),
             *changed("buttons", buttons, lambda: [gr.update(interactive=b) for b in buttons], count=3),
+            *changed("queue", (tuple(queued), queue_pick),
+                     lambda: [live.queue_words(queued), gr.update(choices=queued, value=queue_pick)], count=2),
         ]
         return (*outputs, seen)
 
@@ -478,6 +527,7 @@ class Studio:
 def build_app(root: Path | None = None) -> gr.Blocks:
     """The JAGG Studio page for the runs under ``root`` (default :func:`~app.jobs.runs_root`)."""
     studio = Studio(root or runs_root())
+    studio.jobs.run_queue_in_background()  # queued runs start in turn when the machine frees, also after a restart
     defaults = preset_form(DEFAULT_PRESET)
     presets = list_presets()
     with gr.Blocks(title="JAGG Studio") as demo:
@@ -552,6 +602,15 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                 progress_bar = gr.HTML(live.progress_bar(0, 0), elem_id="progress")
                 timing = gr.Markdown(elem_id="timing")
                 doctor = gr.Markdown(elem_id="doctor")
+                with gr.Accordion("Queue: runs waiting for the machine", open=True, elem_id="queue"):
+                    queue_list = gr.Markdown(live.queue_words(studio.jobs.queue.names()), elem_id="queue-list")
+                    with gr.Row():
+                        queue_select = gr.Dropdown(studio.jobs.queue.names(), value=None, label="Queued run",
+                                                   elem_id="queue-select", scale=2)
+                        queue_up = gr.Button("Move up", size="sm", elem_id="queue-up-btn")
+                        queue_down = gr.Button("Move down", size="sm", elem_id="queue-down-btn")
+                        queue_remove = gr.Button("Remove", variant="stop", size="sm", elem_id="queue-remove-btn")
+                    queue_message = gr.Markdown(elem_id="queue-message")
                 with gr.Row():
                     reward_plot = gr.LinePlot(x="iteration", y="value", color="series", title="Reward", height=240,
                                               color_map=_colors(live.REWARD_SERIES.values()), elem_id="reward-plot")
@@ -625,13 +684,17 @@ def build_app(root: Path | None = None) -> gr.Blocks:
         push.click(studio.push, [run_select, checkpoint, repo_id, visibility, token], push_result, api_name="push")
         generate.click(studio.generate, [run_select, checkpoint, try_prompt, try_seed], [try_image, try_message],
                        api_name="generate")
+        queue_outputs = [queue_message, queue_list, queue_select]
+        queue_up.click(studio.queue_up, queue_select, queue_outputs, api_name="queue_up")
+        queue_down.click(studio.queue_down, queue_select, queue_outputs, api_name="queue_down")
+        queue_remove.click(studio.queue_remove, queue_select, queue_outputs, api_name="queue_remove")
         gr.api(studio.status, api_name="status")
 
         seen = gr.State({})
-        live_inputs = [run_select, checkpoint, seen]
+        live_inputs = [run_select, checkpoint, seen, queue_select]
         live_outputs = [run_select, run_status, timing, doctor, progress_bar, judge_plot, reward_plot, loss_plot,
                         fidelity_plot, base_samples, latest_samples, latest_video, eval_grids, rollouts, log, download,
-                        checkpoint, start, stop, resume, seen]
+                        checkpoint, start, stop, resume, queue_list, queue_select, seen]
         timer = gr.Timer(REFRESH_S)
         for trigger in (timer.tick, demo.load, checkpoint.input):  # the download follows the chosen adapter
             trigger(studio.refresh, live_inputs, live_outputs, show_progress="hidden", api_visibility="private")

@@ -383,3 +383,50 @@ def test_the_first_download_is_a_bar_on_the_page_and_start_says_what_is_left(tmp
     assert message.startswith("Started `page-") and "the base model owner/model: 23.8 GB to download first" in message
     monkeypatch.setattr("app.form.check_references", lambda config: None)
     assert "to download" not in studio.start(*_studio_values())[0]
+
+
+def test_start_while_a_run_trains_queues_the_run_and_the_queue_block_reorders_and_empties_it(tmp_path, studio,
+                                                                                              monkeypatch):
+    import threading
+
+    from app.jobs import Job
+    from app.ui import build_app
+
+    monkeypatch.setattr("app.form.check_references", lambda config: None)
+    busy = RunDirectory(tmp_path / "busy-20250101-000000")
+    busy.write_config("name: busy\n")
+    monkeypatch.setattr(studio.jobs, "active", lambda: Job(busy.path, 1, 1, time.time(), False))
+    first, _ = studio.start(*_studio_values("first"))
+    second, chosen = studio.start(*_studio_values("second"))
+    assert studio.launched == []  # nothing launched: both wait
+    names = studio.jobs.queue.names()
+    assert first == f"Queued `{names[0]}` at position 1: it starts when `{busy.path.name}` ends."
+    assert second.startswith(f"Queued `{names[1]}` at position 2: it starts when `{busy.path.name}` ends and the 1")
+    assert chosen["value"] == names[1]
+    assert RunDirectory(tmp_path / names[1]).read_config()["name"] == "second"  # written and checked as Start does
+    assert "**Queued (position 2).**" in live.status_words(tmp_path / names[1], live.progress(tmp_path / names[1]))
+
+    refreshed = studio.refresh(names[1], "latest adapter", {}, names[1])
+    assert refreshed[-3] == f"1. `{names[0]}`\n2. `{names[1]}`" and refreshed[-2]["value"] == names[1]
+
+    message, words, pick = studio.queue_up(names[1])
+    assert message == f"`{names[1]}` is at position 1." and words.startswith(f"1. `{names[1]}`")
+    assert studio.jobs.queue.names() == [names[1], names[0]] and pick["value"] == names[1]
+    studio.queue_down(names[1])
+    assert studio.jobs.queue.names() == names
+    assert studio.queue_up("nothing")[0] == "**Not moved:** nothing is not queued"
+
+    monkeypatch.setenv("SPACE_ID", "owner/space")  # only the owner controls the queue there
+    assert studio.queue_remove(names[0])[0].startswith("**Not removed:** only the Space's owner")
+    assert studio.queue_up(names[1])[0].startswith("**Not moved:** only the Space's owner")
+    monkeypatch.delenv("SPACE_ID")
+    message, words, _ = studio.queue_remove(names[0])
+    assert message == f"Took `{names[0]}` out of the queue; Resume starts it." and words == f"1. `{names[1]}`"
+    assert live.progress(tmp_path / names[0]).state == "stopped"
+
+    studio.delete(names[1])  # a queued run deleted leaves the queue too
+    assert studio.jobs.queue.names() == [] and not (tmp_path / names[1]).exists()
+    assert studio.queue_view()[0].startswith("No run is queued.")
+
+    build_app(tmp_path)  # the page starts the queue's worker
+    assert any(thread.name == "run-queue" for thread in threading.enumerate())
