@@ -37,6 +37,7 @@ STOP_GRACE_S = 120.0  # the trainer finishes its iteration and checkpoints it be
 MAX_NAME = 120  # characters of a run folder's name
 LAUNCHING_GRACE_S = 60.0  # an empty lock younger than this is a launch in progress, older is stale
 QUEUE_POLL_S = 2.0  # how often the queue's worker looks for a free machine
+PLACEMENT_FILE = "placement.json"  # a queued run's processes and sharding, chosen when it was queued
 FSDP_CONFIG = Path(__file__).resolve().parent.parent / "presets" / "accelerate" / "fsdp.yaml"
 
 
@@ -72,6 +73,21 @@ def launch_command(run_dir: Path, mixed_precision: str, resume: bool, placement:
         command += (["--cpu"] if placement.processes == 1 else []) + ["--num_cpu_threads_per_process", str(cores)]
     command += ["-m", "jagg_core.run", "--config", str(RunDirectory(run_dir).config_file), "--output-dir", str(run_dir)]
     return command + (["--resume"] if resume else [])
+
+
+def queue_placement(run_dir: Path, placement: Placement) -> None:
+    """Keep a queued run's placement beside its config (``RUN/placement.json``), for the queue's launch."""
+    RunDirectory(run_dir).write_json(run_dir / PLACEMENT_FILE, {"processes": placement.processes,
+                                                                "sharded": placement.sharded})
+
+
+def queued_placement(run_dir: Path) -> Placement:
+    """The placement a queued run was queued with (:func:`queue_placement`); one process without one."""
+    try:
+        kept = json.loads((run_dir / PLACEMENT_FILE).read_text())
+        return Placement(max(1, int(kept.get("processes", 1))), bool(kept.get("sharded", False)))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return Placement()
 
 
 def _group_alive(pgid: int) -> bool:
@@ -249,7 +265,7 @@ class JobControl:
             return None
         precision = (RunDirectory(run_dir).read_config().get("train") or {}).get("mixed_precision", "no")
         try:
-            job = self.launch(run_dir, precision)
+            job = self.launch(run_dir, precision, placement=queued_placement(run_dir))
         except UserError:  # another launch won the race; the queue waits for the next free moment
             return None
         self.queue.started(run_dir.name)

@@ -4,7 +4,8 @@ Stable API endpoints (``gradio_client``):
 
     /start    the set-up form's fields (``START_PARAMS``, e.g. train_iterations=3) -> (message, run name)
     /stop     -> message                       ends the active job; its last checkpoint stays
-    /resume   run name -> (message, run name)  continues a stopped or failed run from its last checkpoint
+    /resume   run name, processes -> (message, run name)  continues a stopped or failed run from its last checkpoint
+              (processes null: as many as it ran on)
     /status   run name ("" = the active run, else the newest) -> dict (see :meth:`Studio.status`)
     /push     run, adapter ("latest adapter", best, iter_N), repo id, visibility, token -> message with the repo link
     /load_preset  preset -> the form's fields
@@ -46,8 +47,8 @@ from . import access, live
 from .form import (ADVANCED_KNOBS, ALGORITHM_KNOBS, KNOBS, MAIN_KNOBS, PROMPT_MODES, PROMPTS_BUILTIN, PROMPTS_TEXT,
                    PROMPTS_UPLOAD, Form, Knob, build_config, checked_config, cli_command, config_form, model_choices,
                    preset_form, prompt_preview, weight_rows)
-from .jobs import JobControl, runs_root
-from .system import hardware_words
+from .jobs import JobControl, queue_placement, runs_root
+from .system import gpu_rows, hardware_words, placement_for, process_choices
 
 REFRESH_S = 1.5
 HARDWARE_REFRESH_S = 5.0
@@ -59,9 +60,10 @@ FORM_FIELDS = ("preset", "name", "model", "rewards", "weights", "prompt_mode", "
 RESTORED_FIELDS = ("name", "model", "rewards", "weights", "prompt_mode", "prompt_set", "prompt_text", "eval_text")
 # /start's parameters: the form fields, then each knob named by its config key (``train.iterations`` ->
 # ``train_iterations``), so that API clients can pass ``train_iterations=3`` and leave the rest at the defaults.
-START_PARAMS = FORM_FIELDS + tuple(k.key.replace(".", "_") for k in KNOBS)
+# and last ``processes`` (None: :func:`~app.system.process_choices`'s default).
+START_PARAMS = FORM_FIELDS + tuple(k.key.replace(".", "_") for k in KNOBS) + ("processes",)
 #: API parameters that may be left out (null: the schema's default); they come last
-OPTIONAL_PARAMS = {k.key.replace(".", "_") for k in KNOBS if k.optional}
+OPTIONAL_PARAMS = {k.key.replace(".", "_") for k in KNOBS if k.optional} | {"processes"}
 CSS = """
 #title h1 {margin-bottom: 0}
 #form-message, #push-result, #run-message, #try-message, #queue-message {min-height: 1.5em}
@@ -178,6 +180,22 @@ def _memory_warning(config) -> str:
     verdict = check_fits(plan_memory(config), config, free)
     return f" **Warning: {verdict}.**" if verdict.startswith("does not fit") else ""
 
+def _processes(value) -> int:
+    """The Processes field's count: a whole number from 1 to the machine's most; empty: the default."""
+    default, most = process_choices()
+    try:
+        return max(1, min(most, int(value)))
+    except (TypeError, ValueError):
+        return default
+
+
+def _placement_words(placement, why: str) -> str:
+    """`` (2 processes, data parallel: the plan (…) fits each GPU …)``; nothing for one process."""
+    if placement.processes <= 1:
+        return ""
+    return f" ({placement.processes} processes, {why})" if why else f" ({placement.words()})"
+
+
 def _download_words(plan) -> str:
     """``: the base model OWNER/NAME: 23.8 GB to download first (of 33.1 GB)`` when the pre-flight's download plan
     has bytes left, else nothing."""
@@ -233,15 +251,18 @@ class Studio:
         busy = self.jobs.active()
         training = busy.run_dir if busy is not None else self.jobs.trained_elsewhere()
         form = _form(values)
+        processes = _processes(dict(zip(START_PARAMS, values)).get("processes"))
         run_dir = self.jobs.new_run_dir(form.name or form.preset)
         try:
             config, download = checked_config(form, run_dir)
             warning = _memory_warning(config) if training is None else ""
+            placement, why = placement_for(config, processes)
             RunDirectory(run_dir).write_config(config.to_yaml())
             if training is not None:
+                queue_placement(run_dir, placement)
                 position = self.jobs.queue.add(run_dir)
             else:
-                self.jobs.launch(run_dir, config.train.mixed_precision)
+                self.jobs.launch(run_dir, config.train.mixed_precision, placement=placement)
         except (UserError, OSError) as err:
             shutil.rmtree(run_dir, ignore_errors=True)
             return self._refuse(str(err))
@@ -249,8 +270,8 @@ class Studio:
         if training is not None:
             return (f"Queued `{run_dir.name}` at position {position}: it starts when `{training.name}` ends"
                     f"{'' if position == 1 else f' and the {position - 1} before it have run'}"
-                    f"{_download_words(download)}.", chosen)
-        return f"Started `{run_dir.name}`{_download_words(download)}.{warning}", chosen
+                    f"{_placement_words(placement, why)}{_download_words(download)}.", chosen)
+        return f"Started `{run_dir.name}`{_placement_words(placement, why)}{_download_words(download)}.{warning}", chosen
 
     @staticmethod
     def plan(*values) -> str:
@@ -379,8 +400,10 @@ class Studio:
             return f"**Not removed:** {err}", *self.queue_view()
         return f"Took `{name}` out of the queue; Resume starts it.", *self.queue_view()
 
-    def resume(self, name: str, profile: gr.OAuthProfile | None = None) -> tuple[str, Any]:
-        """Relaunch a stopped, failed or interrupted run with ``--resume``."""
+    def resume(self, name: str, processes: float | None = None,
+               profile: gr.OAuthProfile | None = None) -> tuple[str, Any]:
+        """Relaunch a stopped, failed or interrupted run with ``--resume``, on ``processes`` processes (None: as many
+        as it ran on before; another count changes what the run's batches are: the trainer logs what that means)."""
         if refused := _refusal(profile):
             return self._refuse(refused)
         run_dir = self._run_dir(name)
@@ -395,13 +418,25 @@ class Studio:
         state = live.progress(run_dir).state
         if state == "finished":
             return self._refuse(f"{run_dir.name} has finished; there is nothing to resume")
+        before = int(RunDirectory(run_dir).read_run_info().get("processes") or 1)
+        count = before if processes in (None, "") else _processes(processes)
         try:
-            precision = (RunDirectory(run_dir).read_config().get("train") or {}).get("mixed_precision", "no")
-            self.jobs.launch(run_dir, precision, resume=True)
+            config = validate_config(RunDirectory(run_dir).read_config())
+            placement, why = placement_for(config, count)
+            self.jobs.launch(run_dir, config.train.mixed_precision, resume=True, placement=placement)
         except (UserError, OSError) as err:
             return self._refuse(str(err))
         self.jobs.queue.started(run_dir.name)  # a queued run resumed by hand is not started again
-        return f"Resumed `{run_dir.name}`.", gr.update(choices=self._run_names(), value=run_dir.name)
+        change = (f"; it trained on {before} before (its log says what the change means for exactness)"
+                  if count != before else "")
+        return (f"Resumed `{run_dir.name}`{_placement_words(placement, why)}{change}.",
+                gr.update(choices=self._run_names(), value=run_dir.name))
+
+    def run_processes(self, name: str | None) -> Any:
+        """The Processes field for the chosen run: the count it last ran on (Resume's default), when it has one."""
+        run_dir = self._run_dir(name)
+        before = RunDirectory(run_dir).read_run_info().get("processes") if run_dir else None
+        return gr.update(value=int(before)) if before else gr.skip()
 
     def status(self, run: str = "") -> dict:
         """A run's state: ``run``, ``state`` (running, finished, failed, stopped, starting, interrupted, none),
@@ -538,7 +573,14 @@ def build_app(root: Path | None = None) -> gr.Blocks:
             # ----- 1. set-up ---------------------------------------------------------------
             with gr.Column(scale=2, min_width=380):
                 gr.Markdown("## 1 · Set up")
-                hardware = gr.Markdown(hardware_words(), elem_id="hardware")
+                default_processes, most_processes = process_choices()
+                with gr.Row():
+                    hardware = gr.Markdown(hardware_words(), elem_id="hardware")
+                    processes = gr.Number(default_processes, minimum=1, maximum=most_processes, precision=0,
+                                          label="GPUs to use" if gpu_rows() else "Processes (CPU cores)",
+                                          info=f"1 to {most_processes}; several: data parallel, or the transformer "
+                                               "sharded (FSDP) when it does not fit one", elem_id="processes",
+                                          scale=0, min_width=160)
                 preset = gr.Dropdown(list(presets), value=DEFAULT_PRESET, label="Preset", elem_id="preset",
                                      info="fills every field below")
                 preset_info = gr.Markdown(presets.get(DEFAULT_PRESET, ""), elem_id="preset-info")
@@ -675,12 +717,13 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                                           api_visibility="private")
         prompt_mode.change(studio.prompt_mode_changed, [prompt_mode, prompt_set, prompt_text],
                            [prompt_set, prompt_file, prompt_text], api_visibility="private")
-        start.click(_named(studio.start, START_PARAMS), form_inputs, [form_message, run_select], api_name="start")
+        start.click(_named(studio.start, START_PARAMS), [*form_inputs, processes], [form_message, run_select],
+                    api_name="start")
         plan.click(studio.plan, form_inputs, memory_plan, api_name="plan")
         export.click(studio.export, form_inputs, [export_yaml, export_cli], api_name="export")
         delete.click(studio.delete, run_select, [run_message, run_select], js=CONFIRM_DELETE, api_name="delete")
         stop.click(studio.stop, None, form_message, api_name="stop")
-        resume.click(studio.resume, run_select, [form_message, run_select], api_name="resume")
+        resume.click(studio.resume, [run_select, processes], [form_message, run_select], api_name="resume")
         push.click(studio.push, [run_select, checkpoint, repo_id, visibility, token], push_result, api_name="push")
         generate.click(studio.generate, [run_select, checkpoint, try_prompt, try_seed], [try_image, try_message],
                        api_name="generate")
@@ -700,6 +743,7 @@ def build_app(root: Path | None = None) -> gr.Blocks:
             trigger(studio.refresh, live_inputs, live_outputs, show_progress="hidden", api_visibility="private")
         run_select.input(_forget_shown, seen, seen, api_visibility="private").then(
             studio.refresh, live_inputs, live_outputs, show_progress="hidden", api_visibility="private")
+        run_select.input(studio.run_processes, run_select, processes, api_visibility="private")
         demo.load(studio.active_form, None,
                   [name, model, rewards, weights, prompt_mode, prompt_set, prompt_text, eval_text, *knobs],
                   api_visibility="private")

@@ -430,3 +430,33 @@ def test_start_while_a_run_trains_queues_the_run_and_the_queue_block_reorders_an
 
     build_app(tmp_path)  # the page starts the queue's worker
     assert any(thread.name == "run-queue" for thread in threading.enumerate())
+
+
+def test_the_processes_field_places_start_resume_and_the_queue(tmp_path, studio, monkeypatch):
+    from app.jobs import Job, Placement, queued_placement
+
+    monkeypatch.setattr("app.form.check_references", lambda config: None)
+    monkeypatch.setattr("app.ui.process_choices", lambda: (1, 4))
+    message, _ = studio.start(*_studio_values(), 2)  # no GPU here: data parallel over the CPU's cores
+    name, resumed, placement = studio.launched[-1]
+    assert placement == Placement(2) and message == f"Started `{name}` (2 processes, data parallel)."
+    studio.start(*_studio_values(), 9)
+    assert studio.launched[-1][2] == Placement(4)  # at most the machine's most
+    studio.start(*_studio_values())
+    assert studio.launched[-1][2] == Placement(1)  # left out: the default
+
+    run = RunDirectory(tmp_path / name)
+    run.write_run_info("shapes", "jagg-shapes", "cpu", processes=2)
+    run.write_status("stopped")
+    assert studio.run_processes(name)["value"] == 2  # the field takes the run's count when the run is chosen
+    studio.resume(name)
+    assert studio.launched[-1] == (name, True, Placement(2))  # as many as before
+    message, _ = studio.resume(name, 1)
+    assert studio.launched[-1] == (name, True, Placement(1)) and "it trained on 2 before" in message
+
+    busy = RunDirectory(tmp_path / "busy-20250101-000000")
+    busy.write_config("name: busy\n")
+    monkeypatch.setattr(studio.jobs, "active", lambda: Job(busy.path, 1, 1, time.time(), False))
+    studio.start(*_studio_values("later"), 3)
+    assert queued_placement(tmp_path / studio.jobs.queue.names()[0]) == Placement(3)  # the queue launches with it
+    assert queued_placement(busy.path) == Placement()
