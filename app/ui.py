@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import gradio as gr
+import pandas as pd
 
 from jagg_core import hub
 from jagg_core.adapters import LATEST_LABEL as LATEST_ADAPTER
@@ -64,6 +65,8 @@ RESTORED_FIELDS = ("name", "model", "rewards", "weights", "prompt_mode", "prompt
 START_PARAMS = FORM_FIELDS + tuple(k.key.replace(".", "_") for k in KNOBS) + ("processes",)
 #: API parameters that may be left out (null: the schema's default); they come last
 OPTIONAL_PARAMS = {k.key.replace(".", "_") for k in KNOBS if k.optional} | {"processes"}
+COMPARE_ITERATIONS, COMPARE_MINUTES = "iterations", "training minutes"
+COMPARE_HINT = "Choose two or more runs to compare them."
 CSS = """
 #title h1 {margin-bottom: 0}
 #form-message, #push-result, #run-message, #try-message, #queue-message {min-height: 1.5em}
@@ -508,7 +511,8 @@ class Studio:
         queued = self.jobs.queue.names()
         queue_pick = queue_choice if queue_choice in queued else (queued[0] if queued else None)
         outputs = [
-            *changed("runs", (tuple(names), selected), lambda: gr.update(choices=names, value=selected)),
+            *changed("runs", (tuple(names), selected), lambda: [gr.update(choices=names, value=selected),
+                                                                 gr.update(choices=names)], count=2),
             *changed("status", status, lambda: status),
             *changed("timing", timing, lambda: timing),
             *changed("doctor", (selected, mtime(run and run.doctor_file)),
@@ -533,6 +537,50 @@ class Studio:
                      lambda: [live.queue_words(queued), gr.update(choices=queued, value=queue_pick)], count=2),
         ]
         return (*outputs, seen)
+
+    # ----- compare runs --------------------------------------------------------------------------
+    def _compared(self, names: list[str] | None):
+        """The chosen runs' evals (:func:`jagg_core.compare.read_runs`), or the one-line hint why there is nothing
+        to compare."""
+        from jagg_core import compare
+        paths = [path for path in (self.jobs.run_dir(name) for name in names or []) if path is not None]
+        if len(paths) < 2:
+            return None, COMPARE_HINT
+        try:
+            return compare.read_runs(paths), ""
+        except UserError as err:
+            return None, f"**Cannot compare:** {err}"
+
+    def compare(self, names: list[str] | None, x_axis: str, metric: str | None) -> tuple:
+        """The Compare section for the runs ``names``: (hint, curves of ``metric`` against ``x_axis``, the table, the
+        metric choices, the common eval iterations, the grids of the last of them side by side)."""
+        from jagg_core import compare
+        runs, hint = self._compared(names)
+        if runs is None:
+            return (hint, gr.update(value=None), "", gr.skip(), gr.update(choices=[], value=None), [])
+        points = compare.curves(runs)
+        metrics_seen = list(dict.fromkeys(point["metric"] for point in points))
+        metric = metric if metric in metrics_seen else metrics_seen[0]
+        x = "minutes" if x_axis == COMPARE_MINUTES else "iteration"
+        frame = pd.DataFrame([p for p in points if p["metric"] == metric],
+                             columns=["run", "metric", "iteration", "minutes", "value"]).astype(
+            {"run": "str", "iteration": "int64", "minutes": "float64", "value": "float64"})
+        shared = compare.common_iterations(runs)
+        last = shared[-1] if shared else None
+        return ("", gr.update(value=frame, x=x, x_title=x_axis, y_title=metric, color_map=_colors(r.name for r in runs)),
+                compare.table(runs), gr.update(choices=metrics_seen, value=metric),
+                gr.update(choices=shared, value=last), self.compare_grids(names, last))
+
+    def compare_grids(self, names: list[str] | None, iteration: int | None) -> list[tuple[str, str]]:
+        """The chosen runs' eval grids of ``iteration``, side by side; none without a common iteration."""
+        from jagg_core import compare
+        runs, _ = self._compared(names)
+        if runs is None or iteration is None:
+            return []
+        try:
+            return compare.grids_at(runs, int(iteration))
+        except UserError:
+            return []
 
     @staticmethod
     def _sample_label(iteration: int | None, what: str) -> str:
@@ -678,6 +726,22 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                                       columns=6, height=280, object_fit="contain", elem_id="rollouts")
                 log = gr.Textbox(label="Log", lines=10, max_lines=10, autoscroll=True, interactive=False,
                                  elem_id="log")
+                with gr.Accordion("Compare runs", open=False, elem_id="compare"):
+                    with gr.Row():
+                        compare_runs = gr.Dropdown(studio._run_names(), value=[], multiselect=True, label="Runs",
+                                                   elem_id="compare-runs", scale=2)
+                        compare_x = gr.Radio([COMPARE_ITERATIONS, COMPARE_MINUTES], value=COMPARE_ITERATIONS,
+                                             label="X axis", elem_id="compare-x")
+                        compare_metric = gr.Dropdown(["held-out reward"], value="held-out reward", label="Metric",
+                                                     elem_id="compare-metric")
+                    compare_hint = gr.Markdown(COMPARE_HINT, elem_id="compare-hint")
+                    compare_plot = gr.LinePlot(x="iteration", y="value", color="run", height=260,
+                                               elem_id="compare-plot")
+                    compare_table = gr.Markdown(elem_id="compare-table")
+                    compare_iteration = gr.Dropdown([], value=None, label="Eval iteration (every run has it)",
+                                                    elem_id="compare-iteration")
+                    compare_gallery = gr.Gallery(label="The runs' eval grids side by side", columns=2, height=360,
+                                                 object_fit="contain", elem_id="compare-grids")
 
                 gr.Markdown("## 3 · Publish")
                 with gr.Row():
@@ -731,11 +795,17 @@ def build_app(root: Path | None = None) -> gr.Blocks:
         queue_up.click(studio.queue_up, queue_select, queue_outputs, api_name="queue_up")
         queue_down.click(studio.queue_down, queue_select, queue_outputs, api_name="queue_down")
         queue_remove.click(studio.queue_remove, queue_select, queue_outputs, api_name="queue_remove")
+        compare_inputs = [compare_runs, compare_x, compare_metric]
+        for trigger in (compare_runs.input, compare_x.input, compare_metric.input):
+            trigger(studio.compare, compare_inputs, [compare_hint, compare_plot, compare_table, compare_metric,
+                                                     compare_iteration, compare_gallery], api_visibility="private")
+        compare_iteration.input(studio.compare_grids, [compare_runs, compare_iteration], compare_gallery,
+                                api_visibility="private")
         gr.api(studio.status, api_name="status")
 
         seen = gr.State({})
         live_inputs = [run_select, checkpoint, seen, queue_select]
-        live_outputs = [run_select, run_status, timing, doctor, progress_bar, judge_plot, reward_plot, loss_plot,
+        live_outputs = [run_select, compare_runs, run_status, timing, doctor, progress_bar, judge_plot, reward_plot, loss_plot,
                         fidelity_plot, base_samples, latest_samples, latest_video, eval_grids, rollouts, log, download,
                         checkpoint, start, stop, resume, queue_list, queue_select, seen]
         timer = gr.Timer(REFRESH_S)

@@ -460,3 +460,31 @@ def test_the_processes_field_places_start_resume_and_the_queue(tmp_path, studio,
     studio.start(*_studio_values("later"), 3)
     assert queued_placement(tmp_path / studio.jobs.queue.names()[0]) == Placement(3)  # the queue launches with it
     assert queued_placement(busy.path) == Placement()
+
+
+def test_the_compare_section_overlays_tabulates_and_shows_the_grids_of_the_chosen_runs(tmp_path, studio):
+    from tests.test_compare import fabricated_run
+
+    fabricated_run(tmp_path, "nft-run", {0: 0.70, 5: 0.74, 10: 0.78}, {0: 0.9, 5: 0.9, 10: 0.85}, 6.0, "nft")
+    fabricated_run(tmp_path, "grpo-run", {0: 0.70, 10: 0.80, 20: 0.82}, {0: 0.9, 10: 0.91, 20: 0.92}, 12.0,
+                   colour="blue")
+    hint, plot, table, _, iterations, grids = studio.compare(["nft-run"], "iterations", "held-out reward")
+    assert hint == "Choose two or more runs to compare them." and table == "" and grids == []
+
+    hint, plot, table, metric, iterations, grids = studio.compare(["nft-run", "grpo-run"], "iterations", None)
+    assert hint == "" and plot["x"] == "iteration"
+    frame = plot["value"]
+    assert frame[frame["run"] == "nft-run"]["value"].tolist() == [0.70, 0.74, 0.78]
+    assert set(frame["run"]) == {"nft-run", "grpo-run"} and set(frame["metric"]) == {"held-out reward"}
+    assert "| `nft-run` | nft |" in table and "| `grpo-run` | grpo |" in table
+    assert metric["choices"] == ["held-out reward", "judge fidelity"]
+    assert iterations["choices"] == [0, 10] and iterations["value"] == 10
+    assert [caption for _, caption in grids] == ["nft-run · iteration 10", "grpo-run · iteration 10"]
+
+    _, plot, *_ = studio.compare(["nft-run", "grpo-run"], "training minutes", "judge fidelity")
+    assert plot["x"] == "minutes"
+    assert plot["value"][plot["value"]["run"] == "grpo-run"]["value"].tolist() == [0.9, 0.91, 0.92]
+    assert [c for _, c in studio.compare_grids(["nft-run", "grpo-run"], 0)][0] == "nft-run · iteration 0"
+
+    RunDirectory(tmp_path / "empty-run").write_config("name: empty\n")
+    assert studio.compare(["nft-run", "empty-run"], "iterations", None)[0].startswith("**Cannot compare:** empty-run")
