@@ -5,7 +5,8 @@ Stable API endpoints (``gradio_client``):
     /start    the set-up form's fields (``START_PARAMS``, e.g. train_iterations=3) -> (message, run name)
     /stop     -> message                       ends the active job; its last checkpoint stays
     /resume   run name, processes -> (message, run name)  continues a stopped or failed run from its last checkpoint
-              (processes null: as many as it ran on)
+              on ``processes`` processes (the page's field, which takes the chosen run's count; an explicit null:
+              as many as it ran on)
     /status   run name ("" = the active run, else the newest) -> dict (see :meth:`Studio.status`)
     /push     run, adapter ("latest adapter", best, iter_N), repo id, visibility, token -> message with the repo link
     /load_preset  preset -> the form's fields
@@ -274,7 +275,8 @@ class Studio:
             return (f"Queued `{run_dir.name}` at position {position}: it starts when `{training.name}` ends"
                     f"{'' if position == 1 else f' and the {position - 1} before it have run'}"
                     f"{_placement_words(placement, why)}{_download_words(download)}.", chosen)
-        return f"Started `{run_dir.name}`{_placement_words(placement, why)}{_download_words(download)}.{warning}", chosen
+        return (f"Started `{run_dir.name}`{_placement_words(placement, why)}{_download_words(download)}.{warning}",
+                chosen)
 
     @staticmethod
     def plan(*values) -> str:
@@ -567,7 +569,8 @@ class Studio:
             {"run": "str", "iteration": "int64", "minutes": "float64", "value": "float64"})
         shared = compare.common_iterations(runs)
         last = shared[-1] if shared else None
-        return ("", gr.update(value=frame, x=x, x_title=x_axis, y_title=metric, color_map=_colors(r.name for r in runs)),
+        plot = gr.update(value=frame, x=x, x_title=x_axis, y_title=metric, color_map=_colors(r.name for r in runs))
+        return ("", plot,
                 compare.table(runs), gr.update(choices=metrics_seen, value=metric),
                 gr.update(choices=shared, value=last), self.compare_grids(names, last))
 
@@ -805,9 +808,9 @@ def build_app(root: Path | None = None) -> gr.Blocks:
 
         seen = gr.State({})
         live_inputs = [run_select, checkpoint, seen, queue_select]
-        live_outputs = [run_select, compare_runs, run_status, timing, doctor, progress_bar, judge_plot, reward_plot, loss_plot,
-                        fidelity_plot, base_samples, latest_samples, latest_video, eval_grids, rollouts, log, download,
-                        checkpoint, start, stop, resume, queue_list, queue_select, seen]
+        live_outputs = [run_select, compare_runs, run_status, timing, doctor, progress_bar, judge_plot, reward_plot,
+                        loss_plot, fidelity_plot, base_samples, latest_samples, latest_video, eval_grids, rollouts, log,
+                        download, checkpoint, start, stop, resume, queue_list, queue_select, seen]
         timer = gr.Timer(REFRESH_S)
         for trigger in (timer.tick, demo.load, checkpoint.input):  # the download follows the chosen adapter
             trigger(studio.refresh, live_inputs, live_outputs, show_progress="hidden", api_visibility="private")

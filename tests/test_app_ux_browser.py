@@ -8,7 +8,7 @@ shows the active run's settings. After it: a captioned eval grid per eval, on di
 progress bar, the log at its end, the adapter downloaded, a prompt of one's own generated with it, Publish's checks in the order a user can fix them,
 the machine's GPU or CPU, and a run deleted. Copies of the run given judges (as a trainer with ``eval.judges`` writes
 them) show the judges' curves, also after switching between runs with other judges, the reward-hacking alarm, the
-first-iteration check, and offer their best adapter to download and try. It saves ``docs/screenshot-finished.png``
+first-iteration check, and offer their best adapter to download and try; two of them compare side by side. It saves ``docs/screenshot-finished.png``
 for the README."""
 
 from __future__ import annotations
@@ -291,3 +291,19 @@ def test_a_judged_run_shows_its_judges_the_alarm_the_first_iteration_check_and_i
     _fill(page, "try-prompt", "a red circle on a blue background, top left")
     page.locator("#generate-btn").click()
     expect(page.locator("#try-message")).to_contain_text(f"{one.path.name}, best: the base model (left)")
+
+
+def test_two_runs_compare_side_by_side_and_the_queue_block_says_none_waits(studio):
+    from playwright.sync_api import expect
+
+    page, _ = studio
+    expect(page.locator("#queue-list")).to_contain_text("No run is queued")
+    _open(page, "compare")
+    expect(page.locator("#compare-hint")).to_contain_text("Choose two or more runs")
+    for name in ("judged-one-20250101-000000", "judged-two-20250101-000000"):
+        page.locator("#compare-runs input").click()
+        page.locator("ul[role=listbox] li", has_text=name).click()
+    page.locator("#compare-runs input").blur()
+    expect(page.locator("#compare-table")).to_contain_text("judged-two-20250101-000000")
+    expect(page.locator('#compare-plot path[aria-roledescription="line mark"]')).to_have_count(2)
+    expect(page.locator("#compare-grids img")).to_have_count(2)
