@@ -699,7 +699,7 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                     queue_list = gr.Markdown(live.queue_words(studio.jobs.queue.names()), elem_id="queue-list")
                     with gr.Row():
                         queue_select = gr.Dropdown(studio.jobs.queue.names(), value=None, label="Queued run",
-                                                   elem_id="queue-select", scale=2)
+                                                   allow_custom_value=True, elem_id="queue-select", scale=2)
                         queue_up = gr.Button("Move up", size="sm", elem_id="queue-up-btn")
                         queue_down = gr.Button("Move down", size="sm", elem_id="queue-down-btn")
                         queue_remove = gr.Button("Remove", variant="stop", size="sm", elem_id="queue-remove-btn")

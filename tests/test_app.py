@@ -153,9 +153,10 @@ def test_loading_a_preset_fills_the_form(served):
 
 # --- served: a run's whole life -------------------------------------------------------------------------------------
 
-def test_run_lifecycle_start_refuse_stop_resume_finish_push(served, fake_hub):
-    """Start a tiny run; a second start is refused; a fresh JobControl (an app restart) finds the job; Stop keeps the
-    last checkpoint; Resume continues it to the end; the push panel publishes it to the (fake) Hub."""
+def test_run_lifecycle_start_queue_stop_resume_finish_push(served, fake_hub):
+    """Start a tiny run; a second start is queued (and taken out of the queue); a fresh JobControl (an app restart)
+    finds the job; Stop keeps the last checkpoint; Resume continues it to the end; the push panel publishes it to the
+    (fake) Hub."""
     client, runs = served
     total = 10
     message, run_update = client.predict(**FAST, train_iterations=total, train_checkpoint_every=1,
@@ -165,9 +166,12 @@ def test_run_lifecycle_start_refuse_stop_resume_finish_push(served, fake_hub):
     run_dir = runs / run
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["train"]["iterations"] == total
 
-    refused, _ = client.predict(**FAST, api_name="/start")
-    assert "a run is active" in refused and run in refused
-    assert sorted(p.name for p in runs.iterdir() if p.is_dir()) == [run]
+    queued, queued_update = client.predict(**FAST, api_name="/start")
+    waiting = queued_update["value"]
+    assert queued == f"Queued `{waiting}` at position 1: it starts when `{run}` ends.", queued
+    assert sorted(p.name for p in runs.iterdir() if p.is_dir()) == sorted([run, waiting])
+    removed, words, _ = client.predict(waiting, api_name="/queue_remove")  # before Stop frees the machine for it
+    assert removed == f"Took `{waiting}` out of the queue; Resume starts it." and words.startswith("No run is queued")
     job = JobControl(runs).active()  # what the app finds after a restart: the lock file names the live job
     assert job is not None and job.run_dir == run_dir and _group_alive(job.pgid)
 
