@@ -68,9 +68,16 @@ def _doc(model: type[BaseModel]) -> str:
 
 
 def _table(model: type[BaseModel], prefix: str) -> list[str]:
-    rows = ["| key | default | description |", "|---|---|---|"]
+    return ["| key | default | description |", "|---|---|---|", *_rows(model, prefix)]
+
+
+def _rows(model: type[BaseModel], prefix: str) -> list[str]:
+    """A section's keys; a key holding a list of sections (``eval.judges``) is followed by its items' keys
+    (``eval.judges[].name``). The top level's sections have their own tables."""
+    rows = []
     for name, field in model.model_fields.items():
-        if section_type(field.annotation) is not None:
+        nested = section_type(field.annotation)
+        if nested is not None and (model is RunConfig or get_origin(field.annotation) is not list):
             continue
         text = (field.description or "").rstrip(".")
         choices = _literal_choices(field.annotation)
@@ -80,6 +87,8 @@ def _table(model: type[BaseModel], prefix: str) -> list[str]:
         if bounds:
             text += f". Range: `{bounds}`"
         rows.append(f"| `{prefix}{name}` | {_cell(_default(field))} | {_cell(text)}. |")
+        if nested is not None:
+            rows += _rows(nested, f"{prefix}{name}[].")
     return rows
 
 

@@ -21,7 +21,6 @@ uninterrupted one would.
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -87,9 +86,11 @@ class EvalScores:
 
 
 def mean_change(before: list[float], after: list[float]) -> tuple[float, float]:
-    """``(mean(d), std(d) / sqrt(N))`` of the paired per-sample changes ``d = after - before``."""
+    """``(mean(d), std(d) / sqrt(N))`` of the paired per-sample changes ``d = after - before`` (NaN when a score
+    is: the alarm then stays silent)."""
     d = [b - a for a, b in zip(before, after)]
-    return statistics.fmean(d), statistics.stdev(d) / math.sqrt(len(d))
+    mean = sum(d) / len(d)
+    return mean, math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d))
 
 
 class HackingAlarm:

@@ -126,4 +126,5 @@ def test_exact_and_jagg_runs_write_their_backward_statistics(tmp_path, offline):
     assert jagg[metrics.JAGG_WINDOWS] == 3 and jagg[metrics.BACKWARD_PASSES] == 4  # K + 1 knots for K = 3
     assert 0.0 < jagg[metrics.JAGG_LINEARITY_MEAN] <= 1.0
     config = json.loads((tmp_path / "jagg" / "run_info.json").read_text())
-    assert config == {"family": "sd3", "base_model": "tiny-sd3", "hardware": f"CPU ({torch.get_num_threads()} threads)"}
+    assert config == {"family": "sd3", "base_model": "tiny-sd3", "hardware": f"CPU ({torch.get_num_threads()} threads)",
+                      "processes": 1}

@@ -278,3 +278,9 @@ def test_the_best_adapter_is_the_checkpoint_of_its_iteration(tmp_path):
     assert all(torch.equal(saved[k], checkpoint[k]) for k in checkpoint)
     rows = run.read_metrics()
     assert all(metrics.judge_key("jpeg_incompressibility") in r for r in rows)
+
+
+def test_the_alarm_stays_silent_on_a_non_finite_eval_score():
+    alarm = HackingAlarm(window=1, z=2.0)
+    alarm.observe(EvalScores(0, [0.5, 0.6], {"sharpness": [0.9, 0.8]}))
+    assert alarm.observe(EvalScores(5, [float("nan"), 0.9], {"sharpness": [0.1, 0.2]})) is None
