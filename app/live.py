@@ -211,11 +211,11 @@ def judge_curve(run_dir: Path) -> pd.DataFrame:
     return _frame(points, series.values())
 
 
-DOCTOR_MARKS = {"pass": "✅", "fail": "❌", "skip": "–"}
+DOCTOR_MARKS = {"pass": "✓", "fail": "✗", "skip": "–"}  # in the fonts every browser has (emoji may not be)
 
 
 def doctor_words(run_dir: Path) -> str:
-    """The first iteration's checklist (``RUN/doctor.json``) as Markdown: a line per check, ✅ passed, ❌ failed
+    """The first iteration's checklist (``RUN/doctor.json``) as Markdown: a line per check, ✓ passed, ✗ failed
     (with its fix) or – skipped, with its detail; empty before the first iteration."""
     report = RunDirectory(run_dir).read_doctor()
     if not report:

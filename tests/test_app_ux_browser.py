@@ -276,8 +276,8 @@ def test_a_judged_run_shows_its_judges_the_alarm_the_first_iteration_check_and_i
     expect(page.locator("#run-status")).to_contain_text(HACKING_ALARM_LINE)
     doctor = page.locator("#doctor")
     expect(doctor).to_contain_text("First-iteration check (iteration 1): 1 of 3 failed")
-    expect(doctor).to_contain_text("✅ rewards vary within groups: std 0.12 within groups")
-    expect(doctor).to_contain_text("❌ the gradient moves the velocity: the velocity moved 0.0")
+    expect(doctor).to_contain_text("✓ rewards vary within groups: std 0.12 within groups")
+    expect(doctor).to_contain_text("✗ the gradient moves the velocity: the velocity moved 0.0")
     expect(doctor).to_contain_text("Fix: raise train.learning_rate")
 
     page.locator("#push-checkpoint input").click()
