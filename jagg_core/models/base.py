@@ -9,7 +9,9 @@ from 1 (noise) to 0 (data), ``z_sigma = (1 - sigma) x0 + sigma * noise`` and ``v
 from __future__ import annotations
 
 import gc
+import json
 import math
+import os
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from pathlib import Path
@@ -63,6 +65,19 @@ def drop_text_encoders(pipe) -> None:
     for name in TEXT_ENCODERS:
         if getattr(pipe, name, None) is not None:
             setattr(pipe, name, None)
+
+
+def sort_safetensors_header(path: Path) -> None:
+    """Rewrite a safetensors file's JSON header with its keys sorted (padded with spaces to 8 bytes, as safetensors
+    writes it): safetensors orders the metadata map differently in every process, so equal tensors and metadata would
+    give files with different bytes. The tensors' bytes and offsets (relative to the data) stay."""
+    data = path.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.dumps(json.loads(data[8:8 + length]), sort_keys=True, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(len(header).to_bytes(8, "little") + header + data[8 + length:])
+    os.replace(tmp, path)
 
 
 class FlowModel(ABC):
@@ -159,7 +174,9 @@ class FlowModel(ABC):
                     for key, value in self.transformer.peft_config["default"].to_dict().items()}
         type(self.pipe).save_lora_weights(str(directory), transformer_lora_layers=state, safe_serialization=True,
                                           transformer_lora_adapter_metadata=metadata)
-        return Path(directory) / "pytorch_lora_weights.safetensors"
+        path = Path(directory) / "pytorch_lora_weights.safetensors"
+        sort_safetensors_header(path)
+        return path
 
     def load_lora(self, path: str | Path) -> None:
         """Load a diffusers-format LoRA file or folder into the (already added) adapter."""
