@@ -75,6 +75,20 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def replace_folder(folder: Path, fill) -> None:
+    """Replace ``folder`` atomically by a new one that ``fill(tmp_folder)`` writes beside it: a reader sees the old
+    folder or the new one, never half of either."""
+    tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    fill(tmp)
+    old = folder.with_name(f".{folder.name}.{os.getpid()}.old")
+    if folder.exists():
+        os.replace(folder, old)
+    os.replace(tmp, folder)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def _read_json(path: Path, kind: type) -> Any:
     """The JSON value of ``path`` if it is a ``kind``, else an empty ``kind`` (missing, half-written, other)."""
     try:
@@ -310,23 +324,18 @@ class RunDirectory:
         e.g. rewards and iteration, and ``grid.png``, the PIL image ``grid`` of them all) into ``folder``, replacing
         it atomically. ``videos``: the frames (``uint8 [F, H, W, 3]``) of each sample, written as ``000.mp4 ...`` at
         ``fps`` (the images are then their strips)."""
-        tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        for i, image in enumerate(images):
-            image.save(tmp / f"{i:03d}.png")
-        for i, frames in enumerate(videos or []):
-            write_mp4(tmp / f"{i:03d}.mp4", frames, fps)
-        if grid is not None:
-            grid.save(tmp / GRID_FILE)
-        (tmp / "prompts.json").write_text(json.dumps(prompts, indent=1))
-        if info:
-            (tmp / "info.json").write_text(json.dumps(info, indent=1))
-        old = folder.with_name(f".{folder.name}.{os.getpid()}.old")
-        if folder.exists():
-            os.replace(folder, old)
-        os.replace(tmp, folder)
-        shutil.rmtree(old, ignore_errors=True)
+        def fill(tmp: Path) -> None:
+            for i, image in enumerate(images):
+                image.save(tmp / f"{i:03d}.png")
+            for i, frames in enumerate(videos or []):
+                write_mp4(tmp / f"{i:03d}.mp4", frames, fps)
+            if grid is not None:
+                grid.save(tmp / GRID_FILE)
+            (tmp / "prompts.json").write_text(json.dumps(prompts, indent=1))
+            if info:
+                (tmp / "info.json").write_text(json.dumps(info, indent=1))
+
+        replace_folder(folder, fill)
 
     @staticmethod
     def read_images(folder: Path) -> ImageSet | None:
@@ -403,16 +412,11 @@ class RunDirectory:
     def write_best(self, write_adapter, record: dict) -> None:
         """Replace ``RUN/best/`` atomically: ``write_adapter(folder)`` writes the adapter, then ``record`` goes to
         ``best.json`` (see the module's list)."""
-        tmp = self.path / f".best.{os.getpid()}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        write_adapter(tmp)
-        (tmp / BEST_RECORD).write_text(json.dumps(record, indent=1))
-        old = self.path / f".best.{os.getpid()}.old"
-        if self.best_dir.exists():
-            os.replace(self.best_dir, old)
-        os.replace(tmp, self.best_dir)
-        shutil.rmtree(old, ignore_errors=True)
+        def fill(tmp: Path) -> None:
+            write_adapter(tmp)
+            (tmp / BEST_RECORD).write_text(json.dumps(record, indent=1))
+
+        replace_folder(self.best_dir, fill)
 
     def write_best_record(self, record: dict) -> None:
         """Bring ``best.json`` up to date (the adapter stays)."""
