@@ -153,6 +153,7 @@ ALGORITHM_KNOBS = (
     Knob("nft.beta", "NFT beta", "float"),
     Knob("nft.kl_beta", "NFT KL beta", "float"),
     Knob("nft.timestep_fraction", "NFT trained steps", "float"),
+    Knob("nft.updates_per_rollout", "NFT updates per rollout", "int"),
     Knob("nft.old_decay_max", "NFT old-policy decay (max)", "float"),
     Knob("nft.old_decay_rate", "NFT old-policy decay rate", "float"),
     Knob("awm.train_timesteps", "AWM steps per sample", "int"),

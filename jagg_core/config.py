@@ -255,11 +255,15 @@ class NftConfig(_Section):
     timestep_fraction: float = Field(0.99, gt=0.0, le=1.0, description="each sample is trained at int(num_steps x "
                                      "fraction) of the schedule's steps, a random permutation's first, fresh noise "
                                      "each")
+    updates_per_rollout: int = Field(1, ge=1, description="optimizer steps on each rollout batch (the reference "
+                                     "code's gradient_step_per_epoch): each sample's steps are cut in this many parts "
+                                     "in their drawn order, and optimizer step s trains every sample at its part s; at "
+                                     "most the steps per sample")
     old_decay_rate: float = Field(0.001, ge=0.0, description="the sampling (old) policy trails the trained one: after "
-                                  "iteration k, old = d old + (1 - d) theta with d = min(old_decay_max, old_decay_rate "
-                                  "x max(0, k - old_decay_delay))")
+                                  "optimizer step k, old = d old + (1 - d) theta with d = min(old_decay_max, "
+                                  "old_decay_rate x max(0, k - old_decay_delay)), updated once per iteration")
     old_decay_max: float = Field(0.5, ge=0.0, lt=1.0, description="the largest decay d of the old policy's update")
-    old_decay_delay: int = Field(0, ge=0, description="iterations before the old policy starts to trail (d = 0, it "
+    old_decay_delay: int = Field(0, ge=0, description="optimizer steps before the old policy starts to trail (d = 0, it "
                                  "copies the trained weights)")
 
 
@@ -487,11 +491,21 @@ class RunConfig(_Section):
         if algorithm != "grpo" and self.model.guidance_scale > 1:
             raise ValueError(f"train.algorithm {algorithm} trains without classifier-free guidance (as its paper); "
                              "set model.guidance_scale 1")
+        if algorithm == "nft":
+            per_sample = self.nft_steps_per_sample()
+            if self.nft.updates_per_rollout > per_sample:
+                raise ValueError(f"nft.updates_per_rollout {self.nft.updates_per_rollout} must be at most the "
+                                 f"{per_sample} steps each sample is trained at (int(sampling.num_steps x "
+                                 "nft.timestep_fraction))")
         if algorithm == "awm":
             last = int(self.sampling.num_steps * self.awm.timestep_fraction)
             if last < 1 or self.awm.train_timesteps > last:
                 raise ValueError(f"awm.train_timesteps {self.awm.train_timesteps} must be at most the {max(last, 0)} "
                                  "steps 1..int(sampling.num_steps x awm.timestep_fraction)")
+
+    def nft_steps_per_sample(self) -> int:
+        """DiffusionNFT's K: the schedule steps each sample is trained at, ``max(1, int(T nft.timestep_fraction))``."""
+        return max(1, int(self.sampling.num_steps * self.nft.timestep_fraction))
 
     def for_algorithm(self, algorithm: str, overrides: list[str] = ()) -> "RunConfig":
         """This config under ``algorithm``, with every other algorithm's keys (:data:`ALGORITHM_KEYS`) at their

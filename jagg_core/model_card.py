@@ -223,8 +223,9 @@ def _algorithm_lines(config: dict, snap: RunSnapshot) -> str:
     if algorithm == "nft":
         nft = config.get("nft") or {}
         return (f"- **DiffusionNFT:** {groups}, beta {nft.get('beta')}, KL beta {nft.get('kl_beta')}, trained at "
-                f"a {nft.get('timestep_fraction')} fraction of the steps; the old (sampling) policy trails with "
-                f"decay min({nft.get('old_decay_max')}, {nft.get('old_decay_rate')} x iteration)")
+                f"a {nft.get('timestep_fraction')} fraction of the steps, {nft.get('updates_per_rollout', 1)} "
+                f"optimizer step(s) per rollout; the old (sampling) policy trails with decay "
+                f"min({nft.get('old_decay_max')}, {nft.get('old_decay_rate')} x optimizer step)")
     if algorithm == "awm":
         awm = config.get("awm") or {}
         return (f"- **AWM:** {groups}, {awm.get('train_timesteps')} trained steps per sample, `{awm.get('weighting')}`"

@@ -133,6 +133,38 @@ def test_the_loss_and_its_gradient_are_the_formula_computed_independently_in_flo
     torch.testing.assert_close(ours, gradient(trainer.params), rtol=1e-4, atol=1e-7)
 
 
+def test_nft_updates_per_rollout_train_every_sample_at_its_part_of_the_steps_and_count_optimizer_steps(tmp_path,
+                                                                                                       offline):
+    """Two updates per rollout: each sample's four drawn steps are cut in two in order, step s's gradient is the loss
+    of the rows of part s alone, and the old policy's decay counts both optimizer steps of the iteration."""
+    config = algorithm_config("nft", sampling__num_steps=6, nft__timestep_fraction=0.67, nft__updates_per_rollout=2,
+                              nft__old_decay_rate=0.25, nft__old_decay_max=0.9, nft__kl_beta=0)
+    trainer = set_up(config, tmp_path / "run")
+    perturbed(trainer)
+    rollout = trainer.rollout(1)
+    advantages = trainer.advantages(rollout)
+    plan = trainer.algorithm.plan(rollout, advantages, 1)
+    samples = rollout.sampled.latents.shape[0]
+    assert trainer.algorithm.optimizer_steps == 2
+    assert plan.updates.tolist() == [0, 0, 1, 1] * samples
+    trainer.algorithm.backward(rollout, advantages, plan, 1)
+    ours = gradient(trainer.params).clone()
+    for param in trainer.params:
+        param.grad = None
+    part = plan.updates == 1
+    v_old = velocities_of_rows(trainer, rollout, plan, trainer.algorithm.lag.swapped_in)[part]
+    x0, eps, sigma, _, v = velocities_of_rows(trainer, rollout, plan)
+    loss = nft_loss_by_hand(v[part], v_old, v_old, x0[part], eps[part], sigma[part], advantages[plan.samples][part],
+                            config.nft.beta, config.grpo.adv_clip, 0.0)
+    loss.backward()
+    torch.testing.assert_close(ours, gradient(trainer.params), rtol=1e-4, atol=1e-7)
+
+    lagging = [w.clone() for w in trainer.algorithm.lag.weights]
+    trainer.algorithm.after_update(1)  # d = min(0.9, 0.25 x 2 optimizer steps) = 0.5
+    for after, before, param in zip(trainer.algorithm.lag.weights, lagging, trainer.params):
+        torch.testing.assert_close(after, 0.5 * before + 0.5 * param.detach())
+
+
 def test_nft_trains_each_sample_at_distinct_steps_of_the_schedule_and_awm_stratified_ones():
     config = algorithm_config("nft")
     steps = config.sampling.num_steps
@@ -212,6 +244,8 @@ def test_every_algorithm_of_the_config_is_registered():
     (["train.algorithm=nft", "awm.kl_beta=0"], "awm.kl_beta 0.0 applies to train.algorithm awm only"),
     (["train.algorithm=nft", "model.guidance_scale=4.5"], "trains without classifier-free guidance"),
     (["train.algorithm=awm", "awm.train_timesteps=12"], "awm.train_timesteps 12 must be at most the 9 steps"),
+    (["train.algorithm=nft", "nft.timestep_fraction=0.3", "nft.updates_per_rollout=4"],
+     "nft.updates_per_rollout 4 must be at most the 3 steps"),
 ])
 def test_meaningless_combinations_are_one_line(overrides, message):
     with pytest.raises(UserError, match=message):

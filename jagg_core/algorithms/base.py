@@ -129,8 +129,8 @@ class Algorithm(ABC):
 class LaggingPolicy:
     """A copy of the LoRA weights that trails the trained ones (DiffusionNFT's sampling policy, AWM's EMA
     regularizer): it starts equal to them and after iteration ``k`` becomes ``lag = d lag + (1 - d) theta`` with
-    ``d = min(d_max, rate * max(0, k - delay))`` (the reference codes' decay schedules, by optimizer steps: one
-    per iteration here). ``swapped_in`` puts it into the model for a forward; the trained weights come back."""
+    ``d = min(d_max, rate * max(0, k - delay))`` (the reference codes' decay schedules, ``k`` their optimizer steps).
+    ``swapped_in`` puts it into the model for a forward; the trained weights come back."""
 
     def __init__(self, params: list[torch.nn.Parameter], rate: float, maximum: float, delay: int = 0):
         self.params = params

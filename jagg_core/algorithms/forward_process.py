@@ -7,8 +7,9 @@ sample ``b``'s clean latent noised to the schedule's sigma of step ``k`` with fr
 
     x_t = (1 - sigma_k) x0_b + sigma_k eps,      target velocity eps - x0_b,      timestep = 1000 sigma_k
 
-Each sample gets the same number of rows (the algorithm's :meth:`ForwardProcessAlgorithm.draw_steps`); the loss
-is the mean over all rows of the batch, so the rows are split into ``train.gradient_accumulation_steps``
+Each sample gets the same number of rows (the algorithm's :meth:`ForwardProcessAlgorithm.draw_steps`), cut in
+order into the iteration's optimizer steps (:attr:`~.base.Algorithm.optimizer_steps`: each step trains every sample
+at its part of its steps); a step's loss is the mean over its rows, so the rows are split into ``train.gradient_accumulation_steps``
 micro-batches, each backpropagated with its share ``R_micro / R`` of that mean: the same gradient at any split.
 Each micro-batch is one forward with grad over its rows, plus the no-grad forwards of the algorithm's companion
 policies (the base model, a lagging copy of the LoRA) at the same rows. The draws (steps and noise) come from a
@@ -40,6 +41,7 @@ class Rows:
 
     samples: torch.Tensor    # [R] the sample b of each row
     steps: torch.Tensor      # [R] the schedule step k of each row
+    updates: torch.Tensor    # [R] the optimizer step of the iteration that trains the row
     sigmas: torch.Tensor     # [R] sigma_k, float32
     noise: torch.Tensor      # [R, *latent] eps, float32
 
@@ -123,17 +125,22 @@ class ForwardProcessAlgorithm(Algorithm):
         steps = self.draw_steps(latents.shape[0], generator)
         per_sample = steps.shape[1]
         samples = torch.arange(latents.shape[0]).repeat_interleave(per_sample)
+        update_of_column = torch.cat([torch.full((len(part),), update) for update, part in
+                                      enumerate(torch.arange(per_sample).tensor_split(self.optimizer_steps))])
+        updates = update_of_column.repeat(latents.shape[0])
         steps = steps.flatten()
         noise = torch.randn((len(steps), *latents.shape[1:]), generator=generator, dtype=torch.float32)
-        return Rows(samples, steps, self.ctx.sigmas[steps].float(), noise)
+        return Rows(samples, steps, updates, self.ctx.sigmas[steps].float(), noise)
 
     def backward(self, rollout: Rollout, advantages: torch.Tensor, plan: Rows, step: int) -> dict[str, float]:
-        """The loss's gradient, one micro-batch of rows at a time, each weighted by its share of the rows."""
+        """The loss's gradient on the rows of optimizer step ``step``, one micro-batch of rows at a time, each weighted
+        by its share of the step's rows."""
         model, device = self.ctx.model, self.ctx.device
-        total = len(plan.samples)
+        step_rows = torch.nonzero(plan.updates == step).flatten()
+        total = len(step_rows)
         count = min(self.config.train.gradient_accumulation_steps, total)
         sums: dict[str, float] = {}
-        for index in torch.arange(total).tensor_split(count):
+        for index in step_rows.tensor_split(count):
             samples = plan.samples[index]
             x0 = rollout.sampled.latents[samples.to(rollout.sampled.latents.device)].float().to(device)
             noise, sigmas = plan.noise[index].to(device), plan.sigmas[index].to(device)
@@ -154,7 +161,8 @@ class ForwardProcessAlgorithm(Algorithm):
         return sums
 
     def after_update(self, iteration: int) -> None:
-        self.lag.update(iteration)
+        """The lagging policy's update after the iteration's optimizer steps, its decay by the steps so far."""
+        self.lag.update(iteration * self.optimizer_steps)
 
     def state_dict(self) -> dict:
         return {self.state_key: self.lag.state()}
@@ -164,5 +172,5 @@ class ForwardProcessAlgorithm(Algorithm):
             self.lag.load(state[self.state_key])
 
     def summarize(self, plan: Rows, steps: list[dict[str, float]]) -> dict:
-        """Each statistic's mean over the optimizer steps (one per iteration)."""
+        """Each statistic's mean over the iteration's optimizer steps."""
         return {key: sum(s[key] for s in steps) / len(steps) for key in steps[0]}

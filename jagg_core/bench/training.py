@@ -6,7 +6,8 @@ For every seed, the run config (the default task unless told) is trained to its 
 iteration), ``exact`` (the config with ``backward.mode: exact``), ``default`` (the config as it is), ``tree`` (the
 config with tree rollouts), ``nft`` and ``awm`` (DiffusionNFT and AWM as their presets for the default task set
 them, :data:`ALGORITHM_PRESETS`), same seed (so the same prompts at every iteration until the adapters part), through
-:meth:`~jagg_core.trainer.Trainer.fit`. The fidelity audit is off in all (it is timed apart anyway). Per run::
+:meth:`~jagg_core.trainer.Trainer.fit`. The fidelity audit is off in all (it is timed apart anyway), and so are the
+doctor and the judges (:data:`UNTIMED_CHECKS_OFF`). Per run::
 
     gain     = held-out eval reward at the last iteration - at iteration 0 (the base model)
     minutes  = wall clock of the whole fit (rollouts, backward, evals, checkpoints) / 60
@@ -96,6 +97,10 @@ TREE_BRANCH_FACTOR = 2
 #: rate, groups and length), on the bench's model
 ALGORITHM_PRESETS = {"nft": "shapes-nft", "awm": "shapes-awm"}
 
+#: the checks a user switches on or off beside the training, off in every setup: the first iteration's doctor and
+#: the judges' scoring of the eval samples (the bench's rows from before they existed trained without them)
+UNTIMED_CHECKS_OFF = ["train.doctor=false", "eval.judges=[]"]
+
 #: the setups' names in tables and plots
 SETUP_LABELS = {"flow_grpo": "Flow-GRPO default", "exact": "exact, same rollout", "default": "default",
                 "tree": "default, tree rollout", "nft": "DiffusionNFT", "awm": "AWM"}
@@ -103,15 +108,16 @@ SETUP_LABELS = {"flow_grpo": "Flow-GRPO default", "exact": "exact, same rollout"
 
 def setup_configs(base: RunConfig, names) -> dict[str, RunConfig]:
     """The config of each setup named: :func:`comparison_setups`' changes to ``base`` (the fidelity audit off), or
-    the preset of :data:`ALGORITHM_PRESETS` on ``base``'s model."""
+    the preset of :data:`ALGORITHM_PRESETS` on ``base``'s model; :data:`UNTIMED_CHECKS_OFF` in all."""
     changes = comparison_setups(base)
     missing = [name for name in names if name not in changes and name not in ALGORITHM_PRESETS]
     if missing:
         raise UserError(f"setup {', '.join(missing)} does not apply to this task (tree: grpo.num_generations must be "
                         f"a power of {TREE_BRANCH_FACTOR}); choose from {', '.join([*changes, *ALGORITHM_PRESETS])}")
-    return {name: load_config(preset=ALGORITHM_PRESETS[name], overrides=[f"model.name={base.model.name}"])
-            if name in ALGORITHM_PRESETS else with_overrides(base, [*changes[name], "backward.audit_every=0"])
-            for name in names}
+    configs = {name: load_config(preset=ALGORITHM_PRESETS[name], overrides=[f"model.name={base.model.name}"])
+               if name in ALGORITHM_PRESETS else with_overrides(base, [*changes[name], "backward.audit_every=0"])
+               for name in names}
+    return {name: with_overrides(config, UNTIMED_CHECKS_OFF) for name, config in configs.items()}
 
 
 def backward_label(config: RunConfig) -> str:
