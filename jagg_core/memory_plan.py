@@ -231,10 +231,10 @@ def plan_memory(config: RunConfig) -> MemoryPlan:
     # reference velocities: the rollout's at every noisy step, or the training pass's at every trained step
     reference = (noisy if cfg.grpo.kl_reference == "rollout" else trained) if cfg.grpo.kl_beta > 0 else 0
     trajectory = samples * latent_numel * 4 * ((steps + 1) + steps + reference)
-    rows = samples  # the backward's batch: samples (GRPO), or (sample, step) rows (NFT, AWM)
-    if forward_process:  # the clean latents and each row's noise
-        rows = samples * forward_process.steps_per_sample(cfg)
-        trajectory = (samples + rows) * latent_numel * 4
+    rows = samples  # an optimizer step's batch: samples (GRPO), or its (sample, step) rows (NFT, AWM)
+    if forward_process:  # the clean latents and every row's noise
+        trajectory = (samples + samples * forward_process.steps_per_sample(cfg)) * latent_numel * 4
+        rows = samples * forward_process.steps_per_update(cfg)
     cond_shapes = model.conditioning_shapes()
     if model.use_cfg:
         cond_shapes.update({NEGATIVE + k: v for k, v in cond_shapes.items()})
@@ -317,7 +317,7 @@ def _memory_savers(config: RunConfig) -> list[tuple[str, object]]:
     if not cfg.train.gradient_checkpointing:
         savers.append(("train.gradient_checkpointing", True))
     savers += [("sampling.rollout_chunk", size) for size in (8, 4, 2, 1) if size < cfg.sampling.chunk(samples)]
-    rows = samples * (ALGORITHMS[cfg.train.algorithm].steps_per_sample(cfg) if cfg.train.algorithm != "grpo" else 1)
+    rows = samples * (ALGORITHMS[cfg.train.algorithm].steps_per_update(cfg) if cfg.train.algorithm != "grpo" else 1)
     micro = math.ceil(rows / cfg.train.gradient_accumulation_steps)
     savers += [("train.gradient_accumulation_steps", math.ceil(rows / size)) for size in (8, 4, 2, 1)
                if size < micro]

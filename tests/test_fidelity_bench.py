@@ -50,3 +50,37 @@ def test_training_comparison_reports_gain_time_and_spread(tmp_path, offline):
         training_rows(with_overrides(config, ["grpo.num_generations=3"]), setups=("tree",))
     plot_training(rows, tmp_path / "training.png")
     assert (tmp_path / "training.png").stat().st_size > 0
+
+
+def _training_row(setup: str, curves: dict[str, list], minutes: float, measured: str | None = None) -> dict:
+    """A row of ``--training --json`` with the given runs' curves (seconds, held-out reward)."""
+    runs = {seed: {"gain": c[-1][1] - c[0][1], "minutes": minutes, "train_minutes": minutes / 2,
+                   "gain_per_minute": (c[-1][1] - c[0][1]) / minutes, "curve": c} for seed, c in curves.items()}
+    row = {"section": "training", "model": "jagg-shapes", "setup": setup, "backward": "exact", "iterations": 10,
+           "seeds": [int(s) for s in curves], "runs": runs}
+    for key in ("gain", "minutes", "train_minutes", "gain_per_minute"):
+        values = [run[key] for run in runs.values()]
+        row[key], row[f"{key}_std"] = sum(values) / len(values), None
+    return {**row, **({"measured": measured} if measured else {})}
+
+
+def test_the_training_table_says_the_gain_per_minute_against_flow_grpo_and_the_time_to_the_defaults_final_reward():
+    """The earlier rows of setups not trained now are kept and marked; the time to the default's final reward is
+    each seed's first eval at or above it."""
+    from jagg_core.bench.training import format_training, minutes_to_reward, with_earlier
+
+    earlier = [_training_row("flow_grpo", {"0": [[0, 0.5], [600, 0.6]]}, 10.0, measured="this session"),
+               _training_row("default", {"0": [[0, 0.5], [300, 0.7]], "1": [[0, 0.5], [300, 0.9]]}, 5.0),
+               _training_row("nft", {"0": [[0, 0.5], [60, 0.55]]}, 1.0)]
+    now = [_training_row("nft", {"0": [[0, 0.5], [30, 0.79], [60, 0.81], [90, 0.85]],
+                                 "1": [[0, 0.5], [30, 0.6], [60, 0.7]]}, 1.5)]
+    rows = with_earlier(now, earlier, "old.json")
+    assert [(r["setup"], r["measured"]) for r in rows] == [
+        ("flow_grpo", "earlier (old.json)"), ("default", "earlier (old.json)"), ("nft", "this run")]
+    assert minutes_to_reward(now[0]["runs"]["0"]["curve"], 0.8) == 1.0
+    assert minutes_to_reward(now[0]["runs"]["1"]["curve"], 0.8) is None
+    table = format_training(rows)
+    assert "gain per minute vs Flow-GRPO's | minutes to the default's final reward (0.800) |" in table
+    nft_line = next(line for line in table.splitlines() if "DiffusionNFT" in line)
+    # nft: gains (0.35 + 0.2) / 2 in 1.5 min against Flow-GRPO's 0.1 in 10 min; seed 0 reaches 0.8 at 60 s
+    assert nft_line.endswith("| 18.3x | 1.00, 1 of 2 seeds |")

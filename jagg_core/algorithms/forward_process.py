@@ -90,6 +90,20 @@ class ForwardProcessAlgorithm(Algorithm):
     def steps_per_sample(config: RunConfig) -> int:
         """K: the rows (schedule steps) each sample is trained at."""
 
+    @staticmethod
+    def updates_per_rollout(config: RunConfig) -> int:
+        """m: the optimizer steps of an iteration, each on its part of every sample's K rows."""
+        return 1
+
+    @classmethod
+    def steps_per_update(cls, config: RunConfig) -> int:
+        """The most rows of one sample that one optimizer step trains: ``ceil(K / m)``."""
+        return -(-cls.steps_per_sample(config) // cls.updates_per_rollout(config))
+
+    @property
+    def optimizer_steps(self) -> int:
+        return self.updates_per_rollout(self.config)
+
     @abstractmethod
     def draw_steps(self, samples: int, generator: torch.Generator) -> torch.Tensor:
         """[samples, K] schedule steps (indices into the rollout schedule) each sample is trained at."""

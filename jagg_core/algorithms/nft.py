@@ -74,9 +74,9 @@ class NftAlgorithm(ForwardProcessAlgorithm):
     def sampling_policy(self):
         return self.lag.swapped_in()
 
-    @property
-    def optimizer_steps(self) -> int:
-        return self.config.nft.updates_per_rollout
+    @staticmethod
+    def updates_per_rollout(config) -> int:
+        return config.nft.updates_per_rollout
 
     @staticmethod
     def steps_per_sample(config) -> int:

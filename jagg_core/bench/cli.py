@@ -20,7 +20,8 @@ from .iterations import bench_iterations
 from .memory import memory_worker
 from .rows import ROW_KEYS, bench_train_phase
 from .tables import write_outputs
-from .training import SETUP_LABELS, comparison_setups, format_training, plot_training, training_rows
+from .training import (SETUP_LABELS, comparison_setups, format_training, plot_training, training_rows,
+                       with_earlier)
 from .variants import EMBEDDED_MODEL, BenchOptions, bench_config, default_models
 
 DESCRIPTION = "Benchmark: the exact backward against JAGG, side by side, in one run."
@@ -67,6 +68,8 @@ def main(argv: list[str] | None = None) -> None:
                         f"{','.join(SETUP_LABELS)} (flow_grpo: Flow-GRPO's default iteration, every step SDE, exact "
                         "backward, reference in the rollout; tree: the default with tree rollouts; nft, awm: "
                         "DiffusionNFT and AWM as the shapes-nft and shapes-awm presets); default exact,default")
+    parser.add_argument("--earlier", metavar="JSON", help="with --training: also the rows of this earlier --json "
+                        "whose setups are not trained now (marked as measured earlier), in the table and plot")
     parser.add_argument("--fidelity", type=int, metavar="ROLLOUTS", help="also the per-window fidelity along the "
                         "trajectory and the Spearman correlation of the routing predictors with it, over ROLLOUTS "
                         "rollouts of the first model at noise levels 0.7 and 1.2 (jagg_core.bench.fidelity)")
@@ -108,7 +111,10 @@ def run_training(args: argparse.Namespace) -> None:
     unknown = [name for name in setups if name not in SETUP_LABELS]
     if unknown or not setups:
         raise UserError(f"--setups {args.setups}: choose from {', '.join(SETUP_LABELS)}")
+    earlier = read_earlier_rows(args.earlier) if args.earlier else None
     rows = training_rows(bench_config(model, args.overrides), setups=setups)
+    if earlier is not None:
+        rows = with_earlier(rows, earlier, args.earlier)
     table = format_training(rows)
     for path, write in ((args.json, lambda p: p.write_text(json.dumps(rows, indent=1))),
                         (args.table, lambda p: p.write_text(table)), (args.plot, lambda p: plot_training(rows, p))):
@@ -116,6 +122,17 @@ def run_training(args: argparse.Namespace) -> None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             write(Path(path))
     print(table)
+
+
+def read_earlier_rows(path: str) -> list[dict]:
+    """The rows of an earlier ``--training --json``, or a one-line error."""
+    try:
+        rows = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:
+        raise UserError(f"--earlier {path}: not a readable bench JSON ({error})") from None
+    if not isinstance(rows, list) or not all(isinstance(row, dict) and "setup" in row for row in rows):
+        raise UserError(f"--earlier {path}: not the JSON of python -m jagg_core.bench --training")
+    return rows
 
 
 def bench_options(args: argparse.Namespace) -> BenchOptions:

@@ -156,16 +156,56 @@ def training_rows(base: RunConfig, seeds=SEEDS, setups=("exact", "default")) -> 
     return rows
 
 
+def with_earlier(rows: list[dict], earlier: list[dict], source: str) -> list[dict]:
+    """``rows`` and, before them, the rows of ``earlier`` (a previous ``--json``) of the setups not in ``rows``, each
+    marked with where it was measured."""
+    measured = {row["setup"] for row in rows}
+    def where(row) -> str:
+        return row["measured"] if str(row.get("measured", "")).startswith("earlier") else f"earlier ({source})"
+    kept = [{**row, "measured": where(row)} for row in earlier
+            if row.get("section") == "training" and row["setup"] not in measured]
+    return kept + [{**row, "measured": "this run"} for row in rows]
+
+
+def minutes_to_reward(curve: list[list[float]], target: float) -> float | None:
+    """The wall-clock minutes of the first held-out eval at or above ``target``; None if none is."""
+    return next((seconds / 60 for seconds, reward in curve if reward >= target), None)
+
+
+def default_final_reward(rows: list[dict]) -> float | None:
+    """The default setup's held-out reward at its last iteration, mean over its seeds (None without that row)."""
+    default = next((row for row in rows if row["setup"] == "default"), None)
+    return statistics.mean(run["curve"][-1][1] for run in default["runs"].values()) if default else None
+
+
 def format_training(rows: list[dict]) -> str:
-    """Markdown: per backward, the mean ± sample standard deviation over the seeds."""
+    """Markdown: per setup, the mean ± sample standard deviation over the seeds; with Flow-GRPO's default among them,
+    each setup's mean gain per minute over its; with the default among them, the minutes each setup's seeds took to
+    first reach the default's final held-out reward (mean over the seeds that did, and how many did)."""
     def spread(row, key, spec):
         std = row[f"{key}_std"]
         return format(row[key], spec) + (f" ± {format(std, spec.lstrip('+'))}" if std is not None else "")
+
+    target = default_final_reward(rows)
+    flow_grpo = next((row["gain_per_minute"] for row in rows if row["setup"] == "flow_grpo"), None)
+
+    def to_target(row) -> str:
+        reached = [m for m in (minutes_to_reward(run["curve"], target) for run in row["runs"].values())
+                   if m is not None]
+        mean = f"{statistics.mean(reached):.2f}, " if reached else ""
+        return f"{mean}{len(reached)} of {len(row['runs'])} seeds"
+
     header = ["model", "setup", "backward", "iterations", "seeds", "held-out gain", "minutes", "train-phase minutes",
               "gain per minute"]
+    if flow_grpo is not None:
+        header.append("gain per minute vs Flow-GRPO's")
+    if target is not None:
+        header.append(f"minutes to the default's final reward ({target:.3f})")
     lines = [[r["model"], SETUP_LABELS[r["setup"]], r["backward"], str(r["iterations"]),
               str(len(r["seeds"])), spread(r, "gain", "+.4f"), spread(r, "minutes", ".2f"),
-              spread(r, "train_minutes", ".2f"), spread(r, "gain_per_minute", "+.4f")] for r in rows]
+              spread(r, "train_minutes", ".2f"), spread(r, "gain_per_minute", "+.4f"),
+              *([f"{r['gain_per_minute'] / flow_grpo:.1f}x"] if flow_grpo is not None else []),
+              *([to_target(r)] if target is not None else [])] for r in rows]
     return markdown_table(header, lines) + "\n"
 
 
