@@ -539,7 +539,8 @@ ALGORITHM_KEYS: dict[str, list[str]] = {
 
 
 #: each algorithm's name on the page
-ALGORITHM_LABELS = {"grpo": "GRPO + JAGG (default)", "nft": "DiffusionNFT", "awm": "AWM"}
+ALGORITHM_LABELS = {"grpo": "GRPO + JAGG (default)", "nft": "DiffusionNFT (most reward per minute on the default task)",
+                    "awm": "AWM"}
 
 
 def key_owner(key: str) -> str | None:
