@@ -263,8 +263,8 @@ class NftConfig(_Section):
                                   "optimizer step k, old = d old + (1 - d) theta with d = min(old_decay_max, "
                                   "old_decay_rate x max(0, k - old_decay_delay)), updated once per iteration")
     old_decay_max: float = Field(0.5, ge=0.0, lt=1.0, description="the largest decay d of the old policy's update")
-    old_decay_delay: int = Field(0, ge=0, description="optimizer steps before the old policy starts to trail (d = 0, it "
-                                 "copies the trained weights)")
+    old_decay_delay: int = Field(0, ge=0, description="optimizer steps before the old policy starts to trail (d = 0, "
+                                 "it copies the trained weights)")
 
 
 class AwmConfig(_Section):

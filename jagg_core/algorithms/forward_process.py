@@ -9,8 +9,9 @@ sample ``b``'s clean latent noised to the schedule's sigma of step ``k`` with fr
 
 Each sample gets the same number of rows (the algorithm's :meth:`ForwardProcessAlgorithm.draw_steps`), cut in
 order into the iteration's optimizer steps (:attr:`~.base.Algorithm.optimizer_steps`: each step trains every sample
-at its part of its steps); a step's loss is the mean over its rows, so the rows are split into ``train.gradient_accumulation_steps``
-micro-batches, each backpropagated with its share ``R_micro / R`` of that mean: the same gradient at any split.
+at its part of its steps); a step's loss is the mean over its rows, so the rows are split into
+``train.gradient_accumulation_steps`` micro-batches, each backpropagated with its share ``R_micro / R`` of that mean:
+the same gradient at any split.
 Each micro-batch is one forward with grad over its rows, plus the no-grad forwards of the algorithm's companion
 policies (the base model, a lagging copy of the LoRA) at the same rows. The draws (steps and noise) come from a
 generator seeded by (``train.seed``, iteration, process), so a resumed run draws them again the same.

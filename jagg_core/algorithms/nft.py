@@ -8,8 +8,9 @@ Rollout: ODE samples ``x0`` by the lagging *old* policy ``theta_old`` (CFG-free)
 
 Each sample is trained at ``K = int(T nft.timestep_fraction)`` of the ``T`` schedule steps, a random permutation's
 first K (fresh noise each, :mod:`.forward_process`), cut in ``m = nft.updates_per_rollout`` parts in that order:
-optimizer step ``s`` of the iteration trains every sample at its part ``s``. At a row, with ``v = v_theta(x_t)`` and ``v_old`` the old
-policy's velocity (no grad), the implicit positive and negative policies mix them with ``beta = nft.beta``::
+optimizer step ``s`` of the iteration trains every sample at its part ``s``. At a row, with ``v = v_theta(x_t)`` and
+``v_old`` the old policy's velocity (no grad), the implicit positive and negative policies mix them with
+``beta = nft.beta``::
 
     v+ = beta v + (1 - beta) v_old              v- = (1 + beta) v_old - beta v
     x0+ = x_t - sigma v+                        x0- = x_t - sigma v-
@@ -17,17 +18,17 @@ policy's velocity (no grad), the implicit positive and negative policies mix the
     L- likewise with its own w- (the adaptive weights are detached and computed per branch)
     L  = mean_rows[ c (r L+ + (1 - r) L-) / beta ] + nft.kl_beta mean_rows mean_k (v - v_ref)^2
 
-``v_ref`` is the base model's velocity (adapter disabled). After each iteration ``k`` (its ``m`` optimizer steps) the old
-policy becomes ``theta_old = d theta_old + (1 - d) theta`` with ``d = min(old_decay_max, old_decay_rate * max(0, s -
+``v_ref`` is the base model's velocity (adapter disabled). After each iteration ``k`` (its ``m`` optimizer steps) the
+old policy becomes ``theta_old = d theta_old + (1 - d) theta`` with ``d = min(old_decay_max, old_decay_rate * max(0, s -
 old_decay_delay))``, ``s = k m`` the optimizer steps so far: the reference code's ``decay_type`` 1 is (rate 0.001, max
 0.5, delay 0), type 2 (0.0075, 0.999, 75).
 
 Where this differs from the reference code: the rollout is our Euler ODE sampler (theirs a 2nd-order DPM solver;
 the paper allows any sampler); all of a sample's rows are stacked into micro-batches of rows (theirs loops over the
 timesteps, one backward each: the same gradient); with ``m > 1`` updates per rollout the batch is cut by each
-sample's steps, so every update sees every group (theirs cuts it by samples); the reference's per-prompt advantages with global std are
-``grpo.group_by: prompt`` with ``grpo.global_std: true``; the EMA of the weights used for its evals is
-``train.ema_decay``.
+sample's steps, so every update sees every group (theirs cuts it by samples); the reference's per-prompt
+advantages with global std are ``grpo.group_by: prompt`` with ``grpo.global_std: true``; the EMA of the weights used
+for its evals is ``train.ema_decay``.
 """
 
 from __future__ import annotations
