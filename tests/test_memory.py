@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -11,6 +12,7 @@ from conftest import run_cli, tiny_config
 from jagg_core.config import list_presets, load_config, preset_path
 from jagg_core.errors import UserError
 from jagg_core.memory_meter import PeakMemory, measured_peak
+from jagg_core import memory_plan
 from jagg_core.memory_plan import GB, check_fits, cheapest_fit, plan_memory
 from jagg_core.models import load_flow_model
 from jagg_core.rundir import RunDirectory
@@ -120,6 +122,22 @@ def test_the_plan_counts_the_transformers_buffers(offline):
     transformer = next(size for part, size in plan.resident.items() if part.startswith("transformer"))
     params = 90_314_304  # SD3.5-Medium with one block
     assert transformer == pytest.approx(params * 2 + 384 * 384 * 1536 * 2, rel=1e-3)
+
+
+@pytest.mark.parametrize("arch, settings", [
+    ("flux-dev", {}),  # two stacks
+    ("qwen-image", {"train.gradient_checkpointing": True}),  # rotary tables made on the first call
+])
+def test_the_plan_traces_a_short_stack_and_counts_the_same_bytes_as_every_block(arch, settings, offline, monkeypatch):
+    """The plan traces each uniform stack at 2 and 4 blocks and extends the peak linearly: the same bytes, exactly,
+    as tracing all 7 blocks of each stack at the real width."""
+    overrides = [f"model.name=random:{arch}@7", "sampling.resolution=256",
+                 *(f"{key}={json.dumps(value)}" for key, value in settings.items())]
+    config = load_config(preset="flux-dev-pickscore-24gb", overrides=overrides)
+    short = plan_memory(config)
+    monkeypatch.setattr(memory_plan, "_uniform_stacks", lambda transformer: {})
+    every_block = plan_memory(config)
+    assert short.phases == every_block.phases and short.total == every_block.total
 
 
 def test_checkpointing_sequential_endpoints_and_chunks_lower_the_plan(offline):
