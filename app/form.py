@@ -311,13 +311,14 @@ def _prompt_source(form: Form, run_dir: Path) -> str:
 
 
 def build_config(form: Form, run_dir: Path) -> RunConfig:
-    """The validated config of ``form`` for a new run in ``run_dir`` (which receives the user's prompt file)."""
-    return checked_config(form, run_dir)[0]
+    """The validated config of ``form`` for a new run in ``run_dir`` (which receives the user's prompt file), for a
+    memory plan or an export: the disk's room for the base model's download is checked by a start alone."""
+    return checked_config(form, run_dir, disk=False)[0]
 
 
-def checked_config(form: Form, run_dir: Path) -> tuple[RunConfig, DownloadPlan | None]:
-    """:func:`build_config`, and the base model's download plan of the pre-flight check (``.left``: bytes still to
-    download; None when it is not a Hub model or the Hub is offline)."""
+def checked_config(form: Form, run_dir: Path, disk: bool = True) -> tuple[RunConfig, DownloadPlan | None]:
+    """:func:`build_config` with the disk's room checked (``disk``), and the base model's download plan of the
+    pre-flight check (``.left``: bytes still to download; None when it is not a Hub model or the Hub is offline)."""
     if not form.preset:
         raise UserError("choose a preset to start from")
     data = yaml.safe_load(preset_path(form.preset).read_text())
@@ -348,7 +349,7 @@ def checked_config(form: Form, run_dir: Path) -> tuple[RunConfig, DownloadPlan |
     reset_other_algorithms(data)  # the hidden knobs of the algorithms not chosen keep their defaults
     try:
         config = validate_config(data)
-        plan = check_references(config)
+        plan = check_references(config, disk)
     except UserError as err:
         raise UserError(with_labels(str(err))) from None
     return config, plan

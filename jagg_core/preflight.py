@@ -15,16 +15,16 @@ from .config import ModelConfig, RunConfig
 from .download import DownloadPlan, check_disk_room, plan_download
 
 
-def check_references(config: RunConfig) -> DownloadPlan | None:
+def check_references(config: RunConfig, disk: bool = True) -> DownloadPlan | None:
     """The base model, the rewards and judges (names, options, no judge equal to a training reward), the prompts and
     the trackers' packages exist; raises :class:`~jagg_core.errors.UserError`. Returns the base model's
     :class:`~jagg_core.download.DownloadPlan` (``.left``: bytes still to download), None when it is not a Hub
-    model or the Hub is offline."""
+    model or the Hub is offline. ``disk`` false (a memory plan, an export): no refusal for the cache's disk room."""
     from .judges import check_judges
     from .prompts import run_prompts
     from .rewards.catalog import check_reward_specs
     from .tracking import check_trackers
-    plan = check_model(config.model)
+    plan = check_model(config.model, disk)
     check_reward_specs(config.rewards)
     check_judges(config)
     check_trackers(config.train.report_to)
@@ -32,11 +32,11 @@ def check_references(config: RunConfig) -> DownloadPlan | None:
     return plan
 
 
-def check_model(model: ModelConfig) -> DownloadPlan | None:
+def check_model(model: ModelConfig, disk: bool = True) -> DownloadPlan | None:
     """The base model can be loaded by name: a random-weight arch, a tiny model, or a pipeline folder or Hub id with
     a ``model_index.json`` (offline, from the cache; a preset's model passes offline, its configs ship in
     :mod:`jagg_core.archs`). Online, a Hub model's :class:`~jagg_core.download.DownloadPlan` is returned once the
-    cache's disk is known to have room for what is left to download."""
+    cache's disk is known to have room for what is left to download (not checked with ``disk`` false)."""
     from .archs import arch_for_model, is_random_model, parse_random_model
     from .hubclient import hub_offline
     from .model_index import model_source, read_model_index, tiny_models
@@ -51,6 +51,6 @@ def check_model(model: ModelConfig) -> DownloadPlan | None:
             read_model_index(source, model.revision)
         return None
     plan = plan_download(source, model.revision)
-    if plan is not None:
+    if plan is not None and disk:
         check_disk_room(plan)
     return plan

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.doctor and args.resume:
             raise UserError("--doctor checks a new run's first iteration; drop --resume (or --doctor)")
         config, run_dir = resolve(args)
-        plan = check_references(config)
+        plan = check_references(config, disk=not args.plan)  # a memory plan needs the configs, not the room
         if plan is not None and plan.left:
             print(f"{PROG}: {plan.summary()}", file=sys.stderr)
         if args.plan:

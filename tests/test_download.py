@@ -172,6 +172,23 @@ def test_a_disk_without_room_is_refused_before_anything_is_downloaded(hub, monke
     assert _plan().left > 0
 
 
+def test_a_memory_plan_and_an_export_need_no_room_for_the_download_and_a_start_does(hub, monkeypatch, capsys,
+                                                                                     tmp_path):
+    from app.form import build_config, checked_config, preset_form
+    from jagg_core.run import main
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10**12, 10**12 - 10**6, 10**6))
+    assert main(["--preset", "shapes", "--set", f"model.name={REPO}", "--plan", "--gpu-memory", "16"]) == 0
+    out, err = capsys.readouterr()
+    assert "fits: planned peak" in out and f"the base model {REPO}: {LEFT / 1e6:.1f} MB to download" in err
+    form = preset_form("shapes")
+    form = type(form)(**{**form.__dict__, "model": REPO})
+    assert build_config(form, tmp_path).model.name == REPO
+    with pytest.raises(UserError, match="cannot download the base model"):
+        checked_config(form, tmp_path)
+    assert not [d for d in hub.downloads if not d.path.endswith(".json")]  # configs only
+
+
 @pytest.mark.parametrize("token", [None, BOB])
 def test_a_gated_repo_is_one_line_naming_the_fix(hub, monkeypatch, token):
     if token:
