@@ -134,6 +134,7 @@ ADVANCED_KNOBS = (
                                                   "cosine_with_restarts"))),
     Knob("train.lr_warmup_steps", "Warm-up steps", "int"),
     Knob("train.ema_decay", "EMA decay", "float"),
+    Knob("eval.judges_on_cpu", "Judges on the CPU", "bool"),
     Knob("train.report_to", "Trackers", "multi",
          choices=(("TensorBoard", "tensorboard"), ("trackio", "trackio"), ("Weights & Biases", "wandb"))),
     Knob("train.seed", "Seed", "int"),

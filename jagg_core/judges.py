@@ -52,12 +52,19 @@ def check_judges(config: RunConfig) -> None:
                             "clip_score) or give it other options")
 
 
+def judges_device(config: RunConfig, device: torch.device | str) -> torch.device:
+    """Where the judges' models run: the training ``device``, or the CPU with ``eval.judges_on_cpu``."""
+    import torch
+    return torch.device("cpu") if config.eval.judges_on_cpu else torch.device(device)
+
+
 def build_judges(config: RunConfig, device: torch.device | str) -> CombinedReward | None:
-    """The judges as one :class:`CombinedReward` whose parts are the judges by name (None when there are none)."""
+    """The judges as one :class:`CombinedReward` whose parts are the judges by name (None when there are none), on
+    :func:`judges_device`."""
     specs = config.eval.judges
     if not specs:
         return None
-    judges = [build_reward(spec, device) for spec in specs]
+    judges = [build_reward(spec, judges_device(config, device)) for spec in specs]
     return CombinedReward(judges, [1.0] * len(judges), term_names([spec.name for spec in specs]),
                           config.sampling.reward_frames)
 

@@ -18,7 +18,8 @@ How it is computed:
   endpoints are joint. Mixed precision runs these in the compute dtype. A stack of identical blocks is traced
   at 2 and 4 blocks and extended linearly to its depth (:func:`_traced_in_depth`): the same bytes in seconds.
 - **Fixed parts**: the rollout batch's trajectory (latents, velocities, reference velocities, float32),
-  its conditioning and decoded images; the reward and judge models (their catalog sizes, float32).
+  its conditioning and decoded images; the reward and judge models (their catalog sizes, float32; no judge with
+  ``eval.judges_on_cpu``).
 - **Phases**: set-up (the text encoders alone: the transformer and VAE come to the device after them),
   rollout forward, VAE decode, backward. The peak is the largest phase's resident parts plus its transient.
 
@@ -244,7 +245,8 @@ def plan_memory(config: RunConfig) -> MemoryPlan:
                                .removesuffix("ForCausalLM") for e in encoders)
     if not cfg.model.cache_text_embeddings:
         plan.resident[f"text encoders ({encoder_names})"] = encoder_bytes
-    for role, spec in [*(("reward", spec) for spec in cfg.rewards), *(("judge", spec) for spec in cfg.eval.judges)]:
+    device_judges = [] if cfg.eval.judges_on_cpu else cfg.eval.judges
+    for role, spec in [*(("reward", spec) for spec in cfg.rewards), *(("judge", spec) for spec in device_judges)]:
         params = reward_entry(spec.name).device_params_m * 1e6
         if params:
             plan.resident[f"{role} {spec.name} ({params / 1e6:.0f} M, float32)"] = params * 4
@@ -354,12 +356,14 @@ def _dequantized_weight(transformer: torch.nn.Module, quantize: str) -> int:
 
 # ----- what fits -------------------------------------------------------------------------------------------
 def _memory_savers(config: RunConfig) -> list[tuple[str, object]]:
-    """Config changes that lower the peak, the ones that keep the training's result first: the same gradient
-    at more time (sequential endpoints, checkpointing, smaller rollout chunks and micro-batches), then fewer
-    bits (8-bit AdamW, int8, NF4 weights), then a lower resolution (a different run)."""
+    """Config changes that lower the peak, the ones that keep the training's result first: the judges on the CPU,
+    the same gradient at more time (sequential endpoints, checkpointing, smaller rollout chunks and micro-batches),
+    then fewer bits (8-bit AdamW, int8, NF4 weights), then a lower resolution (a different run)."""
     cfg = config
     samples = cfg.grpo.num_generations * cfg.grpo.prompts_per_iteration
     savers: list[tuple[str, object]] = []
+    if not cfg.eval.judges_on_cpu and any(reward_entry(spec.name).device_params_m for spec in cfg.eval.judges):
+        savers.append(("eval.judges_on_cpu", True))
     if _joint_passes(cfg):
         savers.append(("backward.joint", False))
     if not cfg.train.gradient_checkpointing:

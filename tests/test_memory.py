@@ -11,10 +11,12 @@ import torch
 from conftest import run_cli, tiny_config
 from jagg_core.config import list_presets, load_config, preset_path
 from jagg_core.errors import UserError
+from jagg_core.judges import judges_device
 from jagg_core.memory_meter import PeakMemory, measured_peak
 from jagg_core import memory_plan
 from jagg_core.memory_plan import GB, check_fits, cheapest_fit, plan_memory
 from jagg_core.models import load_flow_model
+from jagg_core.rewards.catalog import reward_entry
 from jagg_core.rundir import RunDirectory
 from jagg_core.sampler import initial_noise, sde_rollout
 from jagg_core.trainer import Trainer
@@ -158,6 +160,22 @@ def test_a_plan_that_does_not_fit_names_the_cheapest_change_that_does(tmp_path, 
     assert plan.total <= budget * GB
     (tmp_path / "run.yaml").write_text(config.to_yaml())
     assert plan_memory(load_config(config_file=tmp_path / "run.yaml", overrides=changes)).total == plan.total
+
+
+def test_judges_on_the_cpu_leave_the_plan_and_are_the_first_change_when_it_does_not_fit(offline):
+    """A CLIP judge's weights (float32) are on the device unless ``eval.judges_on_cpu``; the judges' move changes
+    no training, so the plan's cheapest fix names it first."""
+    config = tiny_config(sampling__resolution=64, grpo__num_generations=4, eval__judges=[{"name": "aesthetic"}])
+    on_device, on_cpu = plan_memory(config), plan_memory(tiny_config(
+        sampling__resolution=64, grpo__num_generations=4, eval__judges=[{"name": "aesthetic"}],
+        eval__judges_on_cpu=True))
+    judge = reward_entry("aesthetic").device_params_m * 1e6 * 4
+    assert judge > 1e9 and on_device.total - on_cpu.total == pytest.approx(judge)
+    changes, plan = cheapest_fit(config, (on_cpu.total + 1e6) / GB)
+    assert changes == ["eval.judges_on_cpu=true"] and plan.total == on_cpu.total
+    assert judges_device(config, "cuda") == torch.device("cuda")
+    assert judges_device(config.model_copy(update={"eval": config.eval.model_copy(update={"judges_on_cpu": True})}),
+                         "cuda") == torch.device("cpu")
 
 
 BUDGETS = {"16gb": 16, "24gb": 24}
