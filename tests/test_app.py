@@ -382,10 +382,10 @@ def test_the_first_download_is_a_bar_on_the_page_and_start_says_what_is_left(tmp
 
     plan = DownloadPlan("owner/model", "c0ffee", (HubFile("a.safetensors", 23_800_000_000, "b1", 0, False),
                                                    HubFile("model_index.json", 500, "b2", 500, True)))
-    monkeypatch.setattr("app.form.check_references", lambda config: plan)
+    monkeypatch.setattr("app.form.check_references", lambda config, disk: plan)
     message, _ = studio.start(*_studio_values())
     assert message.startswith("Started `page-") and "the base model owner/model: 23.8 GB to download first" in message
-    monkeypatch.setattr("app.form.check_references", lambda config: None)
+    monkeypatch.setattr("app.form.check_references", lambda config, disk: None)
     assert "to download" not in studio.start(*_studio_values())[0]
 
 
@@ -396,7 +396,7 @@ def test_start_while_a_run_trains_queues_the_run_and_the_queue_block_reorders_an
     from app.jobs import Job
     from app.ui import build_app
 
-    monkeypatch.setattr("app.form.check_references", lambda config: None)
+    monkeypatch.setattr("app.form.check_references", lambda config, disk: None)
     busy = RunDirectory(tmp_path / "busy-20250101-000000")
     busy.write_config("name: busy\n")
     monkeypatch.setattr(studio.jobs, "active", lambda: Job(busy.path, 1, 1, time.time(), False))
@@ -439,7 +439,7 @@ def test_start_while_a_run_trains_queues_the_run_and_the_queue_block_reorders_an
 def test_the_processes_field_places_start_resume_and_the_queue(tmp_path, studio, monkeypatch):
     from app.jobs import Job, Placement, queued_placement
 
-    monkeypatch.setattr("app.form.check_references", lambda config: None)
+    monkeypatch.setattr("app.form.check_references", lambda config, disk: None)
     monkeypatch.setattr("app.ui.process_choices", lambda: (1, 4))
     message, _ = studio.start(*_studio_values(), 2)  # no GPU here: data parallel over the CPU's cores
     name, resumed, placement = studio.launched[-1]
