@@ -165,17 +165,15 @@ def test_a_plan_that_does_not_fit_names_the_cheapest_change_that_does(tmp_path, 
 def test_judges_on_the_cpu_leave_the_plan_and_are_the_first_change_when_it_does_not_fit(offline):
     """A CLIP judge's weights (float32) are on the device unless ``eval.judges_on_cpu``; the judges' move changes
     no training, so the plan's cheapest fix names it first."""
-    config = tiny_config(sampling__resolution=64, grpo__num_generations=4, eval__judges=[{"name": "aesthetic"}])
-    on_device, on_cpu = plan_memory(config), plan_memory(tiny_config(
-        sampling__resolution=64, grpo__num_generations=4, eval__judges=[{"name": "aesthetic"}],
-        eval__judges_on_cpu=True))
+    settings = dict(sampling__resolution=64, grpo__num_generations=4, eval__judges=[{"name": "aesthetic"}])
+    config, cpu_config = tiny_config(**settings), tiny_config(**settings, eval__judges_on_cpu=True)
+    on_device, on_cpu = plan_memory(config), plan_memory(cpu_config)
     judge = reward_entry("aesthetic").device_params_m * 1e6 * 4
     assert judge > 1e9 and on_device.total - on_cpu.total == pytest.approx(judge)
     changes, plan = cheapest_fit(config, (on_cpu.total + 1e6) / GB)
     assert changes == ["eval.judges_on_cpu=true"] and plan.total == on_cpu.total
     assert judges_device(config, "cuda") == torch.device("cuda")
-    assert judges_device(config.model_copy(update={"eval": config.eval.model_copy(update={"judges_on_cpu": True})}),
-                         "cuda") == torch.device("cpu")
+    assert judges_device(cpu_config, "cuda") == torch.device("cpu")
 
 
 BUDGETS = {"16gb": 16, "24gb": 24}
