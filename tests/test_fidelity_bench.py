@@ -52,6 +52,29 @@ def test_training_comparison_reports_gain_time_and_spread(tmp_path, offline):
     assert (tmp_path / "training.png").stat().st_size > 0
 
 
+def test_a_journal_keeps_every_finished_run_and_a_second_bench_trains_only_what_is_missing(tmp_path, monkeypatch,
+                                                                                           offline):
+    from jagg_core.bench import training
+
+    trained = []
+
+    def fake_train(config, run_dir):
+        trained.append((run_dir.name, config.train.seed))
+        return {"gain": 0.01 * len(trained), "minutes": 1.0, "train_minutes": 0.5, "gain_per_minute": 0.01,
+                "curve": [[0.0, 0.5], [60.0, 0.5 + 0.01 * len(trained)]]}
+
+    monkeypatch.setattr(training, "train_once", fake_train)
+    config, journal = tiny_config(train__iterations=1), tmp_path / "runs.jsonl"
+    training.training_rows(config, seeds=(0,), setups=("exact", "default"), journal=journal)
+    journal.write_text(journal.read_text() + '{"setup": "exact", "se')  # a bench killed while writing
+    rows = training.training_rows(config, seeds=(0, 1), setups=("exact", "default"), journal=journal)
+    assert trained == [("exact-0", 0), ("default-0", 0), ("exact-1", 1), ("default-1", 1)]
+    assert [row["runs"]["0"]["gain"] for row in rows] == [pytest.approx(0.01), pytest.approx(0.02)]
+    changed = with_overrides(config, ["train.learning_rate=0.002"])  # another config is trained anew
+    training.training_rows(changed, seeds=(0,), setups=("default",), journal=journal)
+    assert trained[-1] == ("default-0", 0) and len(trained) == 5
+
+
 def _training_row(setup: str, curves: dict[str, list], minutes: float, measured: str | None = None) -> dict:
     """A row of ``--training --json`` with the given runs' curves (seconds, held-out reward)."""
     runs = {seed: {"gain": c[-1][1] - c[0][1], "minutes": minutes, "train_minutes": minutes / 2,

@@ -68,6 +68,8 @@ def main(argv: list[str] | None = None) -> None:
                         f"{','.join(SETUP_LABELS)} (flow_grpo: Flow-GRPO's default iteration, every step SDE, exact "
                         "backward, reference in the rollout; tree: the default with tree rollouts; nft, awm: "
                         "DiffusionNFT and AWM as the shapes-nft and shapes-awm presets); default exact,default")
+    parser.add_argument("--journal", metavar="FILE", help="with --training: append each finished run to FILE and reuse "
+                        "the runs already there (same setup, seed and config), so a stopped bench goes on where it was")
     parser.add_argument("--earlier", metavar="JSON", help="with --training: also the rows of this earlier --json "
                         "whose setups are not trained now (marked as measured earlier), in the table and plot")
     parser.add_argument("--fidelity", type=int, metavar="ROLLOUTS", help="also the per-window fidelity along the "
@@ -112,7 +114,10 @@ def run_training(args: argparse.Namespace) -> None:
     if unknown or not setups:
         raise UserError(f"--setups {args.setups}: choose from {', '.join(SETUP_LABELS)}")
     earlier = read_earlier_rows(args.earlier) if args.earlier else None
-    rows = training_rows(bench_config(model, args.overrides), setups=setups)
+    journal = Path(args.journal) if args.journal else None
+    if journal:
+        journal.parent.mkdir(parents=True, exist_ok=True)
+    rows = training_rows(bench_config(model, args.overrides), setups=setups, journal=journal)
     if earlier is not None:
         rows = with_earlier(rows, earlier, args.earlier)
     table = format_training(rows)

@@ -15,11 +15,16 @@ doctor and the judges (:data:`UNTIMED_CHECKS_OFF`). Per run::
     gain/min = gain / minutes
 
 and per setup the mean and the sample standard deviation over the seeds. ``--plot`` draws each run's held-out
-reward against its wall clock.
+reward against its wall clock. With ``--journal FILE`` every finished run is appended to FILE (one JSON line: setup,
+seed, the run config's fingerprint and the run's figures) and a later bench with the same FILE reuses the runs whose
+setup, seed and config match instead of training them again, so a bench of hours that is stopped loses only the run
+it was in.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import statistics
 import tempfile
 import time
@@ -132,16 +137,42 @@ def backward_label(config: RunConfig) -> str:
     return f"{mode} W={backward.window}"
 
 
-def training_rows(base: RunConfig, seeds=SEEDS, setups=("exact", "default")) -> list[dict]:
+def config_fingerprint(config: RunConfig) -> str:
+    """The sha256 of ``config``'s values: two runs with the same fingerprint train the same way."""
+    return hashlib.sha256(config.model_dump_json().encode()).hexdigest()
+
+
+def read_journal(path: Path) -> dict[tuple[str, int, str], dict]:
+    """The runs of a ``--journal`` file by (setup, seed, fingerprint); a cut-off last line (a killed bench) is
+    skipped."""
+    runs = {}
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            entry = json.loads(line)
+            runs[(entry["setup"], entry["seed"], entry["config"])] = entry["run"]
+        except (ValueError, KeyError, TypeError):
+            continue
+    return runs
+
+
+def training_rows(base: RunConfig, seeds=SEEDS, setups=("exact", "default"), journal: Path | None = None) -> list[dict]:
     """One row per setup (of :func:`comparison_setups`): each seed's run, and the mean and spread of its
-    figures."""
+    figures; the runs already in ``journal`` are reused, and each new one is appended to it."""
     runs: dict[str, dict[int, dict]] = {name: {} for name in setups}
     configs = setup_configs(base, setups)
+    done = read_journal(journal) if journal else {}
     with tempfile.TemporaryDirectory() as root:
         for seed in seeds:
             for name, config in configs.items():
-                runs[name][seed] = train_once(with_overrides(config, [f"train.seed={seed}"]),
-                                              Path(root) / f"{name}-{seed}")
+                seeded = with_overrides(config, [f"train.seed={seed}"])
+                key = (name, seed, config_fingerprint(seeded))
+                if key not in done:
+                    done[key] = train_once(seeded, Path(root) / f"{name}-{seed}")
+                    if journal:
+                        with journal.open("a") as file:
+                            file.write(json.dumps({"setup": name, "seed": seed, "config": key[2],
+                                                   "run": done[key]}) + "\n")
+                runs[name][seed] = done[key]
     rows = []
     for name, by_seed in runs.items():
         config = configs[name]
