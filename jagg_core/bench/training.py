@@ -212,19 +212,22 @@ def default_final_reward(rows: list[dict]) -> float | None:
 def format_training(rows: list[dict]) -> str:
     """Markdown: per setup, the mean ± sample standard deviation over the seeds; with Flow-GRPO's default among them,
     each setup's mean gain per minute over its; with the default among them, the minutes each setup's seeds took to
-    first reach the default's final held-out reward (mean over the seeds that did, and how many did)."""
+    first reach the default's final held-out reward (mean over the seeds that did, its share of the default's mean
+    wall clock, and how many did)."""
     def spread(row, key, spec):
         std = row[f"{key}_std"]
         return format(row[key], spec) + (f" ± {format(std, spec.lstrip('+'))}" if std is not None else "")
 
     target = default_final_reward(rows)
+    default_minutes = next((row["minutes"] for row in rows if row["setup"] == "default"), None)
     flow_grpo = next((row["gain_per_minute"] for row in rows if row["setup"] == "flow_grpo"), None)
 
     def to_target(row) -> str:
         reached = [m for m in (minutes_to_reward(run["curve"], target) for run in row["runs"].values())
                    if m is not None]
-        mean = f"{statistics.mean(reached):.2f}, " if reached else ""
-        return f"{mean}{len(reached)} of {len(row['runs'])} seeds"
+        mean = statistics.mean(reached) if reached else None
+        share = f"{mean:.2f} ({mean / default_minutes:.0%} of the default's time), " if reached else ""
+        return f"{share}{len(reached)} of {len(row['runs'])} seeds"
 
     header = ["model", "setup", "backward", "iterations", "seeds", "held-out gain", "minutes", "train-phase minutes",
               "gain per minute"]
