@@ -290,6 +290,9 @@ def test_the_bench_trains_each_forward_process_setup_as_its_preset_on_the_benchs
         assert backward_label(config) == "forward process"
     assert backward_label(configs["default"]) == "cached W=3"
 
+    changed = setup_configs(tiny_config(), FORWARD_PROCESS, overrides=["train.iterations=7"])
+    assert {config.train.iterations for config in changed.values()} == {7}  # the bench's --set reaches the presets
+
 
 def test_the_page_form_switches_algorithm_and_shows_only_its_knobs(tmp_path):
     """Choosing DiffusionNFT on the default preset's form: the config trains NFT with the GRPO-only knobs back at

@@ -111,15 +111,16 @@ SETUP_LABELS = {"flow_grpo": "Flow-GRPO default", "exact": "exact, same rollout"
                 "tree": "default, tree rollout", "nft": "DiffusionNFT", "awm": "AWM"}
 
 
-def setup_configs(base: RunConfig, names) -> dict[str, RunConfig]:
+def setup_configs(base: RunConfig, names, overrides=()) -> dict[str, RunConfig]:
     """The config of each setup named: :func:`comparison_setups`' changes to ``base`` (the fidelity audit off), or
-    the preset of :data:`ALGORITHM_PRESETS` on ``base``'s model; :data:`UNTIMED_CHECKS_OFF` in all."""
+    the preset of :data:`ALGORITHM_PRESETS` on ``base``'s model with the bench's ``overrides`` (``--set``; ``base``
+    has them already); :data:`UNTIMED_CHECKS_OFF` in all."""
     changes = comparison_setups(base)
     missing = [name for name in names if name not in changes and name not in ALGORITHM_PRESETS]
     if missing:
         raise UserError(f"setup {', '.join(missing)} does not apply to this task (tree: grpo.num_generations must be "
                         f"a power of {TREE_BRANCH_FACTOR}); choose from {', '.join([*changes, *ALGORITHM_PRESETS])}")
-    configs = {name: load_config(preset=ALGORITHM_PRESETS[name], overrides=[f"model.name={base.model.name}"])
+    configs = {name: load_config(preset=ALGORITHM_PRESETS[name], overrides=[f"model.name={base.model.name}", *overrides])
                if name in ALGORITHM_PRESETS else with_overrides(base, [*changes[name], "backward.audit_every=0"])
                for name in names}
     return {name: with_overrides(config, UNTIMED_CHECKS_OFF) for name, config in configs.items()}
@@ -155,11 +156,12 @@ def read_journal(path: Path) -> dict[tuple[str, int, str], dict]:
     return runs
 
 
-def training_rows(base: RunConfig, seeds=SEEDS, setups=("exact", "default"), journal: Path | None = None) -> list[dict]:
-    """One row per setup (of :func:`comparison_setups`): each seed's run, and the mean and spread of its
-    figures; the runs already in ``journal`` are reused, and each new one is appended to it."""
+def training_rows(base: RunConfig, seeds=SEEDS, setups=("exact", "default"), journal: Path | None = None,
+                  overrides=()) -> list[dict]:
+    """One row per setup (of :func:`setup_configs`, ``overrides`` as there): each seed's run, and the mean and
+    spread of its figures; the runs already in ``journal`` are reused, and each new one is appended to it."""
     runs: dict[str, dict[int, dict]] = {name: {} for name in setups}
-    configs = setup_configs(base, setups)
+    configs = setup_configs(base, setups, overrides)
     done = read_journal(journal) if journal else {}
     with tempfile.TemporaryDirectory() as root:
         for seed in seeds:
