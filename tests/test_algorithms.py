@@ -290,8 +290,12 @@ def test_the_bench_trains_each_forward_process_setup_as_its_preset_on_the_benchs
         assert backward_label(config) == "forward process"
     assert backward_label(configs["default"]) == "cached W=3"
 
-    changed = setup_configs(tiny_config(), FORWARD_PROCESS, overrides=["train.iterations=7"])
-    assert {config.train.iterations for config in changed.values()} == {7}  # the bench's --set reaches the presets
+    # the bench's --set reaches every setup, and a key of one algorithm can be set when only its setup is trained
+    changed = setup_configs(tiny_config(), ["default", *FORWARD_PROCESS], overrides=["train.iterations=7"])
+    assert {config.train.iterations for config in changed.values()} == {7}
+    assert setup_configs(tiny_config(), ["nft"], overrides=["nft.old_decay_delay=75"])["nft"].nft.old_decay_delay == 75
+    with pytest.raises(UserError, match="nft.old_decay_delay 75 applies to train.algorithm nft only"):
+        setup_configs(tiny_config(), ["default", "nft"], overrides=["nft.old_decay_delay=75"])
 
 
 def test_the_page_form_switches_algorithm_and_shows_only_its_knobs(tmp_path):

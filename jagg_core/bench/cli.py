@@ -117,7 +117,7 @@ def run_training(args: argparse.Namespace) -> None:
     journal = Path(args.journal) if args.journal else None
     if journal:
         journal.parent.mkdir(parents=True, exist_ok=True)
-    rows = training_rows(bench_config(model, args.overrides), setups=setups, journal=journal,
+    rows = training_rows(bench_config(model), setups=setups, journal=journal,
                          overrides=args.overrides)
     if earlier is not None:
         rows = with_earlier(rows, earlier, args.earlier)

@@ -113,8 +113,11 @@ SETUP_LABELS = {"flow_grpo": "Flow-GRPO default", "exact": "exact, same rollout"
 
 def setup_configs(base: RunConfig, names, overrides=()) -> dict[str, RunConfig]:
     """The config of each setup named: :func:`comparison_setups`' changes to ``base`` (the fidelity audit off), or
-    the preset of :data:`ALGORITHM_PRESETS` on ``base``'s model with the bench's ``overrides`` (``--set``; ``base``
-    has them already); :data:`UNTIMED_CHECKS_OFF` in all."""
+    the preset of :data:`ALGORITHM_PRESETS` on ``base``'s model; the bench's ``overrides`` (``--set``) go into
+    each, after ``base`` or the preset (so a key of one algorithm can be set when only its setup is trained);
+    :data:`UNTIMED_CHECKS_OFF` in all."""
+    if any(name not in ALGORITHM_PRESETS for name in names):
+        base = with_overrides(base, list(overrides))
     changes = comparison_setups(base)
     missing = [name for name in names if name not in changes and name not in ALGORITHM_PRESETS]
     if missing:
