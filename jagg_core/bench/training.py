@@ -123,7 +123,8 @@ def setup_configs(base: RunConfig, names, overrides=()) -> dict[str, RunConfig]:
     if missing:
         raise UserError(f"setup {', '.join(missing)} does not apply to this task (tree: grpo.num_generations must be "
                         f"a power of {TREE_BRANCH_FACTOR}); choose from {', '.join([*changes, *ALGORITHM_PRESETS])}")
-    configs = {name: load_config(preset=ALGORITHM_PRESETS[name], overrides=[f"model.name={base.model.name}", *overrides])
+    configs = {name: load_config(preset=ALGORITHM_PRESETS[name],
+                                 overrides=[f"model.name={base.model.name}", *overrides])
                if name in ALGORITHM_PRESETS else with_overrides(base, [*changes[name], "backward.audit_every=0"])
                for name in names}
     return {name: with_overrides(config, UNTIMED_CHECKS_OFF) for name, config in configs.items()}
@@ -208,6 +209,13 @@ def minutes_to_reward(curve: list[list[float]], target: float) -> float | None:
     return next((seconds / 60 for seconds, reward in curve if reward >= target), None)
 
 
+def mean_curve(runs: dict) -> list[list[float]]:
+    """The seeds' curves averaged eval by eval (seconds and reward; the evals of a setup fall at the same
+    iterations in every seed), cut at the shortest."""
+    return [[statistics.mean(point[0] for point in points), statistics.mean(point[1] for point in points)]
+            for points in zip(*(run["curve"] for run in runs.values()))]
+
+
 def default_final_reward(rows: list[dict]) -> float | None:
     """The default setup's held-out reward at its last iteration, mean over its seeds (None without that row)."""
     default = next((row for row in rows if row["setup"] == "default"), None)
@@ -218,7 +226,7 @@ def format_training(rows: list[dict]) -> str:
     """Markdown: per setup, the mean ± sample standard deviation over the seeds; with Flow-GRPO's default among them,
     each setup's mean gain per minute over its; with the default among them, the minutes each setup's seeds took to
     first reach the default's final held-out reward (mean over the seeds that did, its share of the default's mean
-    wall clock, and how many did)."""
+    wall clock, and how many did), and when the seeds' mean curve (:func:`mean_curve`) first reaches it."""
     def spread(row, key, spec):
         std = row[f"{key}_std"]
         return format(row[key], spec) + (f" ± {format(std, spec.lstrip('+'))}" if std is not None else "")
@@ -234,17 +242,21 @@ def format_training(rows: list[dict]) -> str:
         share = f"{mean:.2f} ({mean / default_minutes:.0%} of the default's time), " if reached else ""
         return f"{share}{len(reached)} of {len(row['runs'])} seeds"
 
+    def mean_to_target(row) -> str:
+        minutes = minutes_to_reward(mean_curve(row["runs"]), target)
+        return f"{minutes:.2f} ({minutes / default_minutes:.0%} of the default's time)" if minutes else "not reached"
+
     header = ["model", "setup", "backward", "iterations", "seeds", "held-out gain", "minutes", "train-phase minutes",
               "gain per minute"]
     if flow_grpo is not None:
         header.append("gain per minute vs Flow-GRPO's")
     if target is not None:
-        header.append(f"minutes to the default's final reward ({target:.3f})")
+        header += [f"minutes to the default's final reward ({target:.3f})", "the seeds' mean curve reaches it at"]
     lines = [[r["model"], SETUP_LABELS[r["setup"]], r["backward"], str(r["iterations"]),
               str(len(r["seeds"])), spread(r, "gain", "+.4f"), spread(r, "minutes", ".2f"),
               spread(r, "train_minutes", ".2f"), spread(r, "gain_per_minute", "+.4f"),
               *([f"{r['gain_per_minute'] / flow_grpo:.1f}x"] if flow_grpo is not None else []),
-              *([to_target(r)] if target is not None else [])] for r in rows]
+              *([to_target(r), mean_to_target(r)] if target is not None else [])] for r in rows]
     return markdown_table(header, lines) + "\n"
 
 
