@@ -35,7 +35,7 @@ def test_training_comparison_reports_gain_time_and_spread(tmp_path, offline):
     from jagg_core.bench.training import format_training, plot_training, training_rows
 
     config = tiny_config(train__iterations=1, backward__audit_every=1)
-    rows = training_rows(config, seeds=(0, 1), setups=("flow_grpo", "exact", "default", "tree"), fresh_processes=False)
+    rows = training_rows(config, seeds=(0, 1), setups=("flow_grpo", "exact", "default", "tree"))
     assert [(r["setup"], r["backward"]) for r in rows] == [("flow_grpo", "exact"), ("exact", "exact"),
                                                            ("default", "cached W=3"), ("tree", "cached W=3")]
     for row in rows:
@@ -52,16 +52,6 @@ def test_training_comparison_reports_gain_time_and_spread(tmp_path, offline):
     assert (tmp_path / "training.png").stat().st_size > 0
 
 
-def test_a_run_in_a_fresh_process_is_the_same_run(tmp_path, offline):
-    """The bench trains each run in a newly spawned interpreter, with the same figures as in this one."""
-    from jagg_core.bench.training import train_in_fresh_process, train_once
-
-    config = tiny_config(train__iterations=2, train__sample_every=1)
-    fresh, here = train_in_fresh_process(config, tmp_path / "fresh"), train_once(config, tmp_path / "here")
-    assert [reward for _, reward in fresh["curve"]] == [reward for _, reward in here["curve"]]
-    assert len(fresh["curve"]) == 3 and fresh["gain"] == here["gain"]
-
-
 def test_a_journal_keeps_every_finished_run_and_a_second_bench_trains_only_what_is_missing(tmp_path, monkeypatch,
                                                                                            offline):
     from jagg_core.bench import training
@@ -75,14 +65,13 @@ def test_a_journal_keeps_every_finished_run_and_a_second_bench_trains_only_what_
 
     monkeypatch.setattr(training, "train_once", fake_train)
     config, journal = tiny_config(train__iterations=1), tmp_path / "runs.jsonl"
-    training.training_rows(config, seeds=(0,), setups=("exact", "default"), journal=journal, fresh_processes=False)
+    training.training_rows(config, seeds=(0,), setups=("exact", "default"), journal=journal)
     journal.write_text(journal.read_text() + '{"setup": "exact", "se')  # a bench killed while writing
-    rows = training.training_rows(config, seeds=(0, 1), setups=("exact", "default"), journal=journal,
-                                  fresh_processes=False)
+    rows = training.training_rows(config, seeds=(0, 1), setups=("exact", "default"), journal=journal)
     assert trained == [("exact-0", 0), ("default-0", 0), ("exact-1", 1), ("default-1", 1)]
     assert [row["runs"]["0"]["gain"] for row in rows] == [pytest.approx(0.01), pytest.approx(0.02)]
     changed = with_overrides(config, ["train.learning_rate=0.002"])  # another config is trained anew
-    training.training_rows(changed, seeds=(0,), setups=("default",), journal=journal, fresh_processes=False)
+    training.training_rows(changed, seeds=(0,), setups=("default",), journal=journal)
     assert trained[-1] == ("default-0", 0) and len(trained) == 5
 
 

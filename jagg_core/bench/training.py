@@ -6,8 +6,8 @@ For every seed, the run config (the default task unless told) is trained to its 
 iteration), ``exact`` (the config with ``backward.mode: exact``), ``default`` (the config as it is), ``tree`` (the
 config with tree rollouts), ``nft`` and ``awm`` (DiffusionNFT and AWM as their presets for the default task set
 them, :data:`ALGORITHM_PRESETS`), same seed (so the same prompts at every iteration until the adapters part), through
-:meth:`~jagg_core.trainer.Trainer.fit`, each run in a fresh process. The fidelity audit is off in all (it is timed
-apart anyway), and so are the doctor and the judges (:data:`UNTIMED_CHECKS_OFF`). Per run::
+:meth:`~jagg_core.trainer.Trainer.fit`. The fidelity audit is off in all (it is timed apart anyway), and so are the
+doctor and the judges (:data:`UNTIMED_CHECKS_OFF`). Per run::
 
     gain     = held-out eval reward at the last iteration - at iteration 0 (the base model)
     minutes  = wall clock of the whole fit (rollouts, backward, evals, checkpoints) / 60
@@ -25,14 +25,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import multiprocessing
 import statistics
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-
-import torch
 
 from .. import metrics
 from ..config import RunConfig, load_config, with_overrides
@@ -68,16 +64,6 @@ def train_once(config: RunConfig, run_dir: Path) -> dict:
 FLOW_GRPO_TIMESTEP_FRACTION = 0.99
 #: Flow-GRPO's default noise level a (its configs' sample.noise_level)
 FLOW_GRPO_NOISE_LEVEL = 0.7
-
-
-def train_in_fresh_process(config: RunConfig, run_dir: Path) -> dict:
-    """:func:`train_once` in a newly spawned interpreter with this one's torch threads, so that a run's wall clock
-    does not depend on what the bench trained before it: in one long process, DiffusionNFT after a Flow-GRPO run
-    took a third longer than alone."""
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(1, mp_context=context, initializer=torch.set_num_threads,
-                             initargs=(torch.get_num_threads(),)) as pool:
-        return pool.submit(train_once, config, run_dir).result()
 
 
 def comparison_setups(config: RunConfig) -> dict[str, list[str]]:
@@ -175,11 +161,9 @@ def read_journal(path: Path) -> dict[tuple[str, int, str], dict]:
 
 
 def training_rows(base: RunConfig, seeds=SEEDS, setups=("exact", "default"), journal: Path | None = None,
-                  overrides=(), fresh_processes: bool = True) -> list[dict]:
-    """One row per setup (of :func:`setup_configs`, ``overrides`` as there): each seed's run, each in a fresh
-    process (:func:`train_in_fresh_process`) unless told otherwise, and the mean and spread of its figures; the runs
-    already in ``journal`` are reused, and each new one is appended to it."""
-    train = train_in_fresh_process if fresh_processes else train_once
+                  overrides=()) -> list[dict]:
+    """One row per setup (of :func:`setup_configs`, ``overrides`` as there): each seed's run, and the mean and
+    spread of its figures; the runs already in ``journal`` are reused, and each new one is appended to it."""
     runs: dict[str, dict[int, dict]] = {name: {} for name in setups}
     configs = setup_configs(base, setups, overrides)
     done = read_journal(journal) if journal else {}
@@ -189,7 +173,7 @@ def training_rows(base: RunConfig, seeds=SEEDS, setups=("exact", "default"), jou
                 seeded = with_overrides(config, [f"train.seed={seed}"])
                 key = (name, seed, config_fingerprint(seeded))
                 if key not in done:
-                    done[key] = train(seeded, Path(root) / f"{name}-{seed}")
+                    done[key] = train_once(seeded, Path(root) / f"{name}-{seed}")
                     if journal:
                         with journal.open("a") as file:
                             file.write(json.dumps({"setup": name, "seed": seed, "config": key[2],
