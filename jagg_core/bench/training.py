@@ -244,7 +244,9 @@ def format_training(rows: list[dict]) -> str:
 
     def mean_to_target(row) -> str:
         minutes = minutes_to_reward(mean_curve(row["runs"]), target)
-        return f"{minutes:.2f} ({minutes / default_minutes:.0%} of the default's time)" if minutes is not None else "not reached"
+        if minutes is None:
+            return "not reached"
+        return f"{minutes:.2f} ({minutes / default_minutes:.0%} of the default's time)"
 
     header = ["model", "setup", "backward", "iterations", "seeds", "held-out gain", "minutes", "train-phase minutes",
               "gain per minute"]
