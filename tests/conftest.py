@@ -14,14 +14,6 @@ from jagg_core.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    # the suite runs one worker per core (pyproject's ``-n``): each worker, and every process it starts, computes on
-    # one CPU thread, so that the workers do not fight over the cores
-    import torch
-
-    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-
 
 def tiny_config(model: str = "tiny-sd3", **overrides):
     """The tiny-sd3 preset, made smaller still, with ``section__key=value`` overrides."""
