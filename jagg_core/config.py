@@ -73,6 +73,14 @@ class ModelConfig(_Section):
                                       "Kontext, Qwen-Image-Edit): side of the square the prompt row's input image is "
                                       "centre-cropped and resized to before the model encodes it (the pipelines use "
                                       "about 1024); a multiple of 16")
+    cudnn_attention: bool = Field(False, description="let torch choose cuDNN's attention kernel on a CUDA GPU; off: "
+                                  "flash, memory-efficient or math attention. Off by default: it is "
+                                  "a suspect of a crash of FLUX.1-dev on an H200 (pytorch issues 167101, 171532 at "
+                                  "sequence lengths not a multiple of 128)")
+    bf16_reduced_precision_reduction: bool = Field(
+        False, description="let cuBLAS reduce bf16 matmuls in bf16 (split-K; torch's default); off: in float32. Off "
+        "by default: it is a suspect of a crash of FLUX.1-dev on an H200 (pytorch issues 192061, 170676, thin matmuls "
+        "such as a rank-4 LoRA's)")
 
     @model_validator(mode="before")
     @classmethod

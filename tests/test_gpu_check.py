@@ -15,6 +15,7 @@ from conftest import ROOT
 from jagg_core.config import load_config
 from jagg_core.gpu_check import (CheckOptions, all_steps, format_tables, memory_presets, memory_recipe, plan_order,
                                  read_ledger, run_check, step_names, triage_verdict)
+from jagg_core.gpu_check.triage import FLUX_PATH_SETTINGS
 
 OFFLINE = {"HF_HUB_OFFLINE": "1"}
 REDUCED = CheckOptions(reduced=True)
@@ -135,15 +136,45 @@ def test_the_triage_runs_on_a_cpu_at_toy_size_and_skips_the_kernels_it_lacks(tmp
 @pytest.mark.parametrize("outcome, says", [
     ({}, "has not run yet"),
     ({"triage-sdpa-cudnn-1101": "crashed", "triage-sdpa-cudnn-1152": "ok", "triage-lora-rank4": "ok"},
-     "cuDNN SDPA fails only at lengths not a multiple of 128"),
-    ({"triage-lora-rank4": "failed", "triage-lora-rank16": "ok"}, "fail at rank 4 only (cuBLAS split-K)"),
+     "cuDNN SDPA fails only at lengths not a multiple of 128: keep cuDNN attention out on this device (the "
+     "product's default model.cudnn_attention=false)"),
+    ({"triage-lora-rank4": "failed", "triage-lora-rank16": "ok"},
+     "fail at rank 4 only (cuBLAS split-K): keep bf16 reductions in float32 (the product's default "
+     "model.bf16_reduced_precision_reduction=false)"),
     ({"triage-flux-path-as-crashed": "crashed", "triage-flux-path-no-cudnn-sdpa": "ok",
-      "triage-flux-path-no-bf16-split-k": "crashed"}, "passes with no-cudnn-sdpa"),
+      "triage-flux-path-no-bf16-split-k": "crashed"}, "passes with no-cudnn-sdpa: that setting's key keeps its safe"),
     ({"triage-flux-path-as-crashed": "failed", "triage-flux-path-no-cudnn-sdpa": "failed"}, "neither suspect"),
     ({"triage-flux-path-as-crashed": "ok"}, "needs the real depth"),
 ])
 def test_the_triage_verdict_names_the_fix_each_outcome_implies(outcome, says):
     assert says in " ".join(triage_verdict(outcome))
+
+
+@pytest.fixture
+def torch_kernel_switches():
+    """Restores torch's process-wide cuDNN-attention and bf16-reduction switches after the test."""
+    import torch
+    saved = torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    yield
+    torch.backends.cuda.enable_cudnn_sdp(saved[0])
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = saved[1]
+
+
+@pytest.mark.parametrize("setting, cudnn_attention, bf16_reduction", [
+    (None, False, False),  # the product's default: both suspects off
+    ("as-crashed", True, True), ("no-cudnn-sdpa", False, True), ("no-bf16-split-k", True, False)])
+def test_the_flux_path_cases_set_the_products_kernel_keys_and_loading_a_model_applies_them(
+        setting, cudnn_attention, bf16_reduction, torch_kernel_switches):
+    import torch
+    from jagg_core.models import load_flow_model
+    torch.backends.cuda.enable_cudnn_sdp(not cudnn_attention)  # the opposite first: the loader must set both
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = not bf16_reduction
+    config = load_config(preset="tiny-sd3", overrides=list(FLUX_PATH_SETTINGS[setting]) if setting else [])
+    assert (config.model.cudnn_attention, config.model.bf16_reduced_precision_reduction) == (cudnn_attention,
+                                                                                              bf16_reduction)
+    load_flow_model(config.model, "cpu")
+    assert torch.backends.cuda.cudnn_sdp_enabled() is cudnn_attention
+    assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction is bf16_reduction
 
 
 def test_the_command_shows_the_order_resumes_and_survives_a_crash(tmp_path):

@@ -148,15 +148,17 @@ def step_tiny(model: str, options: CheckOptions) -> list[dict]:
 
 
 def bench_rows(arch: str, options: CheckOptions, layers: int | None = None, quantize: str | None = None,
-               jagg_only: bool = False, repeats: int = 2, warmup: int = 1) -> list[dict]:
+               jagg_only: bool = False, repeats: int = 2, warmup: int = 1, overrides: tuple[str, ...] = ()
+               ) -> list[dict]:
     """The real-size bench of ``arch`` (random weights, ``layers`` blocks or the real depth, 512 px on a GPU,
-    gradient checkpointing, on a ``quantize`` base): exact and JAGG W = :data:`BENCH_WINDOW` cached joint on one
-    rollout batch; ``jagg_only`` keeps JAGG's row (exact still runs: the speed-ups and cosine are against it)."""
+    gradient checkpointing, on a ``quantize`` base, with config ``overrides``): exact and JAGG W =
+    :data:`BENCH_WINDOW` cached joint on one rollout batch; ``jagg_only`` keeps JAGG's row (exact still runs: the
+    speed-ups and cosine are against it)."""
     from ..bench import EXACT, BenchOptions, Variant, arch_model, arch_overrides, bench_train_phase
     device = torch_device()
     model = arch_model(arch, random_weights=True, layers=layers)
     overrides = [*arch_overrides(device.type, options.resolution, quantize), "train.gradient_checkpointing=true",
-                 *options.overrides, *(REDUCED_BENCH_BATCH if options.reduced else ())]
+                 *options.overrides, *(REDUCED_BENCH_BATCH if options.reduced else ()), *overrides]
     bench = BenchOptions(models=[model], overrides=tuple(overrides), repeats=repeats, warmup=warmup,
                          memory=device.type == "cuda", iterations=0)
     jagg = Variant("cached", window=BENCH_WINDOW, joint=True)

@@ -12,8 +12,9 @@ LoRA linear. The suspects:
   ``triage-lora-rankR`` cases run a LoRA's two matmuls alone (forward and backward, bf16 autocast, width 3072,
   16 x 1,101 rows) at rank 4 and 16;
 * then the project's own FLUX path (:func:`jagg_core.bench.bench_train_phase`, the bench's exact and JAGG W = 5
-  backward) at the real width and :data:`FLUX_PATH_LAYERS` blocks, as it crashed and without each suspect
-  (:data:`FLUX_PATH_SETTINGS`).
+  backward) at the real width and :data:`FLUX_PATH_LAYERS` blocks, as it crashed and without each suspect, each
+  set by the product's keys ``model.cudnn_attention`` and ``model.bf16_reduced_precision_reduction``
+  (:data:`FLUX_PATH_SETTINGS`), whose defaults turn both suspects off until the triage says which it was.
 
 Each case is a step of its own: its own process, ``CUDA_LAUNCH_BLOCKING=1`` (the error surfaces at the kernel that
 made it), a 15 s cap (60 s for the FLUX path); an error from the kernel is its row and the next case starts with
@@ -44,12 +45,13 @@ REDUCED_TOKEN_DIVISOR = 16
 BF16_TOLERANCE = 0.1
 #: 1 double- and 2 single-stream blocks: FLUX's real 1 : 2 proportion, the real width
 FLUX_PATH_LAYERS = 3
-#: the FLUX path's cases: as it crashed, and without each suspect (a process-wide torch switch, so the project's
-#: code runs unchanged)
+#: the FLUX path's cases, each the product's two kernel keys (:mod:`jagg_core.models.kernels`): as it crashed
+#: (torch's defaults, both suspects on) and without each suspect; both off is the product's default, which the
+#: real-size ``bench-flux-dev`` runs
 FLUX_PATH_SETTINGS = {
-    "as-crashed": "torch's defaults",
-    "no-cudnn-sdpa": "torch.backends.cuda.enable_cudnn_sdp(False)",
-    "no-bf16-split-k": "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False",
+    "as-crashed": ("model.cudnn_attention=true", "model.bf16_reduced_precision_reduction=true"),
+    "no-cudnn-sdpa": ("model.cudnn_attention=false", "model.bf16_reduced_precision_reduction=true"),
+    "no-bf16-split-k": ("model.cudnn_attention=true", "model.bf16_reduced_precision_reduction=false"),
 }
 #: what torch raises when the chosen backend has no kernel for the inputs (a device that lacks it)
 NO_KERNEL = ("No available kernel", "No viable backend")
@@ -167,16 +169,12 @@ def lora_case(rank: int, options: CheckOptions) -> list[dict]:
 
 def flux_path_case(setting: str, options: CheckOptions) -> list[dict]:
     """The project's FLUX path, as the crashed bench ran it (the real width, :data:`FLUX_PATH_LAYERS` blocks,
-    512 px, bf16, gradient checkpointing, exact and JAGG W = 5 joint), under ``setting``."""
-    import torch
+    512 px, bf16, gradient checkpointing, exact and JAGG W = 5 joint), with the kernel keys of ``setting``."""
     from .steps import bench_rows
-    if setting == "no-cudnn-sdpa":
-        torch.backends.cuda.enable_cudnn_sdp(False)
-    elif setting == "no-bf16-split-k":
-        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-    layers = options.layers or FLUX_PATH_LAYERS
-    rows = bench_rows("flux-dev", options, layers=layers, repeats=1, warmup=0)
-    return [{**row, "step": f"triage-flux-path-{setting}", "setting": FLUX_PATH_SETTINGS[setting]} for row in rows]
+    keys = FLUX_PATH_SETTINGS[setting]
+    rows = bench_rows("flux-dev", options, layers=options.layers or FLUX_PATH_LAYERS, repeats=1, warmup=0,
+                      overrides=keys)
+    return [{**row, "step": f"triage-flux-path-{setting}", "setting": " ".join(keys)} for row in rows]
 
 
 def triage_verdict(statuses: dict[str, str]) -> list[str]:
@@ -195,8 +193,8 @@ def triage_verdict(statuses: dict[str, str]) -> list[str]:
     short, aligned = TRIAGE_TOKENS
     if failed(f"sdpa-cudnn-{short}"):
         where = "only at lengths not a multiple of 128" if ok(f"sdpa-cudnn-{aligned}") else "at both lengths"
-        lines.append(f"cuDNN SDPA fails {where}: the product should leave cuDNN attention out on this device (an "
-                     "attention-backend setting defaulting to flash / efficient / math on CUDA)"
+        lines.append(f"cuDNN SDPA fails {where}: keep cuDNN attention out on this device (the product's "
+                     "default model.cudnn_attention=false)"
                      + (", or pad sequences to a multiple of 128" if ok(f"sdpa-cudnn-{aligned}") else "") + ".")
     other_attention = [b for b in SDPA_BACKENDS if b != "cudnn" and any(failed(f"sdpa-{b}-{t}") for t in TRIAGE_TOKENS)]
     if other_attention:
@@ -204,13 +202,14 @@ def triage_verdict(statuses: dict[str, str]) -> list[str]:
                      "torch / driver; pin the MATH backend there and report upstream.")
     if failed("lora-rank4"):
         where = "at rank 4 only" if ok("lora-rank16") else "at ranks 4 and 16"
-        lines.append(f"The LoRA's thin bf16 matmuls fail {where} (cuBLAS split-K): the product should set "
-                     "allow_bf16_reduced_precision_reduction = False on CUDA, or run the LoRA factors' matmuls in "
-                     "float32" + (", or raise the minimum rank to 16" if ok("lora-rank16") else "") + ".")
+        lines.append(f"The LoRA's thin bf16 matmuls fail {where} (cuBLAS split-K): keep bf16 reductions in "
+                     "float32 (the product's default model.bf16_reduced_precision_reduction=false), or run the LoRA "
+                     "factors' matmuls in float32" + (", or raise the minimum rank to 16" if ok("lora-rank16") else "")
+                     + ".")
     fixes = [s for s in FLUX_PATH_SETTINGS if s != "as-crashed" and ok(f"flux-path-{s}")]
     if failed("flux-path-as-crashed") and fixes:
-        lines.append(f"The FLUX path fails as it crashed and passes with {' and with '.join(fixes)}: that setting "
-                     "is the fix to make the product's default on CUDA.")
+        lines.append(f"The FLUX path fails as it crashed and passes with {' and with '.join(fixes)}: that "
+                     "setting's key keeps its safe default (the product's defaults turn both suspects off).")
     elif failed("flux-path-as-crashed"):
         lines.append("The FLUX path fails under every setting run: neither suspect alone explains it; next "
                      "suspects: gradient checkpointing, RoPE, the joint pass's batch.")
