@@ -20,8 +20,9 @@ How it is computed:
 - **Fixed parts**: the rollout batch's trajectory (latents, velocities, reference velocities, float32),
   its conditioning and decoded images; the reward and judge models (their catalog sizes, float32; no judge with
   ``eval.judges_on_cpu``).
-- **Phases**: set-up (the text encoders alone: the transformer and VAE come to the device after them),
-  rollout forward, VAE decode, backward. The peak is the largest phase's resident parts plus its transient.
+- **Phases**: set-up, rollout forward, VAE decode, backward. The peak is the largest phase's resident parts plus
+  its transient. The set-up holds first the text encoders alone while they encode the prompts, then, once they
+  have left, the resident parts but the optimizer's states (made by its first step): its peak is the larger.
 
 GB are 10^9 bytes (a "16 GB" card has 16 GiB = 17.2 GB, so a plan at 16 GB leaves it ~1 GB of margin).
 Not counted: the CUDA context (~0.3-0.5 GB outside ``max_memory_allocated``), allocator fragmentation, and
@@ -106,6 +107,9 @@ class MemoryPlan:
     family: str
     resolution: int
     resident: dict[str, float] = field(default_factory=dict)
+    #: of the resident bytes, those the optimizer's first step makes (AdamW's states): not there at set-up
+    optimizer_states: float = 0.0
+    #: the prompts' encoding at set-up (the text encoders and their activations)
     setup: dict[str, float] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)       # transient of each training phase
     phase_parts: dict[str, float] = field(default_factory=dict)  # extra resident of each phase (trajectory, ...)
@@ -116,8 +120,13 @@ class MemoryPlan:
     @property
     def totals(self) -> dict[str, float]:
         totals = {phase: self.phase_total(phase) for phase in self.phases}
-        totals[SETUP_PHASE] = sum(self.setup.values())
+        totals[SETUP_PHASE] = max(sum(self.setup.values()), self.setup_resident)
         return totals
+
+    @property
+    def setup_resident(self) -> float:
+        """Bytes on the device at the end of set-up: the resident parts but the optimizer's states."""
+        return sum(self.resident.values()) - self.optimizer_states
 
     @property
     def peak_phase(self) -> str:
@@ -134,6 +143,7 @@ class MemoryPlan:
         lines += [f"    {name:<58} {size / GB:8.2f}" for name, size in self.resident.items()]
         lines.append("  set-up (prompts encoded, text encoders then released):")
         lines += [f"    {name:<58} {size / GB:8.2f}" for name, size in self.setup.items()]
+        lines.append(f"    {'then the resident parts but the optimizer states':<58} {self.setup_resident / GB:8.2f}")
         lines.append("  phases (resident + the phase's own tensors + its transient activations):")
         for phase in self.phases:
             extra = self.phase_parts.get(phase, 0.0)
@@ -246,10 +256,12 @@ def plan_memory(config: RunConfig) -> MemoryPlan:
     if not cfg.model.cache_text_embeddings:
         plan.resident[f"text encoders ({encoder_names})"] = encoder_bytes
     device_judges = [] if cfg.eval.judges_on_cpu else cfg.eval.judges
+    judge_bytes = 0.0  # the judges load first at set-up, before the text encoders
     for role, spec in [*(("reward", spec) for spec in cfg.rewards), *(("judge", spec) for spec in device_judges)]:
         params = reward_entry(spec.name).device_params_m * 1e6
         if params:
             plan.resident[f"{role} {spec.name} ({params / 1e6:.0f} M, float32)"] = params * 4
+            judge_bytes += params * 4 if role == "judge" else 0
 
     lora = model.add_lora(cfg.lora)
     lora_count = sum(p.numel() for p in lora)
@@ -261,10 +273,13 @@ def plan_memory(config: RunConfig) -> MemoryPlan:
     extras = ", EMA" * bool(ema) + ", lagging copy" * bool(lagging)
     plan.resident[f"LoRA ({_count(lora_count)}): weights, AdamW states{extras} (fp32)"] = \
         lora_count * (4 + state_bytes + ema + lagging)
+    plan.optimizer_states = lora_count * state_bytes
 
     # ----- set-up: the text encoders encode every prompt, then leave
     if cfg.model.cache_text_embeddings and encoders:
         tokens = max(cfg.model.max_sequence_length, 77)
+        if judge_bytes:
+            plan.setup["judges, loaded before the base model"] = judge_bytes
         plan.setup[f"text encoders ({encoder_names}, {cfg.model.dtype})"] = encoder_bytes
         plan.setup[f"encoding {ENCODE_BATCH} prompts at a time"] = max(
             _text_encoder_activations(e, tokens, element) for e in encoders)
