@@ -13,8 +13,8 @@ import pytest
 
 from conftest import ROOT
 from jagg_core.config import load_config
-from jagg_core.gpu_check import (CheckOptions, all_steps, format_tables, memory_presets, memory_recipe, plan_order,
-                                 read_ledger, run_check, step_names, triage_verdict)
+from jagg_core.gpu_check import (CheckOptions, all_steps, format_tables, memory_presets, memory_recipe, next_batch,
+                                 plan_order, read_ledger, run_check, step_names, triage_verdict)
 from jagg_core.gpu_check.triage import FLUX_PATH_SETTINGS
 
 OFFLINE = {"HF_HUB_OFFLINE": "1"}
@@ -50,7 +50,16 @@ def test_the_check_has_a_step_for_each_figure_the_issue_asks_for():
     assert all(0 < s.cap_s <= 300 for s in steps) and all(s.env == {"CUDA_LAUNCH_BLOCKING": "1"}
                                                           for s in steps if s.table == "triage")
     isolated = [s for s in steps if s.name.startswith(("triage-sdpa-", "triage-lora-"))]
-    assert len(isolated) == 10 and sum(s.cap_s for s in isolated) <= 180  # the suspects apart within 3 minutes
+    batches, queue = [], isolated
+    while queue:
+        batches.append(next_batch(queue, 4, 0.85 * 139))
+        queue = [s for s in queue if s not in batches[-1]]
+    assert len(isolated) == 10 and sum(max(s.cap_s for s in b) for b in batches) <= 180  # apart within 3 minutes
+    timed = [s for s in steps if s.table in ("device", "bench", "quantize") or s.name.startswith("triage-flux-path")]
+    assert all(s.shares_gb is None for s in timed)  # their seconds are figures, or the crash may be memory: alone
+    assert all(s.shares_gb for s in isolated) and {s.name for s in steps if s.table == "memory" and s.shares_gb is None} \
+        == {"memory-flux-dev-pickscore-24gb", "memory-flux-kontext-clipdir-24gb", "memory-qwen-image-pickscore-24gb",
+            "memory-qwen-image-edit-clipdir-24gb"}  # quantized: their random weights pass through host memory, disk
 
 
 def test_the_order_puts_the_device_then_the_never_measured_then_the_last_failed(tmp_path):
@@ -85,7 +94,7 @@ def test_the_committed_ledger_marks_what_the_first_check_measured_with_its_date(
     assert "memory-qwen-image-pickscore-24gb" not in ledger  # skipped for the budget: never measured
     table = format_tables(ledger, all_steps(CheckOptions()), CheckOptions())
     assert "| bench-sd35-medium | 240 | ok | 2026-11-30 | 65 |" in table
-    assert "| triage-lora-rank4 | 15 | never measured | - | - |" in table
+    assert "| triage-lora-rank4 | 20 | never measured | - | - |" in table
 
 
 def test_a_crash_and_a_hang_leave_their_rows_and_the_next_step_still_runs(tmp_path):
@@ -107,6 +116,24 @@ def test_a_crash_and_a_hang_leave_their_rows_and_the_next_step_still_runs(tmp_pa
     assert "| simulate-hang | 3 | timed out" in table
 
 
+def test_the_steps_that_share_the_gpu_run_together_within_its_memory_and_the_parallel_bound():
+    by_name = {s.name: s for s in all_steps(CheckOptions())}
+    queue = [by_name[name] for name in (
+        "memory-flux2-klein-pickscore-24gb", "memory-qwen-image-edit-clipdir-24gb", "memory-sd35-medium-pickscore-16gb",
+        "memory-wan21-t2v-1.3b-pickscore-24gb", "memory-zimage-turbo-pickscore-24gb", "bench-sd35-medium", "tiny-sd3")]
+
+    def names(parallel, room_gb, steps=queue):
+        return [s.name.removeprefix("memory-") for s in next_batch(steps, parallel, room_gb)]
+
+    h200 = 0.85 * 139
+    assert names(4, h200) == ["flux2-klein-pickscore-24gb", "sd35-medium-pickscore-16gb",
+                              "wan21-t2v-1.3b-pickscore-24gb", "zimage-turbo-pickscore-24gb"]  # 88 GB
+    assert names(8, 0.85 * 80) == ["flux2-klein-pickscore-24gb", "sd35-medium-pickscore-16gb",
+                                   "wan21-t2v-1.3b-pickscore-24gb", "tiny-sd3"]  # 66 of 68 GB
+    assert names(1, h200) == ["flux2-klein-pickscore-24gb"]
+    assert names(4, None, queue[1:]) == ["qwen-image-edit-clipdir-24gb"]  # a step that runs alone takes no company
+
+
 def test_a_real_size_check_without_a_gpu_stops_after_the_device_step(tmp_path):
     lines = []
     rows = run_check(tmp_path, CheckOptions(), only=["device", "tiny-sd3"], log=lines.append)
@@ -124,9 +151,15 @@ def test_a_step_whose_cap_does_not_fit_is_not_started_and_a_shorter_one_is(tmp_p
     assert not (tmp_path / "triage-flux-path-as-crashed.json").exists()
 
 
-def test_the_triage_runs_on_a_cpu_at_toy_size_and_skips_the_kernels_it_lacks(tmp_path):
+def test_the_triage_runs_on_a_cpu_at_toy_size_side_by_side_and_skips_the_kernels_it_lacks(tmp_path):
     names = ["triage-sdpa-cudnn-1101", "triage-sdpa-math-1152", "triage-lora-rank4"]
-    rows = {row["step"]: row for row in run_check(tmp_path, REDUCED, budget_s=600, only=names, log=lambda _: None)}
+    lines = []
+    rows = {row["step"]: row for row in run_check(tmp_path, REDUCED, budget_s=600, only=names, log=lines.append,
+                                                  parallel=2)}
+    started = [line for line in lines if line.endswith(" s left")]  # two at once, then the third
+    assert len(started) == 2 and started[0].count("(cap 60 s)") == 2 and "side by side" in started[0]
+    beside = {name: json.loads((tmp_path / f"{name}.json").read_text()).get("beside") for name in names}
+    assert beside == {names[0]: [names[1]], names[1]: [names[0]], names[2]: None}
     cudnn, math_1152, lora = (rows[name] for name in names)
     assert cudnn["status"] == "skipped" and "no cudnn kernel" in cudnn["reason"]
     assert math_1152["status"] == "ok" and math_1152["tokens"] == 1152 // 16 and math_1152["out_err"] < 1e-5
@@ -248,10 +281,12 @@ def test_the_nf4_steps_are_skipped_on_a_cpu_before_they_build_anything():
         assert [(r["status"], r["reason"]) for r in rows] == [("skipped", "NF4 (bitsandbytes) needs a CUDA GPU")]
 
 
-def test_an_unknown_step_is_one_line(tmp_path):
+def test_an_unknown_step_or_a_parallel_below_one_is_one_line(tmp_path):
     done = run_gpu_check("--only", "tiny-sdxl", "--out", str(tmp_path))
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "unknown step(s) tiny-sdxl; steps: device, triage-sdpa-cudnn-1101" in done.stderr
+    done = run_gpu_check("--parallel", "0", "--out", str(tmp_path))
+    assert done.returncode == 2 and "Traceback" not in done.stderr and "--parallel must be at least 1" in done.stderr
 
 
 def test_the_tables_read_without_a_gpu_or_a_ledger():

@@ -8,9 +8,12 @@ its own under its own time cap, and keeps every outcome in the repo until the ta
 
 The ledger (:mod:`.ledger`) is ``docs/gpu/*.json``; the order puts the device first, then the steps never
 measured, then those last failed; a step starts only while its cap fits in what is left of ``--budget``. Each
-step (:mod:`.steps`, :mod:`.triage`) is a process of its own (:func:`.driver.run_step_process`): a CUDA error
+step (:mod:`.steps`, :mod:`.triage`) is a process of its own (:class:`.driver.StepProcess`): a CUDA error
 is its ``failed`` row, a dead process a ``crashed`` row, one past its cap is killed (with its children) and
-``timed out``; the next step starts in a fresh process with a fresh CUDA context. The steps:
+``timed out``; the next step starts in a fresh process with a fresh CUDA context. The steps whose figures are not
+seconds (the isolated triage cases, the memory peaks of unquantized presets, the tiny runs) run side by side, up
+to ``--parallel`` (4) at once within 85% of the GPU's memory, each in its own process and CUDA context; the timed
+ones run alone. The steps:
 
 1. ``device``: the GPU, its memory, CUDA, cuDNN and library versions.
 2. ``triage-*``: the FLUX.1-dev crash taken apart (:mod:`.triage`): attention alone under each SDPA backend,
@@ -27,10 +30,10 @@ step's whole output) and ``OUT/gpu_check.md`` (every step's last outcome and dat
 """
 
 from .common import CheckOptions
-from .driver import format_tables, main, run_check, run_step_process
+from .driver import format_tables, main, next_batch, run_check
 from .ledger import plan_order, read_ledger
 from .steps import all_steps, memory_presets, memory_recipe, step_names
 from .triage import triage_verdict
 
-__all__ = ["CheckOptions", "all_steps", "format_tables", "main", "memory_presets", "memory_recipe", "plan_order",
-           "read_ledger", "run_check", "run_step_process", "step_names", "triage_verdict"]
+__all__ = ["CheckOptions", "all_steps", "format_tables", "main", "memory_presets", "memory_recipe", "next_batch",
+           "plan_order", "read_ledger", "run_check", "step_names", "triage_verdict"]

@@ -52,6 +52,10 @@ class Step:
     reduced_cap_s: float
     #: environment variables of its process (the triage's ``CUDA_LAUNCH_BLOCKING=1``)
     env: dict[str, str] = field(default_factory=dict)
+    #: GPU memory (GB) it may take when it runs beside other steps: a step whose figures are not seconds (a
+    #: kernel's errors, a peak memory, a tiny run's loss) shares the GPU, each in its own process and CUDA context;
+    #: None: it runs alone (its seconds are the figures, or it may take the whole GPU)
+    shares_gb: float | None = None
 
     def cap(self, options: CheckOptions) -> float:
         return self.reduced_cap_s if options.reduced else self.cap_s

@@ -12,7 +12,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -24,6 +24,9 @@ from .triage import triage_verdict
 
 #: one call on the GPU machine: the device time lent is about 15 minutes in all, with the machine's start
 DEFAULT_BUDGET_S = 480
+#: steps run side by side at most (those that share the GPU: :attr:`~.common.Step.shares_gb`), and the part of the
+#: GPU's memory they may take together (the rest: their CUDA contexts)
+DEFAULT_PARALLEL, GPU_ROOM = 4, 0.85
 #: the ledger and outputs of a real-size check, and of a ``--reduced`` one (git-ignored)
 DEFAULT_OUT, REDUCED_OUT = Path("docs/gpu"), Path("gpu_check")
 TABLE_FILE = "gpu_check.md"
@@ -33,28 +36,58 @@ def now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def run_step_process(step: Step, options: CheckOptions, cap_s: float, log_file: Path) -> list[dict]:
-    """``step`` in a process of its own (a session: its children die with it), its output into ``log_file``.
-    Killed past ``cap_s``: a ``timed out`` row; dead without its rows (a signal, a CUDA context gone): a
-    ``crashed`` row with the signal and the log's last error line."""
-    with tempfile.TemporaryDirectory() as tmp:
-        result_file = Path(tmp) / "rows.json"
+@dataclass
+class StepProcess:
+    """A step running in a process of its own (a session: its children die with it), its output into its log."""
+
+    step: Step
+    cap_s: float
+    log_file: Path
+    result_file: Path
+    process: subprocess.Popen
+    date: str
+    started: float
+
+    @classmethod
+    def start(cls, step: Step, options: CheckOptions, cap_s: float, log_file: Path, result_file: Path) -> StepProcess:
         command = [sys.executable, "-m", "jagg_core.gpu_check", "--step", step.name, "--result", str(result_file),
                    "--threads", str(options.threads), *(["--reduced"] if options.reduced else [])]
         with log_file.open("w") as handle:
             process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
                                        env={**os.environ, "PYTHONUNBUFFERED": "1", **step.env})
-            try:
-                code = process.wait(timeout=cap_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-                return [{"step": step.name, "status": "timed out", "reason": f"ran past its {cap_s:g} s cap"}]
-        if result_file.is_file():  # the rows came out, whatever the exit (a broken CUDA context may fail it)
-            return json.loads(result_file.read_text())
+        return cls(step, cap_s, log_file, result_file, process, now(), time.perf_counter())
+
+    def finish(self) -> list[dict]:
+        """Its rows, once it has ended. Killed at its cap: a ``timed out`` row; dead without its rows (a signal, a
+        CUDA context gone): a ``crashed`` row with the signal and the log's last error line."""
+        try:
+            code = self.process.wait(timeout=max(0.0, self.started + self.cap_s - time.perf_counter()))
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+            return [{"step": self.step.name, "status": "timed out", "reason": f"ran past its {self.cap_s:g} s cap"}]
+        if self.result_file.is_file():  # the rows came out, whatever the exit (a broken CUDA context may fail it)
+            return json.loads(self.result_file.read_text())
         died = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
-        error = last_error(log_file)
-        return [{"step": step.name, "status": "crashed", "reason": died + (f"; {error}" if error else "")}]
+        error = last_error(self.log_file)
+        return [{"step": self.step.name, "status": "crashed", "reason": died + (f"; {error}" if error else "")}]
+
+
+def next_batch(queue: list[Step], parallel: int, room_gb: float | None) -> list[Step]:
+    """The steps to run together next: the first of ``queue``, and when it shares the GPU (``Step.shares_gb``) the
+    later steps of the queue that share it too, in their order, at most ``parallel`` in all, their memory within
+    ``room_gb`` (None: no GPU's memory to count, a CPU)."""
+    first = queue[0]
+    batch = [first]
+    if first.shares_gb is None:
+        return batch
+    for step in queue[1:]:
+        if len(batch) == parallel:
+            break
+        if step.shares_gb is not None and (room_gb is None or sum(s.shares_gb for s in batch) + step.shares_gb
+                                           <= room_gb):
+            batch.append(step)
+    return batch
 
 
 def last_error(log: Path) -> str:
@@ -65,11 +98,14 @@ def last_error(log: Path) -> str:
 
 
 def run_check(out: Path, options: CheckOptions, budget_s: float = DEFAULT_BUDGET_S, only: list[str] | None = None,
-              ledger_folder: Path | None = None, caps: dict[str, float] | None = None, log=print) -> list[dict]:
+              ledger_folder: Path | None = None, caps: dict[str, float] | None = None, log=print,
+              parallel: int = DEFAULT_PARALLEL) -> list[dict]:
     """The steps of :func:`~.ledger.plan_order` within ``budget_s``: a step starts only while its whole cap
-    (``caps`` or its own) fits in what is left, else the next, shorter one gets the time. Each step leaves
-    ``out/STEP.json`` and ``out/STEP.log``; ``out/gpu_check.md`` (the tables of the ledger and this run) is
-    rewritten after each; a real-size check stops when the device step finds no GPU. Returns this run's rows."""
+    (``caps`` or its own) fits in what is left, else the next, shorter one gets the time. Steps that share the GPU
+    run side by side (:func:`next_batch`, at most ``parallel``, within :data:`GPU_ROOM` of the device's memory),
+    each in its own process; the others alone. Each step leaves ``out/STEP.json`` and ``out/STEP.log``;
+    ``out/gpu_check.md`` (the tables of the ledger and this run) is rewritten after each batch; a real-size check
+    stops when the device step finds no GPU. Returns this run's rows."""
     steps, caps = all_steps(options), caps or {}
     unknown = sorted(set(only or ()) - {step.name for step in steps})
     if unknown:
@@ -77,34 +113,49 @@ def run_check(out: Path, options: CheckOptions, budget_s: float = DEFAULT_BUDGET
         raise UserError(f"unknown step(s) {', '.join(unknown)}; steps: {', '.join(s.name for s in steps)}")
     out.mkdir(parents=True, exist_ok=True)
     ledger = read_ledger([ledger_folder or out, out], options)
-    order = plan_order(steps, ledger, only)
+    queue = plan_order(steps, ledger, only)
     log(f"[gpu-check] {len(ledger)} step(s) already measured; this run's order, within {budget_s:g} s:")
-    for line in describe_order(order, ledger, options):
+    for line in describe_order(queue, ledger, options):
         log(f"[gpu-check]   {line}")
     (out / TABLE_FILE).write_text(format_tables(ledger, steps, options))
     start, rows, not_started = time.perf_counter(), [], []
-    for step in order:
-        cap, left = caps.get(step.name, step.cap(options)), budget_s - (time.perf_counter() - start)
-        if cap > left:
-            not_started.append(f"{step.name} ({cap:g} s > {left:.0f} s)")
-            continue
-        log(f"[gpu-check] {step.name} (cap {cap:g} s, {left:.0f} s left)")
-        step_start, date = time.perf_counter(), now()
-        step_rows = run_step_process(step, options, cap, out / f"{step.name}.log")
-        seconds = time.perf_counter() - step_start
-        record = {"date": date, "step": step.name, "cap_s": cap, "seconds": seconds, "options": asdict(options),
-                  "rows": step_rows}
-        (out / f"{step.name}.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
-        ledger[step.name] = Outcome(step_status(step_rows), date, step_rows, seconds)
-        log(f"[gpu-check] {step.name}: {ledger[step.name].status} in {seconds:.0f} s")
-        rows += step_rows
+    while queue:
+        left = budget_s - (time.perf_counter() - start)
+        not_started += [f"{s.name} ({caps.get(s.name, s.cap(options)):g} s > {left:.0f} s)" for s in queue
+                        if caps.get(s.name, s.cap(options)) > left]  # the time left only shrinks: never
+        queue = [s for s in queue if caps.get(s.name, s.cap(options)) <= left]
+        if not queue:
+            break
+        batch = next_batch(queue, parallel, _gpu_room(ledger))
+        queue = [s for s in queue if s not in batch]
+        log(f"[gpu-check] {' + '.join(f'{s.name} (cap {caps.get(s.name, s.cap(options)):g} s)' for s in batch)}"
+            f"{' side by side' if len(batch) > 1 else ''}, {left:.0f} s left")
+        with tempfile.TemporaryDirectory() as tmp:
+            running = [StepProcess.start(s, options, caps.get(s.name, s.cap(options)), out / f"{s.name}.log",
+                                         Path(tmp) / f"{s.name}.json") for s in batch]
+            for process in running:
+                step_rows = process.finish()
+                seconds = time.perf_counter() - process.started
+                record = {"date": process.date, "step": process.step.name, "cap_s": process.cap_s,
+                          "seconds": seconds, "options": asdict(options), "rows": step_rows,
+                          **({"beside": [s.name for s in batch if s is not process.step]} if len(batch) > 1 else {})}
+                (out / f"{process.step.name}.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
+                ledger[process.step.name] = Outcome(step_status(step_rows), process.date, step_rows, seconds)
+                log(f"[gpu-check] {process.step.name}: {ledger[process.step.name].status} in {seconds:.0f} s")
+                rows += step_rows
         (out / TABLE_FILE).write_text(format_tables(ledger, steps, options))
-        if step.name == "device" and ledger["device"].status != "ok":
+        if batch[0].name == "device" and ledger["device"].status != "ok":
             log("[gpu-check] no GPU to check: the other steps would measure the CPU; stopping")
             break
     if not_started:
         log(f"[gpu-check] not started, their cap more than the time left: {', '.join(not_started)}")
     return rows
+
+
+def _gpu_room(ledger: dict[str, Outcome]) -> float | None:
+    """GB the steps side by side may take: :data:`GPU_ROOM` of the GPU the device step found (None: no GPU)."""
+    device = ledger["device"].rows[0] if "device" in ledger else {}
+    return GPU_ROOM * device["gpu_total_gb"] if device.get("gpu_total_gb") else None
 
 
 # ----- the tables ---------------------------------------------------------------------------------------
@@ -210,11 +261,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="another cap for one step (repeatable)")
     parser.add_argument("--table", action="store_true", help=f"print the ledger's tables ({TABLE_FILE}) and exit")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads of the steps (default 2)")
+    parser.add_argument("--parallel", type=int, default=DEFAULT_PARALLEL,
+                        help="most steps side by side, of those that share the GPU (kernel errors, memory peaks, "
+                        f"tiny runs; not the timed ones); 1: one at a time (default {DEFAULT_PARALLEL})")
     parser.add_argument("--step", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     options = CheckOptions(reduced=args.reduced, threads=args.threads)
-    from ..errors import exit_on_user_error
+    from ..errors import UserError, exit_on_user_error
     from ..quiet import quiet_libraries
     quiet_libraries()
     if args.step:
@@ -225,8 +279,11 @@ def main(argv: list[str] | None = None) -> int:
         print(format_tables(ledger, all_steps(options), options), end="")
         return 0
     with exit_on_user_error(parser.prog):
+        if args.parallel < 1:
+            raise UserError(f"--parallel must be at least 1, not {args.parallel}")
         rows = run_check(out, options, args.budget, args.only.split(",") if args.only else None, args.ledger,
-                         dict(args.cap), log=lambda line: print(line, file=sys.stderr, flush=True))
+                         dict(args.cap), log=lambda line: print(line, file=sys.stderr, flush=True),
+                         parallel=args.parallel)
         print((out / TABLE_FILE).read_text(), end="")
         not_ok = sorted({r["step"] for r in rows if r["status"] in NOT_OK})
         print(f"{len(rows)} rows this run, {len(not_ok)} step(s) not ok{': ' + ', '.join(not_ok) if not_ok else ''}; "

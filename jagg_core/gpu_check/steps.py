@@ -39,6 +39,8 @@ LIBRARIES = ("torch", "diffusers", "transformers", "peft", "accelerate", "bitsan
 MEMORY_CAP_S, BENCH_CAP_S, QWEN_CAP_S = 200, 240, 300
 #: the simulated hang's cap under ``--reduced``
 HANG_CAP_S = 3
+#: GPU memory (GB) a tiny run may take beside other steps
+TINY_GB = 2.0
 
 
 def memory_presets() -> list[str]:
@@ -57,16 +59,26 @@ def all_steps(options: CheckOptions) -> list[Step]:
                   Step("simulate-hang", "simulated", simulate_hang, cap_s=30, reduced_cap_s=HANG_CAP_S)]
     steps += triage_steps()
     steps += [Step(f"memory-{preset}", "memory", functools.partial(step_memory, preset),
-                   cap_s=QWEN_CAP_S if preset.startswith("qwen-image") else MEMORY_CAP_S, reduced_cap_s=300)
-              for preset in memory_presets()]
+                   cap_s=QWEN_CAP_S if preset.startswith("qwen-image") else MEMORY_CAP_S, reduced_cap_s=300,
+                   shares_gb=memory_step_gb(preset)) for preset in memory_presets()]
     steps += [Step(f"bench-{arch}", "bench", functools.partial(step_bench, arch, quantize),
                    cap_s=QWEN_CAP_S if arch.startswith("qwen-image") else BENCH_CAP_S, reduced_cap_s=300)
               for arch, quantize in BENCH_ARCHS]
     steps += [Step(f"quantize-{QUANTIZE_ARCH}-{base}", "quantize", functools.partial(step_quantize, base),
                    cap_s=180, reduced_cap_s=300) for base in QUANTIZE_BASES]
-    steps += [Step(model, "tiny", functools.partial(step_tiny, model), cap_s=60, reduced_cap_s=300)
-              for model in TINY_MODELS]
+    steps += [Step(model, "tiny", functools.partial(step_tiny, model), cap_s=60, reduced_cap_s=300,
+                   shares_gb=TINY_GB) for model in TINY_MODELS]
     return steps
+
+
+def memory_step_gb(preset: str) -> float | None:
+    """GPU memory a preset's memory step may take beside others: the card its name is made for (16 or 24 GB). None
+    (alone) for a quantized base: its bf16 random weights go through the host's memory and disk to be quantized
+    (24 GB for FLUX.1, 40 GB for Qwen-Image), more than two of them fit."""
+    from ..config import load_config
+    if load_config(preset=preset).model.quantize != "none":
+        return None
+    return float(re.search(r"-(\d+)gb$", preset)[1])
 
 
 def step_names(options: CheckOptions = CheckOptions()) -> list[str]:

@@ -17,8 +17,9 @@ LoRA linear. The suspects:
   (:data:`FLUX_PATH_SETTINGS`), whose defaults turn both suspects off until the triage says which it was.
 
 Each case is a step of its own: its own process, ``CUDA_LAUNCH_BLOCKING=1`` (the error surfaces at the kernel that
-made it), a 15 s cap (60 s for the FLUX path); an error from the kernel is its row and the next case starts with
-a fresh CUDA context.
+made it), a 20 s cap (60 s for the FLUX path); an error from the kernel is its row and the next case starts with
+a fresh CUDA context. The isolated cases run side by side, each in its own process and CUDA context; the FLUX path
+runs alone.
 A kernel the device lacks (cuDNN or flash attention on a CPU) is a ``skipped`` row. :func:`triage_verdict` reads
 the rows and names the product fix they imply. ``--reduced`` runs the same cases at 1/16 of the tokens, width 64.
 """
@@ -55,19 +56,22 @@ FLUX_PATH_SETTINGS = {
 }
 #: what torch raises when the chosen backend has no kernel for the inputs (a device that lacks it)
 NO_KERNEL = ("No available kernel", "No viable backend")
-#: an isolated kernel's case: a process start, torch and CUDA up, a kernel and its float32 reference; the 10 of
-#: them tell the suspects apart within 150 s
-ISOLATED_CAP_S = 15
+#: an isolated kernel's case: a process start, torch and CUDA up (four processes at once), a kernel and its float32
+#: reference; the 10 of them, four at a time, tell the suspects apart within 60 s (200 s one at a time)
+ISOLATED_CAP_S = 20
+#: an isolated case's GPU memory (its float32 reference at 16 x 24 x 1,152 x 128 is 0.23 GB a tensor): they share
+#: the GPU; the FLUX path runs alone (its crash may come from the memory it takes)
+ISOLATED_GB = 4
 LAUNCH_BLOCKING = {"CUDA_LAUNCH_BLOCKING": "1"}
 
 
 def triage_steps() -> list[Step]:
     """The triage's cases, the isolated kernels first (seconds each), then the FLUX path."""
     sdpa = [Step(f"triage-sdpa-{backend}-{tokens}", "triage", functools.partial(attention_case, backend, tokens),
-                 cap_s=ISOLATED_CAP_S, reduced_cap_s=60, env=LAUNCH_BLOCKING)
+                 cap_s=ISOLATED_CAP_S, reduced_cap_s=60, env=LAUNCH_BLOCKING, shares_gb=ISOLATED_GB)
             for tokens in TRIAGE_TOKENS for backend in SDPA_BACKENDS]
     lora = [Step(f"triage-lora-rank{rank}", "triage", functools.partial(lora_case, rank), cap_s=ISOLATED_CAP_S,
-                 reduced_cap_s=60, env=LAUNCH_BLOCKING) for rank in LORA_RANKS]
+                 reduced_cap_s=60, env=LAUNCH_BLOCKING, shares_gb=ISOLATED_GB) for rank in LORA_RANKS]
     path = [Step(f"triage-flux-path-{setting}", "triage", functools.partial(flux_path_case, setting), cap_s=60,
                  reduced_cap_s=300, env=LAUNCH_BLOCKING) for setting in FLUX_PATH_SETTINGS]
     return [*sdpa, *lora, *path]
