@@ -73,8 +73,8 @@ def all_steps(options: CheckOptions) -> list[Step]:
 
 def memory_step_gb(preset: str) -> float | None:
     """GPU memory a preset's memory step may take beside others: the card its name is made for (16 or 24 GB). None
-    (alone) for a quantized base: its bf16 random weights go through the host's memory and disk to be quantized
-    (24 GB for FLUX.1, 40 GB for Qwen-Image), more than two of them fit."""
+    (alone) for a quantized base: its bf16 random weights pass through the host's memory and disk to be quantized
+    (24 GB for FLUX.1, 40 GB for Qwen-Image), and two of them would fill the GPU machine's 64 GB disk."""
     from ..config import load_config
     if load_config(preset=preset).model.quantize != "none":
         return None
