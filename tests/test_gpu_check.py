@@ -250,8 +250,9 @@ def test_a_reduced_check_runs_each_kind_of_real_size_step_and_writes_its_tables(
     no_caps = [arg for name in names for arg in ("--cap", f"{name}=1200")]  # a loaded CPU: no time limit here
     done = run_gpu_check("--reduced", "--out", str(tmp_path), "--budget", "3600", "--only", ",".join(names), *no_caps)
     assert done.returncode == 0, done.stdout + done.stderr
-    rows = {(r["step"], r.get("recipe") or r.get("mode")): r for name in names
-            for r in json.loads((tmp_path / f"{name}.json").read_text())["rows"]}
+    records = [json.loads((tmp_path / f"{name}.json").read_text()) for name in names]
+    assert not any("beside" in record for record in records)  # on a CPU one step at a time: they share its cores
+    rows = {(r["step"], r.get("recipe") or r.get("mode")): r for record in records for r in record["rows"]}
     for recipe in ("bf16", "int8"):  # 2 iterations in bf16 with 8-bit AdamW, then the loss and rewards
         tiny = rows[("tiny-sd3", recipe)]
         assert tiny["status"] == "ok" and math.isfinite(tiny["loss"]) and math.isfinite(tiny["eval_reward"])

@@ -99,11 +99,12 @@ def last_error(log: Path) -> str:
 
 def run_check(out: Path, options: CheckOptions, budget_s: float = DEFAULT_BUDGET_S, only: list[str] | None = None,
               ledger_folder: Path | None = None, caps: dict[str, float] | None = None, log=print,
-              parallel: int = DEFAULT_PARALLEL) -> list[dict]:
+              parallel: int | None = None) -> list[dict]:
     """The steps of :func:`~.ledger.plan_order` within ``budget_s``: a step starts only while its whole cap
     (``caps`` or its own) fits in what is left, else the next, shorter one gets the time. Steps that share the GPU
     run side by side (:func:`next_batch`, at most ``parallel``, within :data:`GPU_ROOM` of the device's memory),
-    each in its own process; the others alone. Each step leaves ``out/STEP.json`` and ``out/STEP.log``;
+    each in its own process; the others alone. ``parallel`` None: :data:`DEFAULT_PARALLEL` on a GPU, 1 on a CPU
+    (whose cores are what the steps compute with). Each step leaves ``out/STEP.json`` and ``out/STEP.log``;
     ``out/gpu_check.md`` (the tables of the ledger and this run) is rewritten after each batch; a real-size check
     stops when the device step finds no GPU. Returns this run's rows."""
     steps, caps = all_steps(options), caps or {}
@@ -126,7 +127,8 @@ def run_check(out: Path, options: CheckOptions, budget_s: float = DEFAULT_BUDGET
         queue = [s for s in queue if caps.get(s.name, s.cap(options)) <= left]
         if not queue:
             break
-        batch = next_batch(queue, parallel, _gpu_room(ledger))
+        room = _gpu_room(ledger)
+        batch = next_batch(queue, parallel or (DEFAULT_PARALLEL if room else 1), room)
         queue = [s for s in queue if s not in batch]
         log(f"[gpu-check] {' + '.join(f'{s.name} (cap {caps.get(s.name, s.cap(options)):g} s)' for s in batch)}"
             f"{' side by side' if len(batch) > 1 else ''}, {left:.0f} s left")
@@ -261,9 +263,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="another cap for one step (repeatable)")
     parser.add_argument("--table", action="store_true", help=f"print the ledger's tables ({TABLE_FILE}) and exit")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads of the steps (default 2)")
-    parser.add_argument("--parallel", type=int, default=DEFAULT_PARALLEL,
+    parser.add_argument("--parallel", type=int,
                         help="most steps side by side, of those that share the GPU (kernel errors, memory peaks, "
-                        f"tiny runs; not the timed ones); 1: one at a time (default {DEFAULT_PARALLEL})")
+                        f"tiny runs; not the timed ones); 1: one at a time (default {DEFAULT_PARALLEL} on a GPU, 1 "
+                        "on a CPU)")
     parser.add_argument("--step", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -279,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         print(format_tables(ledger, all_steps(options), options), end="")
         return 0
     with exit_on_user_error(parser.prog):
-        if args.parallel < 1:
+        if args.parallel is not None and args.parallel < 1:
             raise UserError(f"--parallel must be at least 1, not {args.parallel}")
         rows = run_check(out, options, args.budget, args.only.split(",") if args.only else None, args.ledger,
                          dict(args.cap), log=lambda line: print(line, file=sys.stderr, flush=True),
