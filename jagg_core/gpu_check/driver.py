@@ -107,7 +107,8 @@ def run_check(out: Path, options: CheckOptions, budget_s: float = DEFAULT_BUDGET
     (whose cores are what the steps compute with). Each step leaves ``out/STEP.json`` and ``out/STEP.log``;
     ``out/gpu_check.md`` (the tables of the ledger and this run) is rewritten after each batch; a real-size check
     stops when the device step finds no GPU. Returns this run's rows."""
-    steps, caps = all_steps(options), caps or {}
+    steps = all_steps(options)
+    cap = {step.name: (caps or {}).get(step.name, step.cap(options)) for step in steps}
     unknown = sorted(set(only or ()) - {step.name for step in steps})
     if unknown:
         from ..errors import UserError
@@ -122,19 +123,19 @@ def run_check(out: Path, options: CheckOptions, budget_s: float = DEFAULT_BUDGET
     start, rows, not_started = time.perf_counter(), [], []
     while queue:
         left = budget_s - (time.perf_counter() - start)
-        not_started += [f"{s.name} ({caps.get(s.name, s.cap(options)):g} s > {left:.0f} s)" for s in queue
-                        if caps.get(s.name, s.cap(options)) > left]  # the time left only shrinks: never
-        queue = [s for s in queue if caps.get(s.name, s.cap(options)) <= left]
+        too_long = [s for s in queue if cap[s.name] > left]  # the time left only shrinks: never started
+        not_started += [f"{s.name} ({cap[s.name]:g} s > {left:.0f} s)" for s in too_long]
+        queue = [s for s in queue if s not in too_long]
         if not queue:
             break
         room = _gpu_room(ledger)
         batch = next_batch(queue, parallel or (DEFAULT_PARALLEL if room else 1), room)
         queue = [s for s in queue if s not in batch]
-        log(f"[gpu-check] {' + '.join(f'{s.name} (cap {caps.get(s.name, s.cap(options)):g} s)' for s in batch)}"
+        log(f"[gpu-check] {' + '.join(f'{s.name} (cap {cap[s.name]:g} s)' for s in batch)}"
             f"{' side by side' if len(batch) > 1 else ''}, {left:.0f} s left")
         with tempfile.TemporaryDirectory() as tmp:
-            running = [StepProcess.start(s, options, caps.get(s.name, s.cap(options)), out / f"{s.name}.log",
-                                         Path(tmp) / f"{s.name}.json") for s in batch]
+            running = [StepProcess.start(s, options, cap[s.name], out / f"{s.name}.log", Path(tmp) / f"{s.name}.json")
+                       for s in batch]
             for process in running:
                 step_rows = process.finish()
                 seconds = time.perf_counter() - process.started
