@@ -46,7 +46,7 @@ REDUCED_TOKEN_DIVISOR = 16
 BF16_TOLERANCE = 0.1
 #: 1 double- and 2 single-stream blocks: FLUX's real 1 : 2 proportion, the real width
 FLUX_PATH_LAYERS = 3
-#: the FLUX path's cases, each the product's two kernel keys (:mod:`jagg_core.models.kernels`): as it crashed
+#: the FLUX path's cases, each the product's two kernel keys (:mod:`jagg_core.kernels`): as it crashed
 #: (torch's defaults, both suspects on) and without each suspect; both off is the product's default, which the
 #: real-size ``bench-flux-dev`` runs
 FLUX_PATH_SETTINGS = {

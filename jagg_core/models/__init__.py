@@ -19,7 +19,7 @@ from ..errors import UserError
 from ..hubclient import hub_offline
 from ..model_index import embedded_models, model_source, read_model_index  # noqa: F401 (embedded_models re-exported)
 from .base import TEXT_ENCODERS, FlowModel, drop_text_encoders
-from .kernels import apply_kernel_settings
+from ..kernels import apply_kernel_settings, settle_cpu_math
 from .quantize import (check_quantization, pipeline_quantization, quantize_in_memory, transformer_dtype,
                        transformer_quantization)
 from .random_weights import build_random_model_pipeline
@@ -36,9 +36,10 @@ def load_flow_model(config: ModelConfig, device: torch.device | str = "cpu", see
     :meth:`FlowModel.release_text_encoders`, so the encoders and the transformer never share it. Without
     ``place_transformer`` the transformer stays on the host (sharding places each process's part). ``num_frames``:
     ``sampling.num_frames`` (a video family's frames per sample; 1 for an image family). The process's CUDA kernel
-    switches are set from ``config`` first (:mod:`.kernels`)."""
+    switches are set from ``config`` first, and its CPU math library settled (:mod:`jagg_core.kernels`)."""
     device = torch.device(device)
     dtype = DTYPES[config.dtype]
+    settle_cpu_math()
     apply_kernel_settings(config)
     if config.quantize != "none":
         check_quantization(config.quantize, device)  # before any loading, though it may quantize later
