@@ -70,8 +70,8 @@ def build_judges(config: RunConfig, device: torch.device | str) -> CombinedRewar
 
 
 def load_judges(judges: CombinedReward, images: torch.Tensor, prompts: list[str]) -> None:
-    """Score ``images`` once with every judge, so each loads its model now (at set-up, before the base model) and a
-    judge that cannot load is a one-line :class:`UserError` before anything trains."""
+    """Score ``images`` once with every judge, so each loads its model now (at set-up, after the base model) and a
+    judge that cannot load is a one-line :class:`UserError` before the base eval."""
     for name, judge in zip(judges.names, judges.rewards):
         single = CombinedReward([judge], [1.0], [name], judges.reward_frames)
         try:

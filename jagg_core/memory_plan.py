@@ -22,7 +22,8 @@ How it is computed:
   ``eval.judges_on_cpu``).
 - **Phases**: set-up, rollout forward, VAE decode, backward. The peak is the largest phase's resident parts plus
   its transient. The set-up holds first the text encoders alone while they encode the prompts, then, once they
-  have left, the resident parts but the optimizer's states (made by its first step): its peak is the larger.
+  have left, the resident parts but the optimizer's states (made by its first step), the judges among them (they
+  load after the base model): its peak is the larger.
 
 GB are 10^9 bytes (a "16 GB" card has 16 GiB = 17.2 GB, so a plan at 16 GB leaves it ~1 GB of margin).
 Not counted: the CUDA context (~0.3-0.5 GB outside ``max_memory_allocated``), allocator fragmentation, and
@@ -256,12 +257,10 @@ def plan_memory(config: RunConfig) -> MemoryPlan:
     if not cfg.model.cache_text_embeddings:
         plan.resident[f"text encoders ({encoder_names})"] = encoder_bytes
     device_judges = [] if cfg.eval.judges_on_cpu else cfg.eval.judges
-    judge_bytes = 0.0  # the judges load first at set-up, before the text encoders
     for role, spec in [*(("reward", spec) for spec in cfg.rewards), *(("judge", spec) for spec in device_judges)]:
         params = reward_entry(spec.name).device_params_m * 1e6
         if params:
             plan.resident[f"{role} {spec.name} ({params / 1e6:.0f} M, float32)"] = params * 4
-            judge_bytes += params * 4 if role == "judge" else 0
 
     lora = model.add_lora(cfg.lora)
     lora_count = sum(p.numel() for p in lora)
@@ -278,8 +277,6 @@ def plan_memory(config: RunConfig) -> MemoryPlan:
     # ----- set-up: the text encoders encode every prompt, then leave
     if cfg.model.cache_text_embeddings and encoders:
         tokens = max(cfg.model.max_sequence_length, 77)
-        if judge_bytes:
-            plan.setup["judges, loaded before the base model"] = judge_bytes
         plan.setup[f"text encoders ({encoder_names}, {cfg.model.dtype})"] = encoder_bytes
         plan.setup[f"encoding {ENCODE_BATCH} prompts at a time"] = max(
             _text_encoder_activations(e, tokens, element) for e in encoders)

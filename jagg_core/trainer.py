@@ -42,7 +42,7 @@ from .models import load_flow_model
 from .models.base import FlowModel
 from .models.text_embeddings import load_embeddings, save_embeddings
 from .prompts import run_prompts
-from .rewards import build_rewards
+from .rewards import CombinedReward, build_rewards
 from .rewards.catalog import reward_entry
 from .rundir import OPTIMIZER_FILE, TRAINING_STATE_FILE, RunDirectory
 from .sampler import initial_noise, ode_sample
@@ -103,13 +103,8 @@ class Trainer:
         settle_cpu_math()  # before the judges and the model are built: the same bits in every run of a seed
         torch.manual_seed(cfg.train.seed)
         self.train_prompts, self.eval_prompts = run_prompts(cfg.prompts)
-        self.judges = build_judges(cfg, self.accelerator.device)
-        if self.judges is not None:  # a judge that cannot load fails the run now, before the base model loads
-            self._phase("loading", "loading the judges " + ", ".join(self.judges.names))
-            frames = (cfg.sampling.num_frames,) if cfg.sampling.num_frames > 1 else ()
-            load_judges(self.judges, torch.full((1, *frames, 3, cfg.sampling.resolution, cfg.sampling.resolution),
-                                                0.5), self.eval_prompts[:1])
         self.model = self._load_model()
+        self.judges = self._load_judges()
         if cfg.train.gradient_checkpointing:
             self.model.transformer.enable_gradient_checkpointing()
         self.params = self.model.add_lora(cfg.lora)
@@ -160,6 +155,23 @@ class Trainer:
             save_embeddings(self.run.text_embeddings_file, model.cached_embeddings, cfg.model)
         model.release_text_encoders()
         return model
+
+    def _load_judges(self) -> CombinedReward | None:
+        """The judges (``eval.judges``), each scoring one blank image now, so that a judge that cannot load fails the
+        run in one line before the base eval. They load after the base model: on the device they never sit beside
+        the text encoders (gone by then under ``model.cache_text_embeddings``), and, under forked random number
+        generators, the LoRA's initialisation and the whole run are the same with or without them."""
+        cfg = self.config
+        judges = build_judges(cfg, self.accelerator.device)
+        if judges is None:
+            return None
+        self._phase("loading", "loading the judges " + ", ".join(judges.names))
+        frames = (cfg.sampling.num_frames,) if cfg.sampling.num_frames > 1 else ()
+        device = self.accelerator.device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            load_judges(judges, torch.full((1, *frames, 3, cfg.sampling.resolution, cfg.sampling.resolution), 0.5),
+                        self.eval_prompts[:1])
+        return judges
 
     def _hardware(self) -> str:
         """What the run trains on, for the model card: the GPU's name, or the CPU's thread count."""

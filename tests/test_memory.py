@@ -19,6 +19,7 @@ from jagg_core.models import load_flow_model
 from jagg_core.rewards.catalog import reward_entry
 from jagg_core.rundir import RunDirectory
 from jagg_core.sampler import initial_noise, sde_rollout
+from jagg_core import trainer as trainer_module
 from jagg_core.trainer import Trainer
 
 FAMILIES = ["tiny-sd3", "tiny-flux", "tiny-qwen"]
@@ -47,6 +48,27 @@ def test_text_encoders_leave_after_setup_and_a_resume_reads_the_saved_embeddings
     assert again.keys() == expected.keys()
     for key in expected:
         torch.testing.assert_close(again[key], expected[key], rtol=0, atol=0)
+
+
+def test_the_judges_load_after_the_text_encoders_have_left_and_the_plan_never_holds_them_together(tmp_path, offline,
+                                                                                                 monkeypatch):
+    """The judges load after the base model: in a run the text encoders are gone when a judge first scores, and in
+    the plan a judge adds to the set-up's moment after the encoders (the resident parts), not to their encoding."""
+    trainer = Trainer(tiny_config(eval__judges=[{"name": "jpeg_incompressibility"}]), tmp_path)
+    encoders_when_judging = []
+    load_judges = trainer_module.load_judges
+
+    def recording(*args):
+        encoders_when_judging.append(trainer.model.text_encoders)
+        load_judges(*args)
+
+    monkeypatch.setattr(trainer_module, "load_judges", recording)
+    trainer.setup()
+    assert encoders_when_judging == [[]] and trainer.judges.names == ["jpeg_incompressibility"]
+    alone, judged = plan_memory(tiny_config()), plan_memory(tiny_config(eval__judges=[{"name": "aesthetic"}]))
+    judge = reward_entry("aesthetic").device_params_m * 1e6 * 4
+    assert sum(judged.setup.values()) == sum(alone.setup.values()) > 0
+    assert judged.setup_resident - alone.setup_resident == pytest.approx(judge)
 
 
 def test_embeddings_made_with_other_settings_are_not_reused(tmp_path, offline):

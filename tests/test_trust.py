@@ -77,7 +77,7 @@ def test_a_judge_with_other_options_than_the_training_reward_is_allowed_and_best
         load_config(overrides=["eval.best_by=aesthetic"])
 
 
-def test_a_judge_that_fails_to_load_fails_the_run_in_one_line_before_the_base_model(tmp_path):
+def test_a_judge_that_fails_to_load_fails_the_run_in_one_line_before_the_base_eval(tmp_path):
     run_dir = tmp_path / "run"
     result = run_cli("--preset", "tiny-sd3", "--output-dir", str(run_dir),
                      "--set", f"eval.judges=[{{name: clip_score, options: {{model_id: {tmp_path / 'no-clip'}}}}}]")
