@@ -1,29 +1,16 @@
 """What this machine offers a run, in words for the page: each GPU's name, free memory and usage (read with
-``nvidia-smi``, so the app process never takes a CUDA context), else the CPU's cores, load and free memory."""
+``nvidia-smi``, :mod:`jagg_core.gpus`, so the app process never takes a CUDA context), else the CPU's cores, load
+and free memory."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-
 import psutil
 
-QUERY = "name,memory.free,memory.total,utilization.gpu"
+from jagg_core.gpus import gpu_free_gb, gpu_rows
+
 #: a GPU is free for a new run when at least this share of its memory is free and it is this idle (percent busy)
 FREE_MEMORY_SHARE = 0.9
 IDLE_PERCENT = 10
-
-
-def gpu_rows() -> list[list[str]]:
-    """``[name, free MiB, total MiB, usage %]`` of each NVIDIA GPU; empty without one (or without nvidia-smi)."""
-    if shutil.which("nvidia-smi") is None:
-        return []
-    try:
-        out = subprocess.run(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return [[part.strip() for part in line.split(",")] for line in out.splitlines() if line.count(",") == 3]
 
 
 def hardware_words() -> str:
@@ -70,10 +57,9 @@ def placement_for(config, processes: int):
 
     from .jobs import Placement
 
-    rows = gpu_rows()
-    if processes <= 1 or not rows:
+    free_gb = gpu_free_gb(processes) if processes > 1 else None
+    if free_gb is None:
         return Placement(processes), ""
-    free_gb = min(float(free) for _name, free, _total, _usage in rows[:processes]) * 2 ** 20 / GB
     planned = plan_memory(config).total / GB
     if planned <= free_gb:
         return Placement(processes), f"data parallel: the plan ({planned:.1f} GB) fits each GPU ({free_gb:.1f} GB free)"

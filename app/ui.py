@@ -50,7 +50,7 @@ from .form import (ADVANCED_KNOBS, ALGORITHM_KNOBS, KNOBS, MAIN_KNOBS, PROMPT_MO
                    PROMPTS_UPLOAD, Form, Knob, build_config, checked_config, cli_command, config_form, model_choices,
                    preset_form, prompt_preview, weight_rows)
 from .jobs import JobControl, queue_placement, runs_root
-from .system import gpu_rows, hardware_words, placement_for, process_choices
+from .system import gpu_free_gb, gpu_rows, hardware_words, placement_for, process_choices
 
 REFRESH_S = 1.5
 HARDWARE_REFRESH_S = 5.0
@@ -177,7 +177,7 @@ def _form(values) -> Form:
 def _memory_warning(config) -> str:
     """On a GPU machine, a warning when the run's memory plan does not fit the free GPU memory (the run starts
     anyway: the plan is an estimate); nothing without a GPU."""
-    from jagg_core.memory_plan import check_fits, gpu_free_gb, plan_memory  # torch: loaded on first use
+    from jagg_core.memory_plan import check_fits, plan_memory  # torch: loaded on first use
     free = gpu_free_gb()
     if free is None:
         return ""
@@ -282,15 +282,16 @@ class Studio:
     def plan(*values) -> str:
         """The memory plan of the form (``values`` as for :meth:`start`): its parts, and whether it fits this
         machine's GPU, naming the cheapest change that does when not."""
-        from jagg_core.memory_plan import check_fits, gpu_free_gb, plan_memory  # torch: loaded on first use
+        from jagg_core.memory_plan import check_fits, plan_memory  # torch: loaded on first use
+        free = gpu_free_gb()
         try:
             with tempfile.TemporaryDirectory() as scratch:
                 config = build_config(_form(values), Path(scratch))
             memory = plan_memory(config)
-            verdict = check_fits(memory, config, gpu_free_gb())
+            verdict = check_fits(memory, config, free)
         except UserError as err:
             return f"**Cannot plan:** {err}"
-        where = "" if gpu_free_gb() is not None else " (no CUDA GPU here: compare with your card)"
+        where = "" if free is not None else " (no CUDA GPU here: compare with your card)"
         return f"**{verdict}**{where}\n\n```\n{memory.table()}\n```"
 
     @staticmethod

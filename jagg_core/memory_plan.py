@@ -44,6 +44,7 @@ import torch
 from .algorithms import ALGORITHMS
 from .config import RunConfig
 from .errors import UserError
+from .gpus import GB
 from .memory_meter import LiveBytes
 from .models import DTYPES, FAMILIES
 from .models.base import ENCODE_BATCH, NEGATIVE
@@ -52,7 +53,6 @@ from .models.meta import META, meta_pipeline
 from .placement import most_trained_steps
 from .rewards.catalog import reward_entry
 
-GB = 1e9
 #: bytes per weight of a quantized linear layer (see the module docstring)
 QUANTIZED_BYTES = {"nf4": 0.5 + 1 / 64 + 4 / (64 * 256), "int8": 1.0}
 #: the largest single accelerator on sale (GB); a plan above it cannot run on one
@@ -433,11 +433,3 @@ def check_fits(plan: MemoryPlan, config: RunConfig, budget_gb: float | None) -> 
                 "setting change fits; use a larger GPU or shard with presets/accelerate/fsdp.yaml")
     return (f"does not fit: planned peak {plan.total / GB:.1f} GB, the GPU has {budget_gb:.1f} GB; cheapest change "
             f"that fits: --set {' --set '.join(fix[0])} (plans {fix[1].total / GB:.1f} GB)")
-
-
-def gpu_free_gb() -> float | None:
-    """Free memory of the first CUDA GPU (GB), None without one."""
-    if not torch.cuda.is_available():
-        return None
-    free, _total = torch.cuda.mem_get_info()
-    return free / GB

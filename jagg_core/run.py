@@ -123,7 +123,8 @@ def print_plan(config: RunConfig, gpu_memory: float | None) -> int:
     """``--plan``: the memory plan's table, then whether it fits the GPU and, if not, the cheapest change that does."""
     from .quiet import quiet_libraries
     quiet_libraries()
-    from .memory_plan import check_fits, gpu_free_gb, plan_memory
+    from .gpus import gpu_free_gb
+    from .memory_plan import check_fits, plan_memory
     plan = plan_memory(config)
     print(plan.table())
     print(check_fits(plan, config, gpu_memory if gpu_memory is not None else gpu_free_gb()))

@@ -24,7 +24,7 @@ import yaml
 
 from app import live
 from app.form import KNOBS, PROMPTS_TEXT, Form, build_config, preset_form, weight_rows
-from app.jobs import LOCK_NAME, JobControl, _group_alive
+from app.jobs import LOCK_NAME, JobControl, Placement, _group_alive
 from jagg_core import metrics
 from jagg_core.config import RunConfig, list_presets, load_config
 from jagg_core.errors import UserError
@@ -437,7 +437,7 @@ def test_start_while_a_run_trains_queues_the_run_and_the_queue_block_reorders_an
 
 
 def test_the_processes_field_places_start_resume_and_the_queue(tmp_path, studio, monkeypatch):
-    from app.jobs import Job, Placement, queued_placement
+    from app.jobs import Job, queued_placement
 
     monkeypatch.setattr("app.form.check_references", lambda config, disk: None)
     monkeypatch.setattr("app.ui.process_choices", lambda: (1, 4))
@@ -464,6 +464,35 @@ def test_the_processes_field_places_start_resume_and_the_queue(tmp_path, studio,
     studio.start(*_studio_values("later"), 3)
     assert queued_placement(tmp_path / studio.jobs.queue.names()[0]) == Placement(3)  # the queue launches with it
     assert queued_placement(busy.path) == Placement()
+
+
+#: what ``nvidia-smi --query-gpu=name,memory.free,memory.total,utilization.gpu --format=csv,noheader,nounits`` prints
+#: on a machine of two L4s, GPU 0 with 8 GiB free, GPU 1 idle
+FAKE_NVIDIA_SMI = """#!/bin/sh
+echo "NVIDIA L4, 8192, 23034, 3"
+echo "NVIDIA L4, 22000, 23034, 0"
+"""
+
+
+def test_the_page_reads_the_gpus_from_nvidia_smi_and_plans_and_places_runs_against_their_free_memory(tmp_path, studio,
+                                                                                                   monkeypatch):
+    """The machine line, the default processes (the free GPUs), Plan memory's verdict and Start's placement all come
+    from nvidia-smi's figures, never from torch (whose CUDA query would keep a context in the page's process)."""
+    from app.system import hardware_words, process_choices
+
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "nvidia-smi").write_text(FAKE_NVIDIA_SMI)
+    (tools / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr("app.form.check_references", lambda config, disk: None)
+    assert hardware_words() == ("**GPU 0:** NVIDIA L4 · 8.0 / 22.5 GiB free · 3% busy  \n"
+                                "**GPU 1:** NVIDIA L4 · 21.5 / 22.5 GiB free · 0% busy")
+    assert process_choices() == (1, 2)
+    verdict = studio.plan(*_studio_values()).splitlines()[0]
+    assert re.fullmatch(r"\*\*fits: planned peak \d+\.\d GB of 8\.6 GB\*\*", verdict), verdict
+    message, _ = studio.start(*_studio_values(), 2)
+    assert studio.launched[-1][2] == Placement(2) and "fits each GPU (8.6 GB free)" in message, message
 
 
 def test_the_compare_section_overlays_tabulates_and_shows_the_grids_of_the_chosen_runs(tmp_path, studio):
