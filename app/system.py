@@ -53,15 +53,18 @@ def placement_for(config, processes: int):
     """How a run of ``config`` uses ``processes`` processes, and why, in words: data parallel when the memory plan
     fits the smallest free memory of the GPUs, the transformer sharded (FSDP) when it does not; on a CPU always data
     parallel."""
-    from jagg_core.memory_plan import GB, plan_memory  # torch: loaded on first use
+    from jagg_core.memory_plan import GB, fits, plan_memory  # torch: loaded on first use
 
     from .jobs import Placement
 
     free_gb = gpu_free_gb(processes) if processes > 1 else None
     if free_gb is None:
         return Placement(processes), ""
-    planned = plan_memory(config).total / GB
-    if planned <= free_gb:
-        return Placement(processes), f"data parallel: the plan ({planned:.1f} GB) fits each GPU ({free_gb:.1f} GB free)"
+    plan = plan_memory(config)
+    planned = plan.total / GB
+    if fits(plan, free_gb):
+        return Placement(processes), (f"data parallel: the plan ({planned:.1f} GB and a CUDA context) fits each GPU "
+                                      f"({free_gb:.1f} GB free)")
     return Placement(processes, sharded=True), (f"the transformer sharded over {processes} GPUs (FSDP): the plan "
-                                                f"({planned:.1f} GB) does not fit one GPU ({free_gb:.1f} GB free)")
+                                                f"({planned:.1f} GB and a CUDA context) does not fit one GPU "
+                                                f"({free_gb:.1f} GB free)")

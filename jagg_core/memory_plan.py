@@ -26,8 +26,9 @@ How it is computed:
   load after the base model): its peak is the larger.
 
 GB are 10^9 bytes (a "16 GB" card has 16 GiB = 17.2 GB, so a plan at 16 GB leaves it ~1 GB of margin).
-Not counted: the CUDA context (~0.3-0.5 GB outside ``max_memory_allocated``), allocator fragmentation, and
-reward models other than the catalog's defaults. Text-encoder activations at set-up are estimated from
+Not counted: the run's CUDA context (outside ``max_memory_allocated``; whether a plan fits a GPU,
+:func:`fits`, adds :data:`CUDA_CONTEXT_GB` for it), allocator fragmentation, and reward models other than the
+catalog's defaults. Text-encoder activations at set-up are estimated from
 their widths (one layer's largest tensors); their weights dominate that phase. A run's measured peak, which the
 plan is checked against, is :func:`~jagg_core.memory_meter.measured_peak`.
 """
@@ -57,6 +58,9 @@ from .rewards.catalog import reward_entry
 QUANTIZED_BYTES = {"nf4": 0.5 + 1 / 64 + 4 / (64 * 256), "int8": 1.0}
 #: the largest single accelerator on sale (GB); a plan above it cannot run on one
 LARGEST_GPU_GB = 192
+#: GPU memory a run's own CUDA context takes, outside torch's allocator and so outside the plan (GB): what the GPU
+#: check read on an H200 (150.11 GB in all, 149.56 GB free once its process had made its context; docs/gpu)
+CUDA_CONTEXT_GB = 0.55
 #: the phase in which the prompts are encoded, before training
 SETUP_PHASE = "set-up"
 
@@ -402,6 +406,11 @@ def _changed(config: RunConfig, key: str, value) -> RunConfig:
     return RunConfig.model_validate(data)
 
 
+def fits(plan: MemoryPlan, gpu_gb: float) -> bool:
+    """Whether a run of ``plan`` fits ``gpu_gb`` GB of GPU memory: its planned peak and its CUDA context."""
+    return plan.total + CUDA_CONTEXT_GB * GB <= gpu_gb * GB
+
+
 def cheapest_fit(config: RunConfig, budget_gb: float) -> tuple[list[str], MemoryPlan] | None:
     """The first changes of :func:`_memory_savers`, applied in turn, after which the plan fits ``budget_gb``: the
     ``--set`` overrides and the plan; None when even all of them do not fit."""
@@ -410,7 +419,7 @@ def cheapest_fit(config: RunConfig, budget_gb: float) -> tuple[list[str], Memory
         config = _changed(config, key, value)
         changes[key] = value
         plan = plan_memory(config)
-        if plan.total <= budget_gb * GB:
+        if fits(plan, budget_gb):
             return [f"{k}={json.dumps(v)}" for k, v in changes.items()], plan
     return None
 
@@ -425,11 +434,12 @@ def check_fits(plan: MemoryPlan, config: RunConfig, budget_gb: float | None) -> 
                         "GPUs (presets/accelerate/fsdp.yaml)")
     if budget_gb is None:
         return f"planned peak {plan.total / GB:.1f} GB"
-    if plan.total <= budget_gb * GB:
-        return f"fits: planned peak {plan.total / GB:.1f} GB of {budget_gb:.1f} GB"
+    planned = f"planned peak {plan.total / GB:.1f} GB + {CUDA_CONTEXT_GB:g} GB CUDA context"
+    if fits(plan, budget_gb):
+        return f"fits: {planned} of {budget_gb:.1f} GB"
     fix = cheapest_fit(config, budget_gb)
     if fix is None:
-        return (f"does not fit: planned peak {plan.total / GB:.1f} GB, the GPU has {budget_gb:.1f} GB, and no "
-                "setting change fits; use a larger GPU or shard with presets/accelerate/fsdp.yaml")
-    return (f"does not fit: planned peak {plan.total / GB:.1f} GB, the GPU has {budget_gb:.1f} GB; cheapest change "
-            f"that fits: --set {' --set '.join(fix[0])} (plans {fix[1].total / GB:.1f} GB)")
+        return (f"does not fit: {planned}, the GPU has {budget_gb:.1f} GB, and no setting change fits; use a larger "
+                "GPU or shard with presets/accelerate/fsdp.yaml")
+    return (f"does not fit: {planned}, the GPU has {budget_gb:.1f} GB; cheapest change that fits: "
+            f"--set {' --set '.join(fix[0])} (plans {fix[1].total / GB:.1f} GB)")

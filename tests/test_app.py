@@ -490,7 +490,7 @@ def test_the_page_reads_the_gpus_from_nvidia_smi_and_plans_and_places_runs_again
                                 "**GPU 1:** NVIDIA L4 · 21.5 / 22.5 GiB free · 0% busy")
     assert process_choices() == (1, 2)
     verdict = studio.plan(*_studio_values()).splitlines()[0]
-    assert re.fullmatch(r"\*\*fits: planned peak \d+\.\d GB of 8\.6 GB\*\*", verdict), verdict
+    assert re.fullmatch(r"\*\*fits: planned peak \d+\.\d GB \+ 0\.55 GB CUDA context of 8\.6 GB\*\*", verdict), verdict
     message, _ = studio.start(*_studio_values(), 2)
     assert studio.launched[-1][2] == Placement(2) and "fits each GPU (8.6 GB free)" in message, message
 

@@ -14,7 +14,7 @@ from jagg_core.errors import UserError
 from jagg_core.judges import judges_device
 from jagg_core.memory_meter import PeakMemory, measured_peak
 from jagg_core import memory_plan
-from jagg_core.memory_plan import GB, check_fits, cheapest_fit, plan_memory
+from jagg_core.memory_plan import CUDA_CONTEXT_GB, GB, check_fits, cheapest_fit, fits, plan_memory
 from jagg_core.models import load_flow_model
 from jagg_core.rewards.catalog import reward_entry
 from jagg_core.rundir import RunDirectory
@@ -174,12 +174,15 @@ def test_checkpointing_sequential_endpoints_and_chunks_lower_the_plan(offline):
 
 
 def test_a_plan_that_does_not_fit_names_the_cheapest_change_that_does(tmp_path, offline):
+    """The budget holds the plan and the run's CUDA context."""
     config = tiny_config(sampling__resolution=64, grpo__num_generations=4)
-    budget = 0.8 * plan_memory(config).total / GB
+    budget = 0.8 * plan_memory(config).total / GB + CUDA_CONTEXT_GB
     line = check_fits(plan_memory(config), config, budget)
-    assert line.startswith("does not fit") and "--set " in line
+    assert line.startswith(f"does not fit: planned peak {plan_memory(config).total / GB:.1f} GB + 0.55 GB CUDA "
+                           f"context, the GPU has {budget:.1f} GB; cheapest change that fits: --set "), line
     changes, plan = cheapest_fit(config, budget)
-    assert plan.total <= budget * GB
+    assert fits(plan, budget) and plan.total <= budget * GB - CUDA_CONTEXT_GB * GB
+    assert not fits(plan, plan.total / GB + CUDA_CONTEXT_GB - 0.01) and fits(plan, plan.total / GB + CUDA_CONTEXT_GB)
     (tmp_path / "run.yaml").write_text(config.to_yaml())
     assert plan_memory(load_config(config_file=tmp_path / "run.yaml", overrides=changes)).total == plan.total
 
@@ -192,7 +195,7 @@ def test_judges_on_the_cpu_leave_the_plan_and_are_the_first_change_when_it_does_
     on_device, on_cpu = plan_memory(config), plan_memory(cpu_config)
     judge = reward_entry("aesthetic").device_params_m * 1e6 * 4
     assert judge > 1e9 and on_device.total - on_cpu.total == pytest.approx(judge)
-    changes, plan = cheapest_fit(config, (on_cpu.total + 1e6) / GB)
+    changes, plan = cheapest_fit(config, (on_cpu.total + 1e6) / GB + CUDA_CONTEXT_GB)
     assert changes == ["eval.judges_on_cpu=true"] and plan.total == on_cpu.total
     assert judges_device(config, "cuda") == torch.device("cuda")
     assert judges_device(cpu_config, "cuda") == torch.device("cpu")
@@ -227,7 +230,7 @@ def test_plan_cli_prints_the_parts_and_whether_it_fits(offline):
     assert result.returncode == 0, result.stderr
     assert "transformer (2.24 B params, bfloat16)" in result.stdout
     assert "text encoders" in result.stdout and "LoRA" in result.stdout and "backward" in result.stdout
-    assert re.search(r"^fits: planned peak [\d.]+ GB of 16.0 GB$", result.stdout, re.M)
+    assert re.search(r"^fits: planned peak [\d.]+ GB \+ 0.55 GB CUDA context of 16.0 GB$", result.stdout, re.M)
 
 
 @pytest.mark.parametrize("args, message", [
