@@ -9,7 +9,8 @@ split-K kernels that reduce thin bf16 matmuls (a rank-4 LoRA's) in bf16. Until t
 memory-efficient or math kernels, and bf16 matmuls reduce in float32. The switches are process-wide torch flags; a
 CPU ignores them.
 
-On a CPU, :func:`settle_cpu_math` runs before a run, a judge or a model is built.
+On a CPU, :func:`settle_cpu_math` runs as :func:`~jagg_core.models.load_flow_model` begins: before any model
+is built, and in a run before the judges, which load after the base model.
 """
 
 from __future__ import annotations

@@ -37,7 +37,6 @@ from .grpo import group_advantages
 from .hubclient import resolve_lora
 from .images import captioned_grid, sample_pictures, still_frames, to_pil
 from .judges import BestAdapter, EvalScores, HackingAlarm, build_judges, load_judges
-from .kernels import settle_cpu_math
 from .models import load_flow_model
 from .models.base import FlowModel
 from .models.text_embeddings import load_embeddings, save_embeddings
@@ -100,7 +99,6 @@ class Trainer:
         if self.is_main:  # the config first: a run killed while its model loads (or downloads) can be resumed
             self.run.create()
             self.run.write_config(cfg.to_yaml())
-        settle_cpu_math()  # before the judges and the model are built: the same bits in every run of a seed
         torch.manual_seed(cfg.train.seed)
         self.train_prompts, self.eval_prompts = run_prompts(cfg.prompts)
         self.model = self._load_model()

@@ -12,8 +12,8 @@ step (:mod:`.steps`, :mod:`.triage`) is a process of its own (:class:`.driver.St
 is its ``failed`` row, a dead process a ``crashed`` row, one past its cap is killed (with its children) and
 ``timed out``; the next step starts in a fresh process with a fresh CUDA context. The steps whose figures are not
 seconds (the isolated triage cases, the memory peaks of unquantized presets, the tiny runs) run side by side, up
-to ``--parallel`` (4 on a GPU, 1 on a CPU) at once within 85% of the GPU's memory, each in its own process and CUDA context; the timed
-ones run alone. The steps:
+to ``--parallel`` (4 on a GPU, 1 on a CPU) at once within 85% of the GPU's memory, each in its own process and CUDA
+context; the timed ones run alone. The steps:
 
 1. ``device``: the GPU, its memory, CUDA, cuDNN and library versions.
 2. ``triage-*``: the FLUX.1-dev crash taken apart (:mod:`.triage`): attention alone under each SDPA backend,
