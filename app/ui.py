@@ -135,6 +135,13 @@ def _forget_shown(seen: dict) -> dict:
     return {"judge_series": seen.get("judge_series")}
 
 
+def _dropdown(choices: list[str], pick: str | None, requested: str | None):
+    """A refreshed dropdown: its new ``choices``, and its value only where the refresh changed the pick from the one
+    the page sent (``requested``). A timer tick sent before the user picks something answers after the pick; were it
+    to send its value, it would put back the pick the user had just left."""
+    return gr.update(choices=choices) if pick == requested else gr.update(choices=choices, value=pick)
+
+
 def _named(fn, names: tuple[str, ...]):
     """``fn(*values, profile=...)`` with a signature naming its parameters, which Gradio shows as the API's parameter
     names, and a last ``profile`` parameter into which Gradio injects the signed-in user (not an API parameter)."""
@@ -469,6 +476,7 @@ class Studio:
         are skipped instead of sent again."""
         job = self.jobs.active()
         names = self._run_names()
+        requested, requested_queued = selected, queue_choice
         active_name = job.run_dir.name if job else None
         if active_name and active_name != seen.get("active"):
             selected = active_name  # follow a job started elsewhere (another tab, before an app restart)
@@ -514,7 +522,7 @@ class Studio:
         queued = self.jobs.queue.names()
         queue_pick = queue_choice if queue_choice in queued else (queued[0] if queued else None)
         outputs = [
-            *changed("runs", (tuple(names), selected), lambda: [gr.update(choices=names, value=selected),
+            *changed("runs", (tuple(names), selected), lambda: [_dropdown(names, selected, requested),
                                                                  gr.update(choices=names)], count=2),
             *changed("status", status, lambda: status),
             *changed("timing", timing, lambda: timing),
@@ -537,7 +545,7 @@ class Studio:
             *changed("adapters", choices, lambda: gr.update(choices=list(choices), value=chosen)),
             *changed("buttons", buttons, lambda: [gr.update(interactive=b) for b in buttons], count=3),
             *changed("queue", (tuple(queued), queue_pick),
-                     lambda: [live.queue_words(queued), gr.update(choices=queued, value=queue_pick)], count=2),
+                     lambda: [live.queue_words(queued), _dropdown(queued, queue_pick, requested_queued)], count=2),
         ]
         return (*outputs, seen)
 

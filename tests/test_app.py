@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -411,7 +412,8 @@ def test_start_while_a_run_trains_queues_the_run_and_the_queue_block_reorders_an
     assert "**Queued (position 2).**" in live.status_words(tmp_path / names[1], live.progress(tmp_path / names[1]))
 
     refreshed = studio.refresh(names[1], "latest adapter", {}, names[1])
-    assert refreshed[-3] == f"1. `{names[0]}`\n2. `{names[1]}`" and refreshed[-2]["value"] == names[1]
+    assert refreshed[-3] == f"1. `{names[0]}`\n2. `{names[1]}`" and "value" not in refreshed[-2]  # the pick stays
+    assert studio.refresh(names[1], "latest adapter", {}, "gone")[-2]["value"] == names[0]
 
     message, words, pick = studio.queue_up(names[1])
     assert message == f"`{names[1]}` is at position 1." and words.startswith(f"1. `{names[1]}`")
@@ -434,6 +436,18 @@ def test_start_while_a_run_trains_queues_the_run_and_the_queue_block_reorders_an
 
     build_app(tmp_path)  # the page starts the queue's worker
     assert any(thread.name == "run-queue" for thread in threading.enumerate())
+
+
+def test_a_refresh_answered_after_the_user_picks_another_run_does_not_put_the_old_pick_back(tmp_path, studio):
+    old, new = (RunDirectory(tmp_path / name) for name in ("old-20250101-000000", "new-20250102-000000"))
+    old.write_config("name: old\n")
+    tick = studio.refresh(old.path.name, "latest adapter", {})  # a timer tick, sent while `old` was picked ...
+    new.write_config("name: new\n")  # ... answers after a run appeared and the user picked it
+    run_select = studio.refresh(old.path.name, "latest adapter", tick[-1])[0]
+    assert run_select == {"__type__": "update", "choices": [new.path.name, old.path.name]}  # no value: the pick stays
+    assert studio.refresh(None, "latest adapter", {})[0]["value"] == new.path.name  # a page with no pick gets one
+    shutil.rmtree(new.path)
+    assert studio.refresh(new.path.name, "latest adapter", {})[0]["value"] == old.path.name  # a vanished pick, too
 
 
 def test_the_processes_field_places_start_resume_and_the_queue(tmp_path, studio, monkeypatch):
