@@ -135,7 +135,7 @@ def _forget_shown(seen: dict) -> dict:
     return {"judge_series": seen.get("judge_series")}
 
 
-def _dropdown(choices: list[str], pick: str | None, requested: str | None):
+def _dropdown(choices: list, pick: str | None, requested: str | None):
     """A refreshed dropdown: its new ``choices``, and its value only where the refresh changed the pick from the one
     the page sent (``requested``). A timer tick sent before the user picks something answers after the pick; were it
     to send its value, it would put back the pick the user had just left."""
@@ -476,7 +476,7 @@ class Studio:
         are skipped instead of sent again."""
         job = self.jobs.active()
         names = self._run_names()
-        requested, requested_queued = selected, queue_choice
+        requested = selected  # the page's pick, before a refresh changes it
         active_name = job.run_dir.name if job else None
         if active_name and active_name != seen.get("active"):
             selected = active_name  # follow a job started elsewhere (another tab, before an app restart)
@@ -542,10 +542,10 @@ class Studio:
             *changed("download", (selected, str(adapter_file), mtime(adapter_file)),
                      lambda: gr.update(value=str(adapter_file) if adapter_file else None,
                                        label=live.download_label(adapter), interactive=adapter is not None)),
-            *changed("adapters", choices, lambda: gr.update(choices=list(choices), value=chosen)),
+            *changed("adapters", choices, lambda: _dropdown(list(choices), chosen, adapter_choice)),
             *changed("buttons", buttons, lambda: [gr.update(interactive=b) for b in buttons], count=3),
             *changed("queue", (tuple(queued), queue_pick),
-                     lambda: [live.queue_words(queued), _dropdown(queued, queue_pick, requested_queued)], count=2),
+                     lambda: [live.queue_words(queued), _dropdown(queued, queue_pick, queue_choice)], count=2),
         ]
         return (*outputs, seen)
 
