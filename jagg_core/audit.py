@@ -40,6 +40,7 @@ from typing import Callable
 import torch
 
 from .jagg import BackwardPlan, Window, window_part
+from .rng import forked_rng
 
 
 @dataclass(frozen=True)
@@ -121,5 +122,5 @@ def run_audit(params: list[torch.Tensor], plan: BackwardPlan, backward_of: Calla
             p.grad = None
         return gradient
 
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), gradients_set_aside(params):
+    with forked_rng(device), gradients_set_aside(params):
         return measure_fidelity(plan, gradient_of)

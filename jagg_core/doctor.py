@@ -27,6 +27,7 @@ import torch
 
 from .config import RunConfig
 from .models.base import Conditioning, FlowModel
+from .rng import forked_rng
 
 #: the largest on-policy ``|ratio - 1|`` that passes
 MAX_RATIO_DEVIATION = 1e-3
@@ -177,7 +178,7 @@ class Probe:
     @torch.no_grad()
     def velocity(self) -> torch.Tensor:
         device = self.z.device
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), self.autocast():
+        with forked_rng(device), self.autocast():
             return self.model.velocity(self.z, self.sigma, self.cond).float()
 
     @staticmethod

@@ -43,6 +43,7 @@ from .models.text_embeddings import load_embeddings, save_embeddings
 from .prompts import run_prompts
 from .rewards import CombinedReward, build_rewards
 from .rewards.catalog import reward_entry
+from .rng import forked_rng
 from .rundir import OPTIMIZER_FILE, TRAINING_STATE_FILE, RunDirectory
 from .sampler import initial_noise, ode_sample
 from .sharding import Sharding, fsdp_requested
@@ -166,7 +167,7 @@ class Trainer:
         self._phase("loading", "loading the judges " + ", ".join(judges.names))
         frames = (cfg.sampling.num_frames,) if cfg.sampling.num_frames > 1 else ()
         device = self.accelerator.device
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with forked_rng(device):
             load_judges(judges, torch.full((1, *frames, 3, cfg.sampling.resolution, cfg.sampling.resolution), 0.5),
                         self.eval_prompts[:1])
         return judges

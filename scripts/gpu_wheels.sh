@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # Wheels for running the GPU check on an offline GPU machine that already has torch (CUDA) and the common
-# scientific packages: bash scripts/gpu_wheels.sh [PYTHON_VERSION] fills .whl/ (default Python 3.12, x86-64
-# Linux) with the requirements such a machine tends to lack (about 56 MB); scripts/gpu_check.sh installs them
-# from there.
+# scientific packages: bash scripts/gpu_wheels.sh [PYTHON_VERSION [CUDA_MAJOR]] fills .whl/ (default Python 3.12,
+# CUDA 13, x86-64 Linux) with the requirements such a machine tends to lack (about 19 MB); scripts/gpu_check.sh
+# installs them from there.
+# bitsandbytes ships one library per CUDA and ROCm release (43 MB in all); its wheel is rewritten with the CPU
+# library and those of CUDA_MAJOR alone, so that the repo and .whl/ fit what a lent GPU machine's call carries
+# (64 MiB). bitsandbytes loads the library of torch's CUDA version (libbitsandbytes_cuda130.so for torch+cu130).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 version="${1:-3.12}"
+cuda_major="${2:-13}"
 packages=(diffusers==0.42.1 peft==0.21.2 torchao==0.18.0 "bitsandbytes>=0.45"
           pydantic pydantic-core annotated-types typing-inspection)
 platforms=()
@@ -16,4 +20,30 @@ done
 mkdir -p .whl
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$version" --implementation cp \
   "${platforms[@]}" -d .whl "${packages[@]}"
+python3 - "$cuda_major" .whl/bitsandbytes-*.whl <<'PYTHON'
+"""Rewrite a bitsandbytes wheel without the GPU libraries of other CUDA majors and of ROCm; RECORD loses their lines."""
+import os
+import re
+import sys
+import zipfile
+
+cuda_major, wheel = sys.argv[1], sys.argv[2]
+library = re.compile(r"bitsandbytes/libbitsandbytes_(cuda|rocm)(\d+)\.so$")
+
+
+def kept(name: str) -> bool:
+    match = library.search(name)
+    return match is None or (match[1] == "cuda" and match[2].startswith(cuda_major))
+
+
+with zipfile.ZipFile(wheel) as source, zipfile.ZipFile(wheel + ".part", "w", zipfile.ZIP_DEFLATED) as target:
+    for entry in source.infolist():
+        data = source.read(entry)
+        if entry.filename.endswith(".dist-info/RECORD"):
+            data = "".join(line for line in data.decode().splitlines(keepends=True)
+                           if kept(line.split(",")[0])).encode()
+        if kept(entry.filename):
+            target.writestr(entry, data)
+os.replace(wheel + ".part", wheel)
+PYTHON
 du -sh .whl

@@ -32,6 +32,7 @@ import torch
 import transformers
 
 from ..archs import arch_folder, parse_random_model, with_depth
+from ..rng import forked_rng
 from .in_memory_parts import (draw_pad_tokens, qwen_special_ids, qwen_vision_ids, text_hidden_layers_read,
                               tiny_clip_tokenizer, tiny_qwen3_tokenizer, tiny_qwen_edit_tokenizer, tiny_qwen_processor,
                               tiny_qwen_tokenizer, tiny_t5_tokenizer)
@@ -155,7 +156,7 @@ def build_random_pipeline(arch: str, layers: int | None = None, seed: int = 0, *
     if layers is not None:
         transformer_config = with_depth(transformer_config, layers)
     device = torch.device(device)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with forked_rng(device):
         torch.manual_seed(seed)
         with _creating(device, dtype):
             components = {"transformer": transformer_class.from_config(transformer_config),
