@@ -779,8 +779,8 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                     try_seed = gr.Number(0, label="Seed", precision=0, scale=1, elem_id="try-seed")
                 generate = gr.Button("Generate", elem_id="generate-btn")
                 try_message = gr.Markdown(elem_id="try-message")
-                try_image = gr.Image(label="Base model | adapter", type="filepath", interactive=False,
-                                     elem_id="try-image")
+                try_image = gr.Image(label="Base model | adapter", show_label=False, type="filepath",
+                                     interactive=False, elem_id="try-image")  # a label would cover the prompt
 
         # ----- events ----------------------------------------------------------------------------
         form_inputs = [preset, name, model, rewards, weights, prompt_mode, prompt_set, prompt_file, prompt_text,

@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import tarfile
 
 import pytest
 
@@ -296,13 +297,21 @@ def test_the_tables_read_without_a_gpu_or_a_ledger():
     assert "| device | 30 | never measured | - | - |" in text and "The triage has not run yet." in text
 
 
-def test_the_script_runs_the_check_into_its_folder(tmp_path):
+def test_the_script_runs_the_check_into_its_folder_and_its_archive(tmp_path):
+    """A lent GPU machine returns at most 8 files: the check's files also travel as one archive."""
+    archive = tmp_path / "back" / "gpu_check.tar.gz"
+    archive.parent.mkdir()
     done = subprocess.run(["bash", "scripts/gpu_check.sh", "--out", str(tmp_path / "out"), "--reduced", "--only",
-                           "device"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHON": sys.executable})
-    assert done.returncode == 0, done.stderr
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["device.json", "device.log", "gpu_check.md"]
-    assert "1 rows this run, 0 step(s) not ok" in done.stdout
+                           "device,simulate-crash", "--archive", str(archive)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHON": sys.executable})
+    assert done.returncode == 1, done.stderr  # the simulated crash is a step not ok
+    files = ["device.json", "device.log", "gpu_check.md", "simulate-crash.json", "simulate-crash.log"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == files
+    assert "2 rows this run, 1 step(s) not ok: simulate-crash" in done.stdout
+    assert [p.name for p in archive.parent.iterdir()] == ["gpu_check.tar.gz"]
+    with tarfile.open(archive) as tar:
+        assert sorted(tar.getnames()) == files
+        assert tar.extractfile("gpu_check.md").read().decode() == (tmp_path / "out" / "gpu_check.md").read_text()
 
 
 def test_the_set_up_plan_is_within_15_percent_of_each_set_up_peak_a_gpu_measured():

@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import traceback
@@ -97,16 +98,32 @@ def last_error(log: Path) -> str:
     return errors[-1][:300] if errors else ""
 
 
+def write_archive(out: Path, archive: Path) -> None:
+    """Every file of ``out`` in the gzipped tar ``archive``, replaced whole (a lent machine returns at most 8 files: the
+    check's dozens travel as one)."""
+    part = archive.with_name(archive.name + ".part")
+    with tarfile.open(part, "w:gz") as tar:
+        for path in sorted(p for p in out.iterdir() if p.is_file() and p.name not in (archive.name, part.name)):
+            tar.add(path, arcname=path.name)
+    os.replace(part, archive)
+
+
 def run_check(out: Path, options: CheckOptions, budget_s: float = DEFAULT_BUDGET_S, only: list[str] | None = None,
               ledger_folder: Path | None = None, caps: dict[str, float] | None = None, log=print,
-              parallel: int | None = None) -> list[dict]:
+              parallel: int | None = None, archive: Path | None = None) -> list[dict]:
     """The steps of :func:`~.ledger.plan_order` within ``budget_s``: a step starts only while its whole cap
     (``caps`` or its own) fits in what is left, else the next, shorter one gets the time. Steps that share the GPU
     run side by side (:func:`next_batch`, at most ``parallel``, within :data:`GPU_ROOM` of the device's memory),
     each in its own process; the others alone. ``parallel`` None: :data:`DEFAULT_PARALLEL` on a GPU, 1 on a CPU
     (whose cores are what the steps compute with). Each step leaves ``out/STEP.json`` and ``out/STEP.log``;
-    ``out/gpu_check.md`` (the tables of the ledger and this run) is rewritten after each batch; a real-size check
-    stops when the device step finds no GPU. Returns this run's rows."""
+    ``out/gpu_check.md`` (the tables of the ledger and this run) is rewritten after each batch, and so is ``archive``
+    (:func:`write_archive`) when given; a real-size check stops when the device step finds no GPU. Returns this run's
+    rows."""
+    def tables() -> None:
+        (out / TABLE_FILE).write_text(format_tables(ledger, steps, options))
+        if archive is not None:
+            write_archive(out, archive)
+
     steps = all_steps(options)
     cap = {step.name: (caps or {}).get(step.name, step.cap(options)) for step in steps}
     unknown = sorted(set(only or ()) - {step.name for step in steps})
@@ -119,7 +136,7 @@ def run_check(out: Path, options: CheckOptions, budget_s: float = DEFAULT_BUDGET
     log(f"[gpu-check] {len(ledger)} step(s) already measured; this run's order, within {budget_s:g} s:")
     for line in describe_order(queue, ledger, options):
         log(f"[gpu-check]   {line}")
-    (out / TABLE_FILE).write_text(format_tables(ledger, steps, options))
+    tables()
     start, rows, not_started = time.perf_counter(), [], []
     while queue:
         left = budget_s - (time.perf_counter() - start)
@@ -146,7 +163,7 @@ def run_check(out: Path, options: CheckOptions, budget_s: float = DEFAULT_BUDGET
                 ledger[process.step.name] = Outcome(step_status(step_rows), process.date, step_rows, seconds)
                 log(f"[gpu-check] {process.step.name}: {ledger[process.step.name].status} in {seconds:.0f} s")
                 rows += step_rows
-        (out / TABLE_FILE).write_text(format_tables(ledger, steps, options))
+        tables()
         if batch[0].name == "device" and ledger["device"].status != "ok":
             log("[gpu-check] no GPU to check: the other steps would measure the CPU; stopping")
             break
@@ -252,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jagg_core.gpu_check", description=overview.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help=f"folder of each step's STEP.json and STEP.log and of {TABLE_FILE} "
                         f"(default {DEFAULT_OUT}, with --reduced {REDUCED_OUT})")
+    parser.add_argument("--archive", type=Path, help="also keep every file of --out in this .tar.gz, rewritten after "
+                        "each step (a lent GPU machine returns at most 8 files: --archive \"$OUT/gpu_check.tar.gz\")")
     parser.add_argument("--ledger", type=Path, help="folder of the earlier checks' *.json (default: --out)")
     parser.add_argument("--reduced", action="store_true",
                         help="real architectures at 1 block and 64 px, the simulated crash and hang (no GPU needed)")
@@ -287,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"--parallel must be at least 1, not {args.parallel}")
         rows = run_check(out, options, args.budget, args.only.split(",") if args.only else None, args.ledger,
                          dict(args.cap), log=lambda line: print(line, file=sys.stderr, flush=True),
-                         parallel=args.parallel)
+                         parallel=args.parallel, archive=args.archive)
         print((out / TABLE_FILE).read_text(), end="")
         not_ok = sorted({r["step"] for r in rows if r["status"] in NOT_OK})
         print(f"{len(rows)} rows this run, {len(not_ok)} step(s) not ok{': ' + ', '.join(not_ok) if not_ok else ''}; "
