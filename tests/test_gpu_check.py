@@ -63,10 +63,11 @@ def test_the_check_has_a_step_for_each_figure_the_issue_asks_for():
             "memory-qwen-image-edit-clipdir-24gb"}  # quantized: their random weights pass through host memory, disk
 
 
-def test_the_order_puts_the_device_then_the_never_measured_then_the_last_failed(tmp_path):
+def test_the_order_puts_the_device_the_triage_the_last_failed_then_the_never_measured(tmp_path):
     write_record(tmp_path, "old", "2026-11-30", [
         {"step": "device", "status": "ok"}, {"step": "tiny-sd3", "status": "ok"},
         {"step": "bench-flux-dev", "status": "failed", "reason": "CUDA error"},
+        {"step": "memory-flux-kontext-clipdir-24gb", "status": "failed", "reason": "timed out after 34 s"},
         {"step": "bench-sd35-medium", "status": "ok"},
         {"step": "memory-flux2-klein-pickscore-24gb", "status": "skipped", "reason": "the 430 s budget is spent"}])
     write_record(tmp_path, "bench-sd35-medium", "2026-12-01T10:00:00+00:00",  # newer: it failed since
@@ -76,12 +77,16 @@ def test_the_order_puts_the_device_then_the_never_measured_then_the_last_failed(
     write_record(tmp_path, "reduced", "2026-12-02", [{"step": "tiny-qwen", "status": "ok"}], reduced=True)
     ledger = read_ledger([tmp_path], CheckOptions())
     assert {name: o.status for name, o in ledger.items()} == {
-        "device": "ok", "tiny-sd3": "ok", "tiny-flux": "ok", "bench-flux-dev": "failed", "bench-sd35-medium": "crashed"}
+        "device": "ok", "tiny-sd3": "ok", "tiny-flux": "ok", "bench-flux-dev": "failed",
+        "memory-flux-kontext-clipdir-24gb": "failed", "bench-sd35-medium": "crashed"}
     assert ledger["bench-sd35-medium"].date.startswith("2026-12-01")
 
     order = [s.name for s in plan_order(all_steps(CheckOptions()), ledger)]
-    never = [n for n in step_names() if n not in ledger]
-    assert order == ["device", *never, "bench-sd35-medium", "bench-flux-dev"]
+    triage = [n for n in step_names() if n.startswith("triage-")]
+    never = [n for n in step_names() if n not in ledger and n not in triage]
+    # the failures the triage is about (a dead process, a CUDA error) before the other failures
+    assert order == ["device", *triage, "bench-sd35-medium", "bench-flux-dev", "memory-flux-kontext-clipdir-24gb",
+                     *never]
     assert order.index("triage-sdpa-cudnn-1101") == 1 and "memory-flux2-klein-pickscore-24gb" in never
     assert "tiny-sd3" not in order and "tiny-qwen" in order  # measured ok: not again; the reduced file is apart
     assert [s.name for s in plan_order(all_steps(CheckOptions()), ledger, only=["tiny-sd3"])] == ["tiny-sd3"]
@@ -218,8 +223,10 @@ def test_the_command_shows_the_order_resumes_and_survives_a_crash(tmp_path):
     again = run_gpu_check("--reduced", "--out", out, "--budget", "0")
     assert again.returncode == 0, again.stderr
     order = [line.split("]   ")[1] for line in again.stderr.splitlines() if "]   " in line]
-    assert order[0].startswith("device: never measured") and order[1].startswith("simulate-hang: never measured")
-    assert order[-1].startswith("simulate-crash: last crashed on 20")  # last failed: after every never-measured
+    triage = [line for line in order if line.startswith("triage-")]
+    assert order[0].startswith("device: never measured") and order[1:len(triage) + 1] == triage
+    after = order[len(triage) + 1:]  # the last failed, then the never measured
+    assert after[0].startswith("simulate-crash: last crashed on 20") and after[1].startswith("simulate-hang: never")
     assert not any(line.startswith("triage-sdpa-math-1101") for line in order)  # measured: not run again
 
 

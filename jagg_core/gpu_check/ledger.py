@@ -7,7 +7,9 @@ last outcome is that of its rows in the newest file that has it (:func:`step_sta
 budget was spent do not count (the step was not run). Files of the other size (``--reduced`` or not) are ignored.
 
 :func:`plan_order` then puts first what is not yet known: the device (seconds; it says which machine this is),
-the steps never measured, then the steps whose last outcome was not ``ok``, each group in the order of
+the triage's cases not yet ok (they diagnose the failures), the other steps whose last outcome was not ``ok``
+(each a failure a user can meet: whether its fix holds is known first; those whose process or CUDA context died
+before the others, the failures the triage is about), then the steps never measured, each group in the order of
 registration (:func:`~.steps.all_steps`). Steps measured ok are not run again unless asked for by name.
 """
 
@@ -31,6 +33,11 @@ class Outcome:
     rows: list[dict]
     #: the step's seconds, its process start included
     seconds: float | None
+
+
+def cuda_failure(outcome: Outcome) -> bool:
+    """Whether the step's process died (``crashed``) or it raised a CUDA error."""
+    return outcome.status == "crashed" or any("CUDA" in row.get("reason", "") for row in outcome.rows)
 
 
 def step_status(rows: list[dict]) -> str | None:
@@ -62,13 +69,21 @@ def read_ledger(folders: list[Path], options: CheckOptions) -> dict[str, Outcome
 
 
 def plan_order(steps: list[Step], ledger: dict[str, Outcome], only: list[str] | None = None) -> list[Step]:
-    """The steps to run, in order: ``only`` as given, else the device, the never measured, the last failed."""
+    """The steps to run, in order: ``only`` as given, else the device, the triage's cases not yet ok, the other
+    last failed, the never measured (see the module docstring)."""
     if only:
         return [next(step for step in steps if step.name == name) for name in only]
-    never = [step for step in steps if step.name not in ledger]
-    failed = [step for step in steps if step.name in ledger and ledger[step.name].status != "ok"]
-    device = [step for step in steps if step.name == "device"]
-    return device + [step for step in never + failed if step.name != "device"]
+
+    def group(step: Step) -> int:
+        if step.table == "triage":
+            return 0
+        if step.name not in ledger:
+            return 3
+        return 1 if cuda_failure(ledger[step.name]) else 2
+
+    pending = [step for step in steps if step.name != "device" and
+               (step.name not in ledger or ledger[step.name].status != "ok")]
+    return [step for step in steps if step.name == "device"] + sorted(pending, key=group)  # stable: registration
 
 
 def describe_order(order: list[Step], ledger: dict[str, Outcome], options: CheckOptions) -> list[str]:
