@@ -192,3 +192,14 @@ def test_the_derived_tables_agree_with_the_declarations():
     listed = [f"({', '.join(TINY_BUILDERS)})", f"({', '.join(family.label for family in families)})",
               f"(ARCH: {', '.join(HUB_IDS)})"]
     assert all(names in description for names in listed)
+
+
+def test_the_space_runs_the_pinned_gradio_and_installs_the_programs_the_rewards_need():
+    """A Hugging Face Space reads the README's front matter (its Gradio, its entry file) and installs the Debian
+    packages of ``packages.txt``; the ocr reward needs Tesseract there too."""
+    front = (ROOT / "README.md").read_text().split("---\n")[1]
+    settings = dict(line.split(": ", 1) for line in front.splitlines() if ": " in line and not line.startswith(" "))
+    pinned = next(line for line in (ROOT / "requirements.txt").read_text().splitlines() if line.startswith("gradio"))
+    assert settings["sdk"] == "gradio" and pinned.endswith(f"=={settings['sdk_version']}")
+    assert (ROOT / settings["app_file"]).is_file()
+    assert "tesseract-ocr" in (ROOT / "packages.txt").read_text().split()
