@@ -3,8 +3,8 @@
 # scientific packages: bash scripts/gpu_wheels.sh [PYTHON_VERSION [CUDA_MAJOR]] fills .whl/ (default Python 3.12,
 # CUDA 13, x86-64 Linux) with the requirements such a machine tends to lack (about 48 MB); scripts/gpu_check.sh
 # installs them from there. The repo and .whl/ must fit what a lent GPU machine's call carries (64 MiB), so:
-# - bitsandbytes ships one library per CUDA and ROCm release (43 MB in all); its wheel is rewritten with the CPU
-#   library and those of CUDA_MAJOR alone (it loads torch's: libbitsandbytes_cuda130.so for torch+cu130);
+# - bitsandbytes ships one library per CUDA and ROCm release (43 MB in all); its wheel is rewritten with the
+#   libraries of CUDA_MAJOR alone (scripts/trim_wheel.py; it loads torch's: libbitsandbytes_cuda130.so for cu130);
 # - imageio-ffmpeg (its own ffmpeg, for the MP4s of video runs) is 0.5.1, 27 MB, the smallest release the
 #   requirements accept (0.8 is 68 MB).
 set -euo pipefail
@@ -21,32 +21,7 @@ done
 mkdir -p .whl
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$version" --implementation cp \
   "${platforms[@]}" -d .whl "${packages[@]}"
-python3 - "$cuda_major" .whl/bitsandbytes-*.whl <<'PYTHON'
-"""Rewrite a bitsandbytes wheel without the GPU libraries of other CUDA majors and of ROCm; RECORD loses their lines."""
-import os
-import re
-import sys
-import zipfile
-
-cuda_major, wheel = sys.argv[1], sys.argv[2]
-library = re.compile(r"bitsandbytes/libbitsandbytes_(cuda|rocm)(\d+)\.so$")
-
-
-def kept(name: str) -> bool:
-    match = library.search(name)
-    return match is None or (match[1] == "cuda" and match[2].startswith(cuda_major))
-
-
-with zipfile.ZipFile(wheel) as source, zipfile.ZipFile(wheel + ".part", "w", zipfile.ZIP_DEFLATED) as target:
-    for entry in source.infolist():
-        data = source.read(entry)
-        if entry.filename.endswith(".dist-info/RECORD"):
-            data = "".join(line for line in data.decode().splitlines(keepends=True)
-                           if kept(line.split(",")[0])).encode()
-        if kept(entry.filename):
-            target.writestr(entry, data)
-os.replace(wheel + ".part", wheel)
-PYTHON
+python3 scripts/trim_wheel.py "$cuda_major" .whl/bitsandbytes-*.whl
 wheels=$(cat .whl/*.whl | wc -c)
 tracked=$(git ls-files -z --cached --others --exclude-standard | xargs -0 cat | wc -c)
 limit=$((64 * 1024 * 1024))

@@ -333,3 +333,24 @@ def test_the_set_up_plan_is_within_15_percent_of_each_set_up_peak_a_gpu_measured
         planned = plan_memory(memory_recipe(row["preset"], CheckOptions())).totals[SETUP_PHASE] / 1e9
         assert 0.85 <= planned / row["measured_setup_gb"] <= 1.15, (row["preset"], planned, row["measured_setup_gb"])
 
+
+
+def test_the_bitsandbytes_wheel_keeps_the_libraries_of_the_machines_cuda_major_alone(tmp_path):
+    """scripts/gpu_wheels.sh trims the 43 MB wheel so that the repo and the wheels fit a device call's 64 MiB."""
+    import zipfile
+    libraries = ["cpu", "cuda118", "cuda128", "cuda130", "cuda132", "rocm72", "xpu2026"]
+    files = {"bitsandbytes/__init__.py": b"", **{f"bitsandbytes/libbitsandbytes_{lib}.so": lib.encode()
+                                                 for lib in libraries}}
+    record = "".join(f"{name},sha256=x,{len(data)}\n" for name, data in files.items()) + "b.dist-info/RECORD,,\n"
+    wheel = tmp_path / "bitsandbytes-0.50.2-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name, data in {**files, "b.dist-info/RECORD": record.encode()}.items():
+            archive.writestr(name, data)
+    subprocess.run([sys.executable, "scripts/trim_wheel.py", "13", str(wheel)], cwd=ROOT, check=True)
+    kept = [f"bitsandbytes/libbitsandbytes_{lib}.so" for lib in ("cpu", "cuda130", "cuda132", "xpu2026")]
+    with zipfile.ZipFile(wheel) as archive:
+        assert archive.namelist() == ["bitsandbytes/__init__.py", *kept, "b.dist-info/RECORD"]
+        assert archive.read("bitsandbytes/libbitsandbytes_cuda130.so") == b"cuda130"
+        assert [line.split(",")[0] for line in archive.read("b.dist-info/RECORD").decode().splitlines()] == [
+            "bitsandbytes/__init__.py", *kept, "b.dist-info/RECORD"]
+    assert [p.name for p in tmp_path.iterdir()] == [wheel.name]
