@@ -10,9 +10,11 @@ from pathlib import Path
 from .archs import RANDOM_PREFIX, arch_names
 from .errors import UserError
 from .family_names import tiny_model_names
-from .hubclient import download
+from .hubclient import download, is_repo_id
 
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
+#: a checkpoint in one file (ComfyUI's, A1111's), not a diffusers pipeline
+SINGLE_FILE_SUFFIXES = (".safetensors", ".sft", ".ckpt", ".pt", ".pth", ".bin", ".gguf")
 
 
 def embedded_models() -> list[str]:
@@ -39,7 +41,10 @@ def read_model_index(name: str, revision: str | None) -> dict:
         if not index.is_file():
             raise UserError(f"'{name}' is a folder without model_index.json; point model.name at a diffusers pipeline folder")
         return _parse_model_index(index)
-    if local.suffix or name.startswith((".", "/", "~")) or name.count("/") != 1:
+    if local.suffix.lower() in SINGLE_FILE_SUFFIXES:
+        raise UserError(f"model '{name}' is a single weights file; point model.name at a diffusers pipeline: a folder "
+                        "with model_index.json, or a Hub id such as black-forest-labs/FLUX.1-dev")
+    if not is_repo_id(name):
         raise UserError(f"model '{name}' is neither a local pipeline folder nor a Hub id (owner/name); "
                         f"tiny models: {', '.join(tiny_models())}; embedded: {', '.join(embedded_models()) or 'none'}"
                         f"; random weights: {RANDOM_PREFIX}<arch>[@<layers>], arch one of {', '.join(arch_names())}")

@@ -25,7 +25,7 @@ from jagg_core.run import download_base_model
 from jagg_core.rundir import RunDirectory
 from tests.fake_hub_server import Drop, FakeHub
 
-REPO = "tester/shapes"
+REPO = "tester/shapes-1.0-Diffusers"  # dotted, as the real ones (black-forest-labs/FLUX.1-dev)
 GATED = "tester/gated"
 ALICE, BOB = "hf_aliceReadToken1234567890", "hf_bobReadToken0987654321"
 #: files of the repo that from_pretrained never fetches: another format, other frameworks, a variant, a single-file

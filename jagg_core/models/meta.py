@@ -32,8 +32,8 @@ def _model_folder(name: str, revision: str | None) -> Path:
 
 def _hub_configs(name: str, revision: str | None) -> Path:
     """A Hub model's ``model_index.json`` and component ``config.json`` files (no weights); their snapshot folder."""
-    from ..hubclient import download
-    if name.count("/") != 1 or name.startswith((".", "/", "~")):
+    from ..hubclient import download, is_repo_id
+    if not is_repo_id(name):
         raise UserError(f"model '{name}' is neither a tiny model, a local pipeline folder nor a Hub id (owner/name); "
                         "a memory plan needs its configs")
     purpose = f"plan the memory of '{name}'"
