@@ -178,9 +178,7 @@ def plan_download(repo_id: str, revision: str | None) -> DownloadPlan | None:
         with hub_errors(f"list the files of '{repo_id}'", repo_id=repo_id):
             info = HfApi().model_info(repo_id, revision=revision, files_metadata=True, token=resolve_token())
     except UserError:
-        cached_index = try_to_load_from_cache(repo_id, "model_index.json", revision=revision)
-        snapshot = Path(cached_index).parent if isinstance(cached_index, str) else None
-        if snapshot and all((snapshot / component).is_dir() for component in pipeline_components(index)):
+        if in_cache(repo_id, revision, index):
             return None
         raise
     siblings = {sibling.rfilename: sibling for sibling in info.siblings or []}
@@ -195,6 +193,24 @@ def plan_download(repo_id: str, revision: str | None) -> DownloadPlan | None:
                 else min(partial.stat().st_size, sibling.size) if partial.is_file() else 0)
         files.append(HubFile(path, sibling.size, blob, have, linked))
     return DownloadPlan(repo_id, info.sha, tuple(files))
+
+
+def in_cache(repo_id: str, revision: str | None, index: dict) -> bool:
+    """Whether the cached snapshot of ``repo_id`` (``index``: its model_index.json) has a folder for every component
+    (what ``from_pretrained`` loads offline)."""
+    from huggingface_hub import try_to_load_from_cache
+    cached_index = try_to_load_from_cache(repo_id, "model_index.json", revision=revision)
+    snapshot = Path(cached_index).parent if isinstance(cached_index, str) else None
+    return snapshot is not None and all((snapshot / component).is_dir() for component in pipeline_components(index))
+
+
+def check_cached(repo_id: str, revision: str | None) -> None:
+    """With the Hub offline, a run can only start from the cache: a one-line :class:`UserError` when the cache does
+    not hold ``repo_id`` (its model_index.json, then every component)."""
+    index = read_model_index(repo_id, revision)
+    if not in_cache(repo_id, revision, index):
+        raise UserError(f"cannot load model '{repo_id}': the Hub is unreachable and the local cache holds only part "
+                        f"of it; check your connection, or run `hf download {repo_id}` while online")
 
 
 def check_disk_room(plan: DownloadPlan) -> None:

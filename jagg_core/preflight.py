@@ -12,14 +12,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from .config import ModelConfig, RunConfig
-from .download import DownloadPlan, check_disk_room, plan_download
+from .download import DownloadPlan, check_cached, check_disk_room, plan_download
 
 
 def check_references(config: RunConfig, disk: bool = True) -> DownloadPlan | None:
     """The base model, the rewards and judges (names, options, no judge equal to a training reward), the prompts and
     the trackers' packages exist; raises :class:`~jagg_core.errors.UserError`. Returns the base model's
     :class:`~jagg_core.download.DownloadPlan` (``.left``: bytes still to download), None when it is not a Hub
-    model or the Hub is offline. ``disk`` false (a memory plan, an export): no refusal for the cache's disk room."""
+    model or the Hub is offline. ``disk`` false (a memory plan, an export): no refusal for the cache's disk room, nor
+    for a Hub model offline that the cache lacks."""
     from .judges import check_judges
     from .prompts import run_prompts
     from .rewards.catalog import check_reward_specs
@@ -36,7 +37,8 @@ def check_model(model: ModelConfig, disk: bool = True) -> DownloadPlan | None:
     """The base model can be loaded by name: a random-weight arch, a tiny model, or a pipeline folder or Hub id with
     a ``model_index.json`` (offline, from the cache; a preset's model passes offline, its configs ship in
     :mod:`jagg_core.archs`). Online, a Hub model's :class:`~jagg_core.download.DownloadPlan` is returned once the
-    cache's disk is known to have room for what is left to download (not checked with ``disk`` false)."""
+    cache's disk is known to have room for what is left to download; offline, a Hub model is in the cache (neither
+    checked with ``disk`` false: a memory plan, an export)."""
     from .archs import arch_for_model, is_random_model, parse_random_model
     from .hubclient import hub_offline
     from .model_index import model_source, read_model_index, tiny_models
@@ -46,7 +48,11 @@ def check_model(model: ModelConfig, disk: bool = True) -> DownloadPlan | None:
     source = model_source(model.name)
     if "/" not in source and not Path(source).is_dir() and source in tiny_models():
         return None
-    if Path(source).expanduser().is_dir() or hub_offline():
+    local = Path(source).expanduser().is_dir()
+    if not local and hub_offline() and disk:  # a launch: the weights must already be here
+        check_cached(source, model.revision)
+        return None
+    if local or hub_offline():
         if arch_for_model(model.name) is None:
             read_model_index(source, model.revision)
         return None

@@ -52,6 +52,8 @@ def test_dry_run_prints_the_resolved_config_with_overrides():
     (["--set", "prompts.source=missing.txt"], "missing.txt"),
     (["--config", "does-not-exist.yaml"], "config file 'does-not-exist.yaml' does not exist"),
     (["--set", "model.name=./no-such-folder", "--output-dir", "{tmp}/run"], "model './no-such-folder' is neither"),
+    (["--preset", "flux-dev-pickscore-24gb", "--output-dir", "{tmp}/run"],  # offline, not in the cache
+     "cannot load model 'black-forest-labs/FLUX.1-dev': the Hub is unreachable and it is not in the local cache"),
     (["--set", "model.name=models/flux1-dev.safetensors", "--output-dir", "{tmp}/run"],
      "model 'models/flux1-dev.safetensors' is a single weights file; point model.name at a diffusers pipeline"),
     (["--plan", "--gpu-memory", "-5"], "--gpu-memory -5: give the GPU's memory in GB, a positive number"),

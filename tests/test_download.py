@@ -159,6 +159,23 @@ def test_the_preflight_tells_the_size_left_and_nothing_after_the_download(hub, m
     assert check_model(ModelConfig(name=REPO)) is None
 
 
+def test_offline_a_launch_needs_the_whole_model_in_the_cache_and_a_memory_plan_does_not(hub, monkeypatch):
+    """A preset's model plans offline from the configs that ship; a run must not start without its weights."""
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    flux = ModelConfig(name="black-forest-labs/FLUX.1-dev")
+    assert check_model(flux, disk=False) is None
+    with pytest.raises(UserError, match="cannot load model 'black-forest-labs/FLUX.1-dev': the Hub is unreachable "
+                                        "and it is not in the local cache; check your connection, or run `hf download"):
+        check_model(flux)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    plan = _plan()
+    download_model(DownloadPlan(plan.repo_id, plan.commit, tuple(f for f in plan.files if "vae/" not in f.path)))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(UserError, match=f"cannot load model '{REPO}': the Hub is unreachable and the local cache "
+                                        "holds only part of it"):
+        check_model(ModelConfig(name=REPO))
+
+
 def test_a_disk_without_room_is_refused_before_anything_is_downloaded(hub, monkeypatch):
     monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10**12, 10**12 - 1_500_000_000, 1_500_000_000))
     with pytest.raises(UserError) as err:
