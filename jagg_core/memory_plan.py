@@ -15,8 +15,10 @@ How it is computed:
   run on meta tensors at the run's batch sizes and resolution, and :class:`~jagg_core.memory_meter.LiveBytes`
   follows every tensor they create and free; its high-water mark is the phase's transient. The backward runs the
   forward with grad and the backward itself (with gradient checkpointing when on), ``2 x`` the micro-batch when JAGG's
-  endpoints are joint. Mixed precision runs these in the compute dtype. A stack of identical blocks is traced
-  at 2 and 4 blocks and extended linearly to its depth (:func:`_traced_in_depth`): the same bytes in seconds.
+  endpoints are joint. Mixed precision runs these in the compute dtype. A quantized base computes with its weights
+  dequantized to bf16: NF4 one weight at a time, int8 a copy per linear that autograd keeps for the backward
+  (:func:`_int8_dequantizing`). A stack of identical blocks is traced at 2 and 4 blocks and extended linearly to
+  its depth (:func:`_traced_in_depth`): the same bytes in seconds (an int8 base's backward: at its full depth).
 - **Fixed parts**: the rollout batch's trajectory (latents, velocities, reference velocities, float32),
   its conditioning and decoded images; the reward and judge models (their catalog sizes, float32; no judge with
   ``eval.judges_on_cpu``).
@@ -37,8 +39,10 @@ from __future__ import annotations
 
 import json
 import math
-from unittest import mock
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
+from unittest import mock
 
 import torch
 
@@ -348,12 +352,16 @@ def plan_memory(config: RunConfig) -> MemoryPlan:
 
     def backward() -> None:
         z = torch.zeros((stacked, *latent), device=META)
-        velocity = model.velocity(z, sigma.expand(stacked), conditioning(stacked))
-        (velocity * torch.zeros_like(velocity)).sum().backward()
+        with _int8_dequantizing(transformer, cfg.model.quantize):
+            velocity = model.velocity(z, sigma.expand(stacked), conditioning(stacked))
+            (velocity * torch.zeros_like(velocity)).sum().backward()
 
     plan.phase_parts["backward"] = trajectory + cond_bytes + images + lora_count * 4 + rows_held
-    plan.phases["backward"] = _traced_in_depth(backward, weights, transformer, backward=True) + \
-        _dequantized_weight(transformer, cfg.model.quantize)
+    if cfg.model.quantize == "int8":  # the peak's moment moves with the depth: no extrapolation (seconds more)
+        plan.phases["backward"] = _traced(backward, weights)
+    else:
+        plan.phases["backward"] = _traced_in_depth(backward, weights, transformer, backward=True) + \
+            (_dequantized_weight(transformer) if cfg.model.quantize == "nf4" else 0)
     return plan
 
 
@@ -362,12 +370,38 @@ def _joint_passes(cfg: RunConfig) -> bool:
     return cfg.train.algorithm == "grpo" and cfg.backward.mode == "jagg" and cfg.backward.joint
 
 
-def _dequantized_weight(transformer: torch.nn.Module, quantize: str) -> int:
-    """A quantized linear layer computes with its weight dequantized to bf16: the largest one's bytes."""
-    if quantize == "none":
-        return 0
-    return max(m.weight.numel() * 2 for name, m in transformer.named_modules()
-               if isinstance(m, torch.nn.Linear) and "lora_" not in name)
+def _base_linears(transformer: torch.nn.Module) -> list[torch.nn.Linear]:
+    """The linear layers a quantized base holds in fewer bits: all of the transformer's but the LoRA's."""
+    return [m for name, m in transformer.named_modules() if isinstance(m, torch.nn.Linear) and "lora_" not in name]
+
+
+def _dequantized_weight(transformer: torch.nn.Module) -> int:
+    """An NF4 linear layer (bitsandbytes) computes with its weight dequantized to bf16, in its forward and again in
+    its backward, and keeps only the 4-bit weight: one at a time, the largest one's bytes."""
+    return max(m.weight.numel() * 2 for m in _base_linears(transformer))
+
+
+def _int8_dequantizing_forward(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.linear(x, linear.weight.clone(), linear.bias)
+
+
+@contextmanager
+def _int8_dequantizing(transformer: torch.nn.Module, quantize: str):
+    """While a plan traces the backward of an int8 base (torchao's weight-only ``Int8Tensor``): each base linear
+    computes with its weight dequantized to bf16, a new tensor per call that autograd keeps for the backward (the
+    input's gradient is ``grad_out @ W``), so a block's backward holds the dequantized weights of all its linears.
+    The meta linears (bf16 already) compute with a copy of their weight, which the trace counts. With gradient
+    checkpointing the moment of the peak then moves between stacks as they deepen (the first backward block's, with
+    every block's saved input, or the widest block's, with its dequantized weights), which :func:`_traced_in_depth`'s
+    linear extrapolation does not follow: an int8 base's backward is traced at its full depth."""
+    linears = _base_linears(transformer) if quantize == "int8" else []
+    for linear in linears:  # an instance attribute shadows the class's forward
+        linear.forward = partial(_int8_dequantizing_forward, linear)
+    try:
+        yield
+    finally:
+        for linear in linears:
+            del linear.forward
 
 
 # ----- what fits -------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import torch
 from conftest import run_cli, tiny_config
 from jagg_core.config import list_presets, load_config, preset_path
 from jagg_core.errors import UserError
+from jagg_core.gpu_check import CheckOptions, memory_recipe
 from jagg_core.judges import judges_device
 from jagg_core.memory_meter import PeakMemory, measured_peak
 from jagg_core import memory_plan
@@ -155,13 +156,27 @@ def test_the_plan_counts_the_transformers_buffers(offline):
 def test_the_plan_traces_a_short_stack_and_counts_the_same_bytes_as_every_block(arch, settings, offline, monkeypatch):
     """The plan traces each uniform stack at 2 and 4 blocks and extends the peak linearly: the same bytes, exactly,
     as tracing all 7 blocks of each stack at the real width."""
-    overrides = [f"model.name=random:{arch}@7", "sampling.resolution=256",
+    overrides = [f"model.name=random:{arch}@7", "sampling.resolution=256", "model.quantize=none",
                  *(f"{key}={json.dumps(value)}" for key, value in settings.items())]
     config = load_config(preset="flux-dev-pickscore-24gb", overrides=overrides)
     short = plan_memory(config)
     monkeypatch.setattr(memory_plan, "_uniform_stacks", lambda transformer: {})
     every_block = plan_memory(config)
     assert short.phases == every_block.phases and short.total == every_block.total
+
+
+def test_an_int8_base_plans_the_dequantized_weights_its_backward_keeps(tmp_path, offline):
+    """torchao's int8 linear computes with its weight dequantized to bf16, and autograd keeps that copy for the
+    backward; without checkpointing, every such copy at once. FLUX at the real width and one block (the GPU check's
+    reduced recipe of its 24 GB preset) planned 0.68x of the measured peak before the copies were planned."""
+    recipe = memory_recipe("flux-dev-pickscore-24gb", CheckOptions(reduced=True))
+    config = recipe.model_copy(update={"train": recipe.train.model_copy(update={"gradient_checkpointing": False})})
+    trainer = Trainer(config, tmp_path)
+    trainer.setup()
+    measured = measured_peak(trainer)
+    trainer.close()
+    planned = plan_memory(config).total
+    assert config.model.quantize == "int8" and 0.98 <= planned / measured <= 1.02, (planned, measured)
 
 
 def test_checkpointing_sequential_endpoints_and_chunks_lower_the_plan(offline):
