@@ -19,8 +19,8 @@ def check_references(config: RunConfig, disk: bool = True) -> DownloadPlan | Non
     """The base model, the rewards and judges (names, options, no judge equal to a training reward), the prompts and
     the trackers' packages exist; raises :class:`~jagg_core.errors.UserError`. Returns the base model's
     :class:`~jagg_core.download.DownloadPlan` (``.left``: bytes still to download), None when it is not a Hub
-    model or the Hub is offline. ``disk`` false (a memory plan, an export): no refusal for the cache's disk room, nor
-    for a Hub model offline that the cache lacks."""
+    model or the Hub is offline. ``disk`` false (a memory plan, a dry run, an export): no refusal for the cache's disk
+    room, nor for a Hub model offline that the cache lacks."""
     from .judges import check_judges
     from .prompts import run_prompts
     from .rewards.catalog import check_reward_specs
@@ -38,7 +38,7 @@ def check_model(model: ModelConfig, disk: bool = True) -> DownloadPlan | None:
     a ``model_index.json`` (offline, from the cache; a preset's model passes offline, its configs ship in
     :mod:`jagg_core.archs`). Online, a Hub model's :class:`~jagg_core.download.DownloadPlan` is returned once the
     cache's disk is known to have room for what is left to download; offline, a Hub model is in the cache (neither
-    checked with ``disk`` false: a memory plan, an export)."""
+    checked with ``disk`` false: a memory plan, a dry run, an export)."""
     from .archs import arch_for_model, is_random_model, parse_random_model
     from .hubclient import hub_offline
     from .model_index import model_source, read_model_index, tiny_models

@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.doctor and args.resume:
             raise UserError("--doctor checks a new run's first iteration; drop --resume (or --doctor)")
         config, run_dir = resolve(args)
-        plan = check_references(config, disk=not args.plan)  # a memory plan needs the configs, not the room
+        # a memory plan and a dry run need the configs, not the room for the weights, nor the weights offline
+        plan = check_references(config, disk=not (args.plan or args.dry_run))
         if plan is not None and plan.left:
             print(f"{PROG}: {plan.summary()}", file=sys.stderr)
         if args.plan:
