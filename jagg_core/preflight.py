@@ -49,10 +49,11 @@ def check_model(model: ModelConfig, disk: bool = True) -> DownloadPlan | None:
     if "/" not in source and not Path(source).is_dir() and source in tiny_models():
         return None
     local = Path(source).expanduser().is_dir()
-    if not local and hub_offline() and disk:  # a launch: the weights must already be here
+    offline = not local and hub_offline()  # asked once: it may wait on a name lookup
+    if offline and disk:  # a launch: the weights must already be here
         check_cached(source, model.revision)
         return None
-    if local or hub_offline():
+    if local or offline:
         if arch_for_model(model.name) is None:
             read_model_index(source, model.revision)
         return None
