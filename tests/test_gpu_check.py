@@ -16,6 +16,8 @@ from conftest import ROOT
 from jagg_core.config import load_config
 from jagg_core.gpu_check import (CheckOptions, all_steps, format_tables, memory_presets, memory_recipe, next_batch,
                                  plan_order, read_ledger, run_check, step_names, triage_verdict)
+from jagg_core.gpu_check.ledger import describe_order
+from jagg_core.gpu_check.settings import current_settings
 from jagg_core.gpu_check.triage import FLUX_PATH_SETTINGS
 
 OFFLINE = {"HF_HUB_OFFLINE": "1"}
@@ -27,8 +29,14 @@ def run_gpu_check(*args: str) -> subprocess.CompletedProcess:
                           text=True, env={**os.environ, **OFFLINE}, timeout=3600)
 
 
-def write_record(folder, name, date, rows, reduced=False):
-    (folder / f"{name}.json").write_text(json.dumps({"date": date, "options": {"reduced": reduced}, "rows": rows}))
+def write_record(folder, name, date, rows, reduced=False, settings=None):
+    (folder / f"{name}.json").write_text(json.dumps({"date": date, "options": {"reduced": reduced}, "rows": rows,
+                                                     **({"settings": settings} if settings else {})}))
+
+
+def today(options=CheckOptions()):
+    """Each step's settings as the product resolves them today."""
+    return current_settings(all_steps(options), options)
 
 
 def test_the_check_has_a_step_for_each_figure_the_issue_asks_for():
@@ -58,7 +66,8 @@ def test_the_check_has_a_step_for_each_figure_the_issue_asks_for():
     assert len(isolated) == 10 and sum(max(s.cap_s for s in b) for b in batches) <= 180  # apart within 3 minutes
     timed = [s for s in steps if s.table in ("device", "bench", "quantize") or s.name.startswith("triage-flux-path")]
     assert all(s.shares_gb is None for s in timed)  # their seconds are figures, or the crash may be memory: alone
-    assert all(s.shares_gb for s in isolated) and {s.name for s in steps if s.table == "memory" and s.shares_gb is None} \
+    alone = {s.name for s in steps if s.table == "memory" and s.shares_gb is None}
+    assert all(s.shares_gb for s in isolated) and alone \
         == {"memory-flux-dev-pickscore-24gb", "memory-flux-kontext-clipdir-24gb", "memory-qwen-image-pickscore-24gb",
             "memory-qwen-image-edit-clipdir-24gb"}  # quantized: their random weights pass through host memory, disk
 
@@ -81,15 +90,39 @@ def test_the_order_puts_the_device_the_triage_the_last_failed_then_the_never_mea
         "memory-flux-kontext-clipdir-24gb": "failed", "bench-sd35-medium": "crashed"}
     assert ledger["bench-sd35-medium"].date.startswith("2026-12-01")
 
-    order = [s.name for s in plan_order(all_steps(CheckOptions()), ledger)]
+    settings = today()
+    order = [s.name for s in plan_order(all_steps(CheckOptions()), ledger, settings)]
     triage = [n for n in step_names() if n.startswith("triage-")]
     never = [n for n in step_names() if n not in ledger and n not in triage]
-    # the failures the triage is about (a dead process, a CUDA error) before the other failures
+    # the failures the triage is about (a dead process, a CUDA error) before the other failures; last, the steps
+    # measured ok before the records kept their settings (stale: the product may have changed what they measure)
     assert order == ["device", *triage, "bench-sd35-medium", "bench-flux-dev", "memory-flux-kontext-clipdir-24gb",
-                     *never]
+                     *never, "tiny-sd3", "tiny-flux"]
     assert order.index("triage-sdpa-cudnn-1101") == 1 and "memory-flux2-klein-pickscore-24gb" in never
-    assert "tiny-sd3" not in order and "tiny-qwen" in order  # measured ok: not again; the reduced file is apart
-    assert [s.name for s in plan_order(all_steps(CheckOptions()), ledger, only=["tiny-sd3"])] == ["tiny-sd3"]
+    assert "tiny-qwen" in never  # the reduced file is apart
+    assert [s.name for s in plan_order(all_steps(CheckOptions()), ledger, settings, only=["tiny-sd3"])] == [
+        "tiny-sd3"]
+
+
+def test_a_step_measured_ok_under_todays_settings_is_done_and_under_others_is_stale_and_says_what_changed(
+        tmp_path):
+    settings = today()
+    changed = json.loads(json.dumps(settings["tiny-flux"]))
+    changed["int8"]["model.cudnn_attention"] = True  # a default the product has changed since
+    for name, kept in (("tiny-sd3", settings["tiny-sd3"]), ("tiny-flux", changed), ("tiny-qwen", None)):
+        write_record(tmp_path, name, "2026-12-01T10:00:00+00:00", [{"step": name, "status": "ok"}], settings=kept)
+    write_record(tmp_path, "bench-flux-dev", "2026-12-01T10:00:00+00:00",  # failed: runs again whatever its settings
+                 [{"step": "bench-flux-dev", "status": "failed"}], settings=settings["bench-flux-dev"])
+    ledger, steps = read_ledger([tmp_path], CheckOptions()), all_steps(CheckOptions())
+    order = plan_order(steps, ledger, settings)
+    assert [s.name for s in order][-2:] == ["tiny-flux", "tiny-qwen"] and "tiny-sd3" not in [s.name for s in order]
+    lines = describe_order(order, ledger, settings, CheckOptions())
+    assert "tiny-flux: last ok on 2026-12-01, stale: int8: model.cudnn_attention true -> false, cap 60 s" in lines
+    assert "tiny-qwen: last ok on 2026-12-01, stale: measured before the check kept its settings, cap 60 s" in lines
+    assert "bench-flux-dev: last failed on 2026-12-01, cap 240 s" in lines
+    table = format_tables(ledger, steps, CheckOptions(), settings)
+    assert "| tiny-sd3 | 60 | ok | 2026-12-01 |" in table
+    assert "| tiny-flux | 60 | ok, stale: int8: model.cudnn_attention true -> false | 2026-12-01 |" in table
 
 
 def test_the_committed_ledger_marks_what_the_first_check_measured_with_its_date():
@@ -98,8 +131,9 @@ def test_the_committed_ledger_marks_what_the_first_check_measured_with_its_date(
     assert ledger["bench-flux-dev"].status == "failed" and ledger["memory-flux-kontext-clipdir-24gb"].status == "failed"
     assert {"memory-sd35-medium-pickscore-16gb", "memory-zimage-turbo-pickscore-24gb", "tiny-qwen"} <= set(ledger)
     assert "memory-qwen-image-pickscore-24gb" not in ledger  # skipped for the budget: never measured
-    table = format_tables(ledger, all_steps(CheckOptions()), CheckOptions())
-    assert "| bench-sd35-medium | 240 | ok | 2026-11-30 | 65 |" in table
+    table = format_tables(ledger, all_steps(CheckOptions()), CheckOptions(), today())
+    assert "| bench-sd35-medium | 240 | ok, stale: measured before the check kept its settings | 2026-11-30 | 65 |" \
+        in table
     assert "| triage-lora-rank4 | 20 | never measured | - | - |" in table
 
 
@@ -260,6 +294,11 @@ def test_a_reduced_check_runs_each_kind_of_real_size_step_and_writes_its_tables(
     assert done.returncode == 0, done.stdout + done.stderr
     records = [json.loads((tmp_path / f"{name}.json").read_text()) for name in names]
     assert not any("beside" in record for record in records)  # on a CPU one step at a time: they share its cores
+    settings = today(REDUCED)
+    assert [record["settings"] for record in records] == [settings[name] for name in names]
+    assert records[0]["settings"]["int8"]["model.quantize"] == "int8"
+    order = plan_order(all_steps(REDUCED), read_ledger([tmp_path], REDUCED), settings)
+    assert not set(names) & {s.name for s in order}  # measured under today's settings: done
     rows = {(r["step"], r.get("recipe") or r.get("mode")): r for record in records for r in record["rows"]}
     for recipe in ("bf16", "int8"):  # 2 iterations in bf16 with 8-bit AdamW, then the loss and rewards
         tiny = rows[("tiny-sd3", recipe)]
@@ -299,7 +338,7 @@ def test_an_unknown_step_or_a_parallel_below_one_is_one_line(tmp_path):
 
 
 def test_the_tables_read_without_a_gpu_or_a_ledger():
-    text = format_tables({}, all_steps(CheckOptions()), CheckOptions())
+    text = format_tables({}, all_steps(CheckOptions()), CheckOptions(), today())
     assert text.startswith("GPU check (real size). Last device: device not checked.")
     assert "| device | 30 | never measured | - | - |" in text and "The triage has not run yet." in text
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 GB = 1e9
 #: a row's status: ``ok``; ``skipped`` (the device lacks what it needs, e.g. a CPU and NF4); ``failed`` (the step
@@ -26,6 +26,12 @@ class CheckOptions:
     def resolution(self) -> int | None:
         """Image side of the real-size steps (None: the bench's default, 512 px on a GPU)."""
         return REDUCED_RESOLUTION if self.reduced else None
+
+    @property
+    def device_type(self) -> str:
+        """The device the steps' configs are made for: a real-size check measures a GPU (on any other machine it
+        stops after the device step), a reduced one the machine it runs on."""
+        return torch_device().type if self.reduced else "cuda"
 
     @property
     def overrides(self) -> list[str]:
@@ -56,6 +62,9 @@ class Step:
     #: kernel's errors, a peak memory, a tiny run's loss) shares the GPU, each in its own process and CUDA context;
     #: None: it runs alone (its seconds are the figures, or it may take the whole GPU)
     shares_gb: float | None = None
+    #: the run configs it runs, by label (:mod:`.settings`: a measurement under other settings is stale); None: its
+    #: figures depend on no config (the device, the triage's fixed kernels)
+    configs: Callable[[CheckOptions], dict[str, Any]] | None = None
 
     def cap(self, options: CheckOptions) -> float:
         return self.reduced_cap_s if options.reduced else self.cap_s

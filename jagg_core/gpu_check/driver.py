@@ -19,7 +19,8 @@ from pathlib import Path
 
 from ..report import cell, markdown_table
 from .common import GB, NOT_OK, CheckOptions, Step, one_line
-from .ledger import Outcome, describe_order, plan_order, read_ledger, step_status
+from .ledger import Outcome, describe_order, plan_order, read_ledger, stale_changes, step_status
+from .settings import current_settings, describe_changes
 from .steps import all_steps, run_step, step_names
 from .triage import triage_verdict
 
@@ -120,7 +121,7 @@ def run_check(out: Path, options: CheckOptions, budget_s: float = DEFAULT_BUDGET
     (:func:`write_archive`) when given; a real-size check stops when the device step finds no GPU. Returns this run's
     rows."""
     def tables() -> None:
-        (out / TABLE_FILE).write_text(format_tables(ledger, steps, options))
+        (out / TABLE_FILE).write_text(format_tables(ledger, steps, options, settings))
         if archive is not None:
             write_archive(out, archive)
 
@@ -132,9 +133,10 @@ def run_check(out: Path, options: CheckOptions, budget_s: float = DEFAULT_BUDGET
         raise UserError(f"unknown step(s) {', '.join(unknown)}; steps: {', '.join(s.name for s in steps)}")
     out.mkdir(parents=True, exist_ok=True)
     ledger = read_ledger([ledger_folder or out, out], options)
-    queue = plan_order(steps, ledger, only)
+    settings = current_settings(steps, options)
+    queue = plan_order(steps, ledger, settings, only)
     log(f"[gpu-check] {len(ledger)} step(s) already measured; this run's order, within {budget_s:g} s:")
-    for line in describe_order(queue, ledger, options):
+    for line in describe_order(queue, ledger, settings, options):
         log(f"[gpu-check]   {line}")
     tables()
     start, rows, not_started = time.perf_counter(), [], []
@@ -156,12 +158,14 @@ def run_check(out: Path, options: CheckOptions, budget_s: float = DEFAULT_BUDGET
             for process in running:
                 step_rows = process.finish()
                 seconds = time.perf_counter() - process.started
-                record = {"date": process.date, "step": process.step.name, "cap_s": process.cap_s,
-                          "seconds": seconds, "options": asdict(options), "rows": step_rows,
-                          **({"beside": [s.name for s in batch if s is not process.step]} if len(batch) > 1 else {})}
-                (out / f"{process.step.name}.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
-                ledger[process.step.name] = Outcome(step_status(step_rows), process.date, step_rows, seconds)
-                log(f"[gpu-check] {process.step.name}: {ledger[process.step.name].status} in {seconds:.0f} s")
+                name = process.step.name
+                record = {"date": process.date, "step": name, "cap_s": process.cap_s, "seconds": seconds,
+                          "options": asdict(options), "rows": step_rows,
+                          **({"beside": [s.name for s in batch if s is not process.step]} if len(batch) > 1 else {}),
+                          **({"settings": settings[name]} if settings[name] is not None else {})}
+                (out / f"{name}.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
+                ledger[name] = Outcome(step_status(step_rows), process.date, step_rows, seconds, settings[name])
+                log(f"[gpu-check] {name}: {ledger[name].status} in {seconds:.0f} s")
                 rows += step_rows
         tables()
         if batch[0].name == "device" and ledger["device"].status != "ok":
@@ -197,16 +201,18 @@ def _peak(row: dict) -> str:
     return _f(row["peak_mem_mb"] * 2 ** 20 / GB if row.get("peak_mem_mb") else None)
 
 
-def format_tables(ledger: dict[str, Outcome], steps: list[Step], options: CheckOptions) -> str:
-    """The markdown report of the ledger: every step's last outcome and date (or never measured), the triage's
-    verdict, then the figures by table: triage, whole iterations, quantization, memory, tiny runs."""
+def format_tables(ledger: dict[str, Outcome], steps: list[Step], options: CheckOptions,
+                  settings: dict[str, dict | None]) -> str:
+    """The markdown report of the ledger: every step's last outcome and date (or never measured; stale: measured
+    under other settings than ``settings``, today's), the triage's verdict, then the figures by table: triage,
+    whole iterations, quantization, memory, tiny runs."""
     size = "reduced: 1 block, 64 px, on the CPU" if options.reduced else "real size"
     device = ledger["device"].rows[0] if "device" in ledger else {}
     machine = (f"{device.get('gpu', 'no GPU')}; torch {device['versions']['torch']}, "
                f"checked {ledger['device'].date[:10]}" if device.get("versions") else "device not checked")
     parts = [f"GPU check ({size}). Last device: {machine}.",
              markdown_table(["step", "cap s", "last outcome", "date", "s"],
-                            [[s.name, _f(s.cap(options), ".0f"), _outcome(ledger.get(s.name)),
+                            [[s.name, _f(s.cap(options), ".0f"), _outcome(ledger.get(s.name), settings[s.name]),
                               ledger[s.name].date[:10] if s.name in ledger else "-",
                               _f(ledger[s.name].seconds, ".0f") if s.name in ledger else "-"] for s in steps])]
     rows = {table: [row for s in steps if s.table == table and s.name in ledger for row in ledger[s.name].rows]
@@ -243,9 +249,11 @@ def format_tables(ledger: dict[str, Outcome], steps: list[Step], options: CheckO
     return "\n\n".join(parts) + "\n"
 
 
-def _outcome(outcome: Outcome | None) -> str:
+def _outcome(outcome: Outcome | None, current: dict | None) -> str:
     if outcome is None:
         return "never measured"
+    if changes := stale_changes(outcome, current):
+        return f"ok, stale: {describe_changes(changes)}"
     reasons = [row["reason"] for row in outcome.rows if row["status"] == outcome.status and row.get("reason")]
     return outcome.status + (f": {reasons[0]}" if reasons and outcome.status != "ok" else "")
 
@@ -298,8 +306,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run_one_step(args.step, Path(args.result), options)
     out = args.out or (REDUCED_OUT if args.reduced else DEFAULT_OUT)
     if args.table:
-        ledger = read_ledger([args.ledger or out, out], options)
-        print(format_tables(ledger, all_steps(options), options), end="")
+        ledger, steps = read_ledger([args.ledger or out, out], options), all_steps(options)
+        print(format_tables(ledger, steps, options, current_settings(steps, options)), end="")
         return 0
     with exit_on_user_error(parser.prog):
         if args.parallel is not None and args.parallel < 1:

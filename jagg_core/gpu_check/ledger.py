@@ -9,8 +9,10 @@ budget was spent do not count (the step was not run). Files of the other size (`
 :func:`plan_order` then puts first what is not yet known: the device (seconds; it says which machine this is),
 the triage's cases not yet ok (they diagnose the failures), the other steps whose last outcome was not ``ok``
 (each a failure a user can meet: whether its fix holds is known first; those whose process or CUDA context died
-before the others, the failures the triage is about), then the steps never measured, each group in the order of
-registration (:func:`~.steps.all_steps`). Steps measured ok are not run again unless asked for by name.
+before the others, the failures the triage is about), then the steps never measured, then those measured ok under
+other settings than the product's today (:mod:`.settings`: a default, a preset or a kernel key changed since; or
+measured before records kept their settings), each group in the order of registration (:func:`~.steps.all_steps`).
+Steps measured ok under today's settings are not run again unless asked for by name.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .common import NOT_OK, CheckOptions, Step
+from .settings import changed_settings, describe_changes
 
 BUDGET_SKIP = "budget"
 
@@ -33,6 +36,16 @@ class Outcome:
     rows: list[dict]
     #: the step's seconds, its process start included
     seconds: float | None
+    #: the settings it was measured under (:func:`~.settings.step_settings`; None: not kept, or it has none)
+    settings: dict[str, dict] | None = None
+
+
+def stale_changes(outcome: Outcome, current: dict[str, dict] | None) -> list[str]:
+    """How the settings of an ``ok`` outcome differ from the product's ``current`` ones (empty: the same, or a
+    step without configs, or not ok: a step not ok runs again anyway)."""
+    if outcome.status != "ok" or current is None:
+        return []
+    return changed_settings(outcome.settings, current)
 
 
 def cuda_failure(outcome: Outcome) -> bool:
@@ -64,13 +77,15 @@ def read_ledger(folders: list[Path], options: CheckOptions) -> dict[str, Outcome
             earlier = outcomes.get(step)
             if status and (earlier is None or record["date"] >= earlier.date):
                 seconds = record.get("seconds") if "step" in record else rows[0].get("step_s")
-                outcomes[step] = Outcome(status, record["date"], rows, seconds)
+                outcomes[step] = Outcome(status, record["date"], rows, seconds, record.get("settings"))
     return outcomes
 
 
-def plan_order(steps: list[Step], ledger: dict[str, Outcome], only: list[str] | None = None) -> list[Step]:
+def plan_order(steps: list[Step], ledger: dict[str, Outcome], settings: dict[str, dict | None],
+               only: list[str] | None = None) -> list[Step]:
     """The steps to run, in order: ``only`` as given, else the device, the triage's cases not yet ok, the other
-    last failed, the never measured (see the module docstring)."""
+    last failed, the never measured, the stale (see the module docstring); ``settings``: each step's today
+    (:func:`~.settings.step_settings`)."""
     if only:
         return [next(step for step in steps if step.name == name) for name in only]
 
@@ -79,18 +94,25 @@ def plan_order(steps: list[Step], ledger: dict[str, Outcome], only: list[str] | 
             return 0
         if step.name not in ledger:
             return 3
+        if ledger[step.name].status == "ok":
+            return 4
         return 1 if cuda_failure(ledger[step.name]) else 2
 
     pending = [step for step in steps if step.name != "device" and
-               (step.name not in ledger or ledger[step.name].status != "ok")]
+               (step.name not in ledger or ledger[step.name].status != "ok"
+                or stale_changes(ledger[step.name], settings[step.name]))]
     return [step for step in steps if step.name == "device"] + sorted(pending, key=group)  # stable: registration
 
 
-def describe_order(order: list[Step], ledger: dict[str, Outcome], options: CheckOptions) -> list[str]:
-    """One line per step to run: why it runs (never measured, or its last outcome and date) and its cap."""
+def describe_order(order: list[Step], ledger: dict[str, Outcome], settings: dict[str, dict | None],
+                   options: CheckOptions) -> list[str]:
+    """One line per step to run: why it runs (never measured, its last outcome and date, and what changed since
+    an ok one) and its cap."""
     lines = []
     for step in order:
         last = ledger.get(step.name)
         why = f"last {last.status} on {last.date[:10]}" if last else "never measured"
+        if last and (changes := stale_changes(last, settings[step.name])):
+            why += f", stale: {describe_changes(changes)}"
         lines.append(f"{step.name}: {why}, cap {step.cap(options):.0f} s")
     return lines

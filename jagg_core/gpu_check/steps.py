@@ -60,14 +60,18 @@ def all_steps(options: CheckOptions) -> list[Step]:
     steps += triage_steps()
     steps += [Step(f"memory-{preset}", "memory", functools.partial(step_memory, preset),
                    cap_s=QWEN_CAP_S if preset.startswith("qwen-image") else MEMORY_CAP_S, reduced_cap_s=300,
-                   shares_gb=memory_step_gb(preset)) for preset in memory_presets()]
+                   shares_gb=memory_step_gb(preset),
+                   configs=functools.partial(memory_configs, preset))
+              for preset in memory_presets()]
     steps += [Step(f"bench-{arch}", "bench", functools.partial(step_bench, arch, quantize),
-                   cap_s=QWEN_CAP_S if arch.startswith("qwen-image") else BENCH_CAP_S, reduced_cap_s=300)
-              for arch, quantize in BENCH_ARCHS]
+                   cap_s=QWEN_CAP_S if arch.startswith("qwen-image") else BENCH_CAP_S, reduced_cap_s=300,
+                   configs=functools.partial(bench_configs, arch, quantize)) for arch, quantize in BENCH_ARCHS]
     steps += [Step(f"quantize-{QUANTIZE_ARCH}-{base}", "quantize", functools.partial(step_quantize, base),
-                   cap_s=180, reduced_cap_s=300) for base in QUANTIZE_BASES]
+                   cap_s=180, reduced_cap_s=300,
+                   configs=functools.partial(bench_configs, QUANTIZE_ARCH, None if base == "bf16" else base))
+              for base in QUANTIZE_BASES]
     steps += [Step(model, "tiny", functools.partial(step_tiny, model), cap_s=60, reduced_cap_s=300,
-                   shares_gb=TINY_GB) for model in TINY_MODELS]
+                   shares_gb=TINY_GB, configs=functools.partial(tiny_configs, model)) for model in TINY_MODELS]
     return steps
 
 
@@ -124,9 +128,15 @@ def simulate_hang(options: CheckOptions) -> list[dict]:
         signal.pause()
 
 
+def tiny_configs(model: str, options: CheckOptions) -> dict:
+    """The configs of the tiny ``model``'s runs, by base (:data:`RECIPES`)."""
+    from ..config import load_config
+    return {recipe: load_config(preset="tiny-sd3", overrides=[f"model.name={model}", *TINY_BASE, *overrides])
+            for recipe, overrides in RECIPES.items()}
+
+
 def step_tiny(model: str, options: CheckOptions) -> list[dict]:
     """2-iteration runs of the tiny ``model`` for each of :data:`RECIPES`."""
-    from ..config import load_config
     from ..errors import UserError
     from ..memory_meter import PeakMemory
     from ..rundir import RunDirectory
@@ -134,13 +144,12 @@ def step_tiny(model: str, options: CheckOptions) -> list[dict]:
     from .. import metrics
     device = torch_device()
     rows = []
-    for recipe, overrides in RECIPES.items():
+    for recipe, config in tiny_configs(model, options).items():
         row = {"step": model, "recipe": recipe, "status": "ok"}
         rows.append(row)
         if recipe == "nf4" and device.type != "cuda":
             row.update(status="skipped", reason="NF4 (bitsandbytes) needs a CUDA GPU")
             continue
-        config = load_config(preset="tiny-sd3", overrides=[f"model.name={model}", *TINY_BASE, *overrides])
         with tempfile.TemporaryDirectory() as run_dir:
             meter = PeakMemory(device).start()
             start = time.perf_counter()
@@ -166,11 +175,10 @@ def bench_rows(arch: str, options: CheckOptions, layers: int | None = None, quan
     gradient checkpointing, on a ``quantize`` base, with config ``overrides``): exact and JAGG W =
     :data:`BENCH_WINDOW` cached joint on one rollout batch; ``jagg_only`` keeps JAGG's row (exact still runs: the
     speed-ups and cosine are against it)."""
-    from ..bench import EXACT, BenchOptions, Variant, arch_model, arch_overrides, bench_train_phase
+    from ..bench import EXACT, BenchOptions, Variant, arch_model, bench_train_phase
     device = torch_device()
     model = arch_model(arch, random_weights=True, layers=layers)
-    overrides = [*arch_overrides(device.type, options.resolution, quantize), "train.gradient_checkpointing=true",
-                 *options.overrides, *(REDUCED_BENCH_BATCH if options.reduced else ()), *overrides]
+    overrides = bench_overrides(options, quantize, overrides)
     bench = BenchOptions(models=[model], overrides=tuple(overrides), repeats=repeats, warmup=warmup,
                          memory=device.type == "cuda", iterations=0)
     jagg = Variant("cached", window=BENCH_WINDOW, joint=True)
@@ -178,6 +186,22 @@ def bench_rows(arch: str, options: CheckOptions, layers: int | None = None, quan
     resolution = next(int(o.split("=")[1]) for o in overrides if o.startswith("sampling.resolution="))
     return [{"status": "ok", "arch": arch, "resolution": resolution, "quantize": quantize or "none", **row}
             for row in rows if not jagg_only or row["mode"] != "exact"]
+
+
+def bench_overrides(options: CheckOptions, quantize: str | None, overrides: tuple[str, ...] = ()) -> list[str]:
+    """The config overrides of :func:`bench_rows`: the real-size bench's on this device, on a ``quantize`` base,
+    with gradient checkpointing, then ``options``' and ``overrides``."""
+    from ..bench import arch_overrides
+    return [*arch_overrides(options.device_type, options.resolution, quantize), "train.gradient_checkpointing=true",
+            *options.overrides, *(REDUCED_BENCH_BATCH if options.reduced else ()), *overrides]
+
+
+def bench_configs(arch: str, quantize: str | None, options: CheckOptions) -> dict:
+    """The config of :func:`bench_rows` for ``arch`` on a ``quantize`` base, at the check's depth."""
+    from ..bench import arch_model
+    from ..bench.variants import bench_config
+    return {"bench": bench_config(arch_model(arch, random_weights=True, layers=options.layers),
+                                  bench_overrides(options, quantize))}
 
 
 def _needs_cuda(quantize: str | None) -> str | None:
@@ -224,6 +248,10 @@ def memory_recipe(preset: str, options: CheckOptions):
     if options.resolution:
         overrides.append(f"sampling.resolution={options.resolution}")
     return load_config(preset=preset, overrides=overrides)
+
+
+def memory_configs(preset: str, options: CheckOptions) -> dict:
+    return {"recipe": memory_recipe(preset, options)}
 
 
 def cuda_peak_gb(meter) -> float | None:

@@ -1,0 +1,56 @@
+"""What a step measured under: the settings of the run configs it runs, kept in its record, so that a measurement
+the product has since changed (a default, a preset, a kernel key) is known to be stale and measured again.
+
+A step's settings are ``{label: {key: value}}``: each config it runs (:attr:`~.common.Step.configs`, e.g. one per
+base of a tiny run) as the flat ``section.key`` values ``--set`` reads, less those that change no figure
+(:data:`NOT_MEASURED`). A step without configs (the device, the triage's fixed kernels) is never stale.
+"""
+
+from __future__ import annotations
+
+from .common import CheckOptions, Step
+
+#: changed keys named in a stale step's line, at most
+SHOWN_CHANGES = 3
+#: the top-level keys and sections that change no figure: the run's name, text and directory, the Hub push
+NOT_MEASURED = ("name", "description", "output_dir", "hub")
+
+
+def step_settings(step: Step, options: CheckOptions) -> dict[str, dict] | None:
+    """The flat settings of each of the step's configs as the product resolves them today (None: it has none)."""
+    if step.configs is None:
+        return None
+    from ..config import flat_keys
+    return {label: {key: value for key, value in flat_keys(config.model_dump(mode="json")).items()
+                    if key.split(".")[0] not in NOT_MEASURED} for label, config in step.configs(options).items()}
+
+
+def changed_settings(measured: dict[str, dict] | None, current: dict[str, dict]) -> list[str]:
+    """``label: key old -> new`` for each setting that differs, written as ``--set`` reads it (a config or key only on
+    one side: ``-``); one line
+    when the measurement kept no settings (a record older than them)."""
+    if measured is None:
+        return ["measured before the check kept its settings"]
+    from ..config import yaml_value
+
+    def shown(settings: dict, key: str) -> str:
+        return yaml_value(settings[key]) if key in settings else "-"
+
+    changes = []
+    for label in sorted(set(measured) | set(current)):
+        before, now = measured.get(label, {}), current.get(label, {})
+        prefix = f"{label}: " if len(set(measured) | set(current)) > 1 else ""
+        changes += [f"{prefix}{key} {shown(before, key)} -> {shown(now, key)}"
+                    for key in sorted(set(before) | set(now)) if shown(before, key) != shown(now, key)]
+    return changes
+
+
+def describe_changes(changes: list[str]) -> str:
+    """The first :data:`SHOWN_CHANGES` of ``changes`` on one line, and how many more."""
+    more = len(changes) - SHOWN_CHANGES
+    return "; ".join(changes[:SHOWN_CHANGES]) + (f" and {more} more" if more > 0 else "")
+
+
+def current_settings(steps: list[Step], options: CheckOptions) -> dict[str, dict | None]:
+    """Each step's :func:`step_settings`, by name."""
+    return {step.name: step_settings(step, options) for step in steps}
