@@ -129,7 +129,7 @@ def test_the_loss_and_its_gradient_are_the_formula_computed_independently_in_flo
         assert (v - v_ema).abs().max() > 1e-4 and (v - v_ref).abs().max() > 1e-4
         loss = awm_loss_by_hand(v, v_ref, v_ema, x0, eps, sigma, row_advantages, cfg.awm, cfg.grpo.adv_clip)
     loss.backward()
-    assert stats[metrics.LOSS] == pytest.approx(float(loss), rel=1e-5, abs=1e-7)
+    assert stats[metrics.LOSS] == pytest.approx(loss.item(), rel=1e-5, abs=1e-7)
     torch.testing.assert_close(ours, gradient(trainer.params), rtol=1e-4, atol=1e-7)
 
 
