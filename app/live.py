@@ -186,6 +186,20 @@ def curves(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     return frame(REWARD_SERIES), frame(LOSS_SERIES), frame(FIDELITY_SERIES)
 
 
+def fidelity_limits(run_dir: Path, fidelity: pd.DataFrame) -> tuple[list[float], list[float]]:
+    """The fidelity plot's axes: iterations over the whole run (``train.iterations``, or the last audited where the
+    config cannot be read), cosines from 0 (or the lowest below it) to 1, each with a margin so that a point at an
+    end is drawn whole."""
+    try:
+        total = float((RunDirectory(run_dir).read_config().get("train") or {}).get("iterations") or 0)
+    except UserError:
+        total = 0.0
+    audited = fidelity.dropna()
+    total = max(total, float(audited["iteration"].max()) if not audited.empty else 1.0)
+    lowest = min(0.0, float(audited["value"].min()) if not audited.empty else 0.0)
+    return [0.0, total + max(0.5, 0.03 * total)], [lowest - 0.05, 1.05]
+
+
 def judges(run_dir: Path) -> list[str]:
     """The run's judges (``eval.judges``, named as in the metrics) and any other judge its metrics hold."""
     run = RunDirectory(run_dir)

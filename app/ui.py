@@ -129,6 +129,18 @@ def _judge_plot(run_dir: Path | None, seen: dict, signature: Any):
     return gr.update(value=frame, color_map=_colors(series), visible=len(series) > 1)
 
 
+def _curves(run_dir: Path | None) -> tuple:
+    """The reward, loss and fidelity plots' updates (:func:`live.curves`): the fidelity plot, a point per audit (a
+    line of one point draws nothing), is shown once the run has an audit: a run that audits nothing (exact, NFT, AWM,
+    ``backward.audit_every: 0``) never shows an empty plot, and one that does shows it from its first audit."""
+    if run_dir is None:
+        return None, None, gr.update(value=None, visible=False)
+    rewards, losses, fidelity = live.curves(run_dir)
+    x_lim, y_lim = live.fidelity_limits(run_dir, fidelity)
+    return rewards, losses, gr.update(value=fidelity, visible=bool(fidelity["value"].notna().any()), x_lim=x_lim,
+                                      y_lim=y_lim)
+
+
 def _forget_shown(seen: dict) -> dict:
     """What the page shows, forgotten so that a refresh sends it all again (after the user picks a run), but for the
     series of the judges plot, which the plot keeps (:func:`_judge_plot`)."""
@@ -530,8 +542,7 @@ class Studio:
                      lambda: live.doctor_words(run_dir) if run_dir else ""),
             *changed("bar", bar, lambda: live.progress_bar(*bar)),
             _judge_plot(run_dir, seen, metrics_signature),
-            *changed("metrics", metrics_signature, lambda: live.curves(run_dir) if run_dir else (None, None, None),
-                     count=3),
+            *changed("metrics", metrics_signature, lambda: _curves(run_dir), count=3),
             *changed("samples", (selected, tuple(sample_iterations), mtime(last_samples)), samples, count=2),
             *changed("video", (selected, tuple(sample_iterations), mtime(last_samples)), video),
             *changed("grids", (selected, tuple(sample_iterations), mtime(last_samples)),
@@ -718,9 +729,10 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                                               color_map=_colors(live.REWARD_SERIES.values()), elem_id="reward-plot")
                     loss_plot = gr.LinePlot(x="iteration", y="value", color="series", title="Loss", height=240,
                                             color_map=_colors(live.LOSS_SERIES.values()), elem_id="loss-plot")
-                fidelity_plot = gr.LinePlot(x="iteration", y="value", color="series", height=200,
-                                            title="JAGG gradient fidelity (audited iterations, backward.audit_every)",
-                                            color_map=_colors(live.FIDELITY_SERIES.values()), elem_id="fidelity-plot")
+                fidelity_plot = gr.ScatterPlot(x="iteration", y="value", color="series", height=200, visible=False,
+                                               title="JAGG gradient fidelity (audited iterations, backward.audit_every)",
+                                               color_map=_colors(live.FIDELITY_SERIES.values()),
+                                               elem_id="fidelity-plot")
                 judge_plot = gr.LinePlot(x="iteration", y="value", color="series", height=240, title=live.JUDGE_TITLE,
                                          visible=False, elem_id="judge-plot")
                 gr.Markdown("**Fixed-seed eval samples** (held-out prompts): the base model beside the latest.")

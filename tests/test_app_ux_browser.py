@@ -179,6 +179,7 @@ def test_a_finished_run_reads_at_its_end_with_a_read_only_progress_bar(studio):
     page.reload()
     expect(page.locator("#progress progress")).to_have_attribute("value", "3")
     assert page.locator("#progress input").count() == 0
+    expect(page.locator("#fidelity-plot")).to_be_hidden()  # 3 iterations, the first audit at 10: no empty plot
     log = page.locator("#log textarea")
     expect(log).to_have_value(re.compile("finished: adapter at"))
     page.wait_for_function("() => { const t = document.querySelector('#log textarea');"

@@ -176,6 +176,12 @@ def test_the_app_plots_the_audited_cosine(runs):
     assert fidelity[["iteration", "value"]].values.tolist() == [
         [r[metrics.ITERATION], r[metrics.JAGG_GRAD_COSINE]] for r in rows if metrics.JAGG_GRAD_COSINE in r]
     assert live.curves(runs["plain"])[2].dropna().empty
+    from app.ui import _curves  # the page: a point per audit, the plot shown only to a run that has one
+    audited, plain = _curves(runs["audited"])[2], _curves(runs["plain"])[2]
+    assert audited["visible"] is True and audited["value"].equals(fidelity) and plain["visible"] is False
+    cosines = fidelity["value"]  # every point inside the axes, the iterations over the whole run
+    assert audited["y_lim"][0] < min(0, cosines.min()) and audited["y_lim"][1] > 1
+    assert audited["x_lim"][0] == 0 and audited["x_lim"][1] > fidelity["iteration"].max()
 
 
 def test_audit_routing_keeps_jagg_until_the_first_audit_then_routes_by_its_cosines(tmp_path, offline):
