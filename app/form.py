@@ -39,8 +39,8 @@ class Knob:
 
     ``kind`` picks the widget: an integer or float box, a checkbox, a choice, or several choices (``multi``). A checkbox may stand for two
     config values (``on``/``off``), e.g. "8-bit AdamW" is ``train.optimizer`` = ``adamw8bit`` or ``adamw``. The
-    help text under the widget (``info``) is the config schema's description of the key, as in the README's
-    config reference, so the two never say different things.
+    help text under the widget (``info``) is the config schema's description of the key, as in the config
+    reference (docs/config.md), so the two never say different things.
     """
 
     key: str

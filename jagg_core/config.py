@@ -6,7 +6,7 @@ result. Every unknown key or bad value (non-finite numbers included) raises
 :class:`~jagg_core.errors.UserError` naming the key and what is allowed.
 
 Every key is described here, in its ``Field(description=...)``: :mod:`jagg_core.config_reference` renders
-the schema as the README's config reference, and the app's form shows the same descriptions as its help text.
+the schema as the config reference (docs/config.md), and the app's form shows the same descriptions as its help text.
 :func:`yaml_value` and :func:`flat_keys` write a config's values and keys as ``--set KEY=VALUE`` reads them.
 """
 

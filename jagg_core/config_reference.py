@@ -1,7 +1,7 @@
 """The Markdown reference of every config key, from the schema of :mod:`jagg_core.config`.
 
     python -m jagg_core.config_reference                    # print it
-    python -m jagg_core.config_reference --update README.md  # write it between the README's markers
+    python -m jagg_core.config_reference --update docs/config.md  # write it between the page's markers
 
 One table per section (key, default, description); a key's description is its ``Field(description=...)``, followed
 by its allowed values (a ``Literal``) and its numeric range (``ge``/``gt``/``le``/``lt``).
@@ -94,7 +94,7 @@ def _rows(model: type[BaseModel], prefix: str) -> list[str]:
 
 def config_reference() -> str:
     """The Markdown reference of every config key: one table per section (key, default, description), from the
-    schema. The README's "Config reference" is this text."""
+    schema. ``docs/config.md`` is this text between its markers."""
     lines = ["### top level", "", _doc(RunConfig), "", *_table(RunConfig, "")]
     for name, field in RunConfig.model_fields.items():
         section = section_type(field.annotation)
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jagg_core.config_reference",
                                      description="Print the Markdown config reference, or write it into a file.")
     parser.add_argument("--update", metavar="FILE", help="write the reference between the config-reference "
-                        "markers of FILE (e.g. README.md) instead of printing it")
+                        "markers of FILE (docs/config.md) instead of printing it")
     args = parser.parse_args(argv)
     if args.update:
         with exit_on_user_error(parser.prog):

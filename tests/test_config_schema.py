@@ -1,4 +1,4 @@
-"""The config schema documents every key; the README's config reference and the app's help text are derived
+"""The config schema documents every key; the config reference (docs/config.md) and the app's help text are derived
 from it; non-finite numbers and seeds beyond 64 bits are refused with one line naming the key."""
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from jagg_core.config import RunConfig, flat_keys, load_config, schema_field, se
 from jagg_core.config_reference import REFERENCE_BEGIN, REFERENCE_END, config_reference
 from jagg_core.errors import UserError
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+REFERENCE = ROOT / "docs" / "config.md"
 
 
 def _sections() -> list[type[BaseModel]]:
@@ -61,11 +62,12 @@ def test_all_108_keys_are_covered():
     assert len(_keys()) == 108
 
 
-def test_readme_reference_is_the_generated_one():
-    text = README.read_text()
+def test_the_reference_page_is_the_generated_one_and_the_readme_links_it():
+    assert "[docs/config.md](docs/config.md)" in (ROOT / "README.md").read_text()
+    text = REFERENCE.read_text()
     assert text.count(REFERENCE_BEGIN) == 1 and text.count(REFERENCE_END) == 1
     between = text.split(REFERENCE_BEGIN + "\n", 1)[1].split(REFERENCE_END, 1)[0]
-    assert between == config_reference(), "regenerate it: python -m jagg_core.config_reference --update README.md"
+    assert between == config_reference(), "regenerate it: python -m jagg_core.config_reference --update docs/config.md"
 
 
 def test_reference_shows_every_key_default_and_choices():
@@ -81,11 +83,11 @@ def test_reference_shows_every_key_default_and_choices():
 
 def test_reference_command_prints_it_and_the_modules_are_light():
     out = subprocess.run([sys.executable, "-m", "jagg_core.config_reference"], capture_output=True, text=True,
-                         cwd=README.parent, check=True)
+                         cwd=ROOT, check=True)
     assert out.stdout == config_reference()
     code = ("import sys, jagg_core.config, jagg_core.config_reference;"
             "print(sorted({'torch', 'diffusers'} & set(sys.modules)))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=README.parent, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]"
 
 
@@ -126,7 +128,7 @@ def test_cli_prints_one_line_and_exits_2():
     for override, key in (("train.learning_rate=inf", "train.learning_rate"),
                           ("train.seed=99999999999999999999999", "train.seed")):
         result = subprocess.run([sys.executable, "-m", "jagg_core.run", "--preset", "tiny-sd3", "--dry-run",
-                                 "--set", override], capture_output=True, text=True, cwd=README.parent)
+                                 "--set", override], capture_output=True, text=True, cwd=ROOT)
         assert result.returncode == 2
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and "bad value" in lines[0] and f"for '{key}'" in lines[0], result.stderr
