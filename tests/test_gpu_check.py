@@ -360,17 +360,21 @@ def test_the_script_runs_the_check_into_its_folder_and_its_archive(tmp_path):
         assert tar.extractfile("gpu_check.md").read().decode() == (tmp_path / "out" / "gpu_check.md").read_text()
 
 
-def test_the_set_up_plan_is_within_15_percent_of_each_set_up_peak_a_gpu_measured():
-    """The committed ledger's memory rows (an H200, real size, random weights): the set-up's measured peak is the
-    transformer, VAE and LoRA arriving after the text encoders have left; the plan of the same recipe says so."""
+def test_todays_plan_is_within_15_percent_of_each_peak_a_gpu_measured():
+    """The committed ledger's memory rows (an H200, real size, random weights), set-up and training apart, against
+    the plan the code makes of the same recipe today (a change of the plan that drifts from what a GPU measured
+    fails here). The set-up's measured peak is the transformer, VAE and LoRA arriving after the text encoders have
+    left; the plan says so."""
     from jagg_core.memory_plan import SETUP_PHASE, plan_memory
     rows = [row for path in sorted((ROOT / "docs" / "gpu").glob("*.json"))
             for row in json.loads(path.read_text()).get("rows", []) if row.get("measured_setup_gb")]
     assert {row["preset"] for row in rows} >= {"sd35-medium-pickscore-16gb", "flux-dev-pickscore-24gb",
                                                "zimage-turbo-pickscore-24gb"}
     for row in rows:
-        planned = plan_memory(memory_recipe(row["preset"], CheckOptions())).totals[SETUP_PHASE] / 1e9
-        assert 0.85 <= planned / row["measured_setup_gb"] <= 1.15, (row["preset"], planned, row["measured_setup_gb"])
+        totals = plan_memory(memory_recipe(row["preset"], CheckOptions())).totals
+        setup, training = totals[SETUP_PHASE] / 1e9, max(t for p, t in totals.items() if p != SETUP_PHASE) / 1e9
+        assert 0.85 <= setup / row["measured_setup_gb"] <= 1.15, (row["preset"], setup, row["measured_setup_gb"])
+        assert 0.85 <= training / row["measured_gb"] <= 1.15, (row["preset"], training, row["measured_gb"])
 
 
 
