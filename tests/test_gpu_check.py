@@ -17,7 +17,7 @@ from jagg_core.config import load_config
 from jagg_core.gpu_check import (CheckOptions, all_steps, format_tables, memory_presets, memory_recipe, next_batch,
                                  plan_order, read_ledger, run_check, step_names, triage_verdict)
 from jagg_core.gpu_check.ledger import describe_order
-from jagg_core.gpu_check.settings import current_settings
+from jagg_core.gpu_check.settings import CurrentSettings
 from jagg_core.gpu_check.triage import FLUX_PATH_SETTINGS
 
 OFFLINE = {"HF_HUB_OFFLINE": "1"}
@@ -36,7 +36,7 @@ def write_record(folder, name, date, rows, reduced=False, settings=None):
 
 def today(options=CheckOptions()):
     """Each step's settings as the product resolves them today."""
-    return current_settings(all_steps(options), options)
+    return CurrentSettings(all_steps(options), options)
 
 
 def test_the_check_has_a_step_for_each_figure_the_issue_asks_for():

@@ -20,7 +20,7 @@ from pathlib import Path
 from ..report import cell, markdown_table
 from .common import GB, NOT_OK, CheckOptions, Step, one_line
 from .ledger import Outcome, describe_order, plan_order, read_ledger, stale_changes, step_status
-from .settings import current_settings, describe_changes
+from .settings import CurrentSettings, describe_changes
 from .steps import all_steps, run_step, step_names
 from .triage import triage_verdict
 
@@ -133,7 +133,7 @@ def run_check(out: Path, options: CheckOptions, budget_s: float = DEFAULT_BUDGET
         raise UserError(f"unknown step(s) {', '.join(unknown)}; steps: {', '.join(s.name for s in steps)}")
     out.mkdir(parents=True, exist_ok=True)
     ledger = read_ledger([ledger_folder or out, out], options)
-    settings = current_settings(steps, options)
+    settings = CurrentSettings(steps, options)
     queue = plan_order(steps, ledger, settings, only)
     log(f"[gpu-check] {len(ledger)} step(s) already measured; this run's order, within {budget_s:g} s:")
     for line in describe_order(queue, ledger, settings, options):
@@ -212,7 +212,7 @@ def format_tables(ledger: dict[str, Outcome], steps: list[Step], options: CheckO
                f"checked {ledger['device'].date[:10]}" if device.get("versions") else "device not checked")
     parts = [f"GPU check ({size}). Last device: {machine}.",
              markdown_table(["step", "cap s", "last outcome", "date", "s"],
-                            [[s.name, _f(s.cap(options), ".0f"), _outcome(ledger.get(s.name), settings[s.name]),
+                            [[s.name, _f(s.cap(options), ".0f"), _outcome(ledger.get(s.name), settings, s.name),
                               ledger[s.name].date[:10] if s.name in ledger else "-",
                               _f(ledger[s.name].seconds, ".0f") if s.name in ledger else "-"] for s in steps])]
     rows = {table: [row for s in steps if s.table == table and s.name in ledger for row in ledger[s.name].rows]
@@ -249,10 +249,10 @@ def format_tables(ledger: dict[str, Outcome], steps: list[Step], options: CheckO
     return "\n\n".join(parts) + "\n"
 
 
-def _outcome(outcome: Outcome | None, current: dict | None) -> str:
+def _outcome(outcome: Outcome | None, settings: dict[str, dict | None], name: str) -> str:
     if outcome is None:
         return "never measured"
-    if changes := stale_changes(outcome, current):
+    if changes := stale_changes(outcome, settings, name):
         return f"ok, stale: {describe_changes(changes)}"
     reasons = [row["reason"] for row in outcome.rows if row["status"] == outcome.status and row.get("reason")]
     return outcome.status + (f": {reasons[0]}" if reasons and outcome.status != "ok" else "")
@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or (REDUCED_OUT if args.reduced else DEFAULT_OUT)
     if args.table:
         ledger, steps = read_ledger([args.ledger or out, out], options), all_steps(options)
-        print(format_tables(ledger, steps, options, current_settings(steps, options)), end="")
+        print(format_tables(ledger, steps, options, CurrentSettings(steps, options)), end="")
         return 0
     with exit_on_user_error(parser.prog):
         if args.parallel is not None and args.parallel < 1:

@@ -40,12 +40,12 @@ class Outcome:
     settings: dict[str, dict] | None = None
 
 
-def stale_changes(outcome: Outcome, current: dict[str, dict] | None) -> list[str]:
-    """How the settings of an ``ok`` outcome differ from the product's ``current`` ones (empty: the same, or a
-    step without configs, or not ok: a step not ok runs again anyway)."""
-    if outcome.status != "ok" or current is None:
+def stale_changes(outcome: Outcome, settings: dict[str, dict | None], name: str) -> list[str]:
+    """How the settings of step ``name``'s ``ok`` outcome differ from the product's today (``settings``, asked only
+    for an ok outcome; empty: the same, or a step without configs, or not ok: a step not ok runs again anyway)."""
+    if outcome.status != "ok" or settings[name] is None:
         return []
-    return changed_settings(outcome.settings, current)
+    return changed_settings(outcome.settings, settings[name])
 
 
 def cuda_failure(outcome: Outcome) -> bool:
@@ -100,7 +100,7 @@ def plan_order(steps: list[Step], ledger: dict[str, Outcome], settings: dict[str
 
     pending = [step for step in steps if step.name != "device" and
                (step.name not in ledger or ledger[step.name].status != "ok"
-                or stale_changes(ledger[step.name], settings[step.name]))]
+                or stale_changes(ledger[step.name], settings, step.name))]
     return [step for step in steps if step.name == "device"] + sorted(pending, key=group)  # stable: registration
 
 
@@ -112,7 +112,7 @@ def describe_order(order: list[Step], ledger: dict[str, Outcome], settings: dict
     for step in order:
         last = ledger.get(step.name)
         why = f"last {last.status} on {last.date[:10]}" if last else "never measured"
-        if last and (changes := stale_changes(last, settings[step.name])):
+        if last and (changes := stale_changes(last, settings, step.name)):
             why += f", stale: {describe_changes(changes)}"
         lines.append(f"{step.name}: {why}, cap {step.cap(options):.0f} s")
     return lines

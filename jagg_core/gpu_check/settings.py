@@ -51,6 +51,14 @@ def describe_changes(changes: list[str]) -> str:
     return "; ".join(changes[:SHOWN_CHANGES]) + (f" and {more} more" if more > 0 else "")
 
 
-def current_settings(steps: list[Step], options: CheckOptions) -> dict[str, dict | None]:
-    """Each step's :func:`step_settings`, by name."""
-    return {step.name: step_settings(step, options) for step in steps}
+class CurrentSettings(dict):
+    """Each step's :func:`step_settings` by name, each made when first asked for: an order or a table needs those of
+    the steps measured ok and of the steps run, and making a bench's config imports the model code (seconds)."""
+
+    def __init__(self, steps: list[Step], options: CheckOptions):
+        super().__init__()
+        self.steps, self.options = {step.name: step for step in steps}, options
+
+    def __missing__(self, name: str) -> dict | None:
+        self[name] = step_settings(self.steps[name], self.options)
+        return self[name]
