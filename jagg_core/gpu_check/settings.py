@@ -27,8 +27,8 @@ def step_settings(step: Step, options: CheckOptions) -> dict[str, dict] | None:
 
 def changed_settings(measured: dict[str, dict] | None, current: dict[str, dict]) -> list[str]:
     """``label: key old -> new`` for each setting that differs, written as ``--set`` reads it (a config or key only on
-    one side: ``-``); one line
-    when the measurement kept no settings (a record older than them)."""
+    one side: ``-``; the label only when the step has several configs); one line when the measurement kept no
+    settings (a record older than them)."""
     if measured is None:
         return ["measured before the check kept its settings"]
     from ..config import yaml_value
@@ -36,10 +36,10 @@ def changed_settings(measured: dict[str, dict] | None, current: dict[str, dict])
     def shown(settings: dict, key: str) -> str:
         return yaml_value(settings[key]) if key in settings else "-"
 
-    changes = []
-    for label in sorted(set(measured) | set(current)):
+    changes, labels = [], sorted(set(measured) | set(current))
+    for label in labels:
         before, now = measured.get(label, {}), current.get(label, {})
-        prefix = f"{label}: " if len(set(measured) | set(current)) > 1 else ""
+        prefix = f"{label}: " if len(labels) > 1 else ""
         changes += [f"{prefix}{key} {shown(before, key)} -> {shown(now, key)}"
                     for key in sorted(set(before) | set(now)) if shown(before, key) != shown(now, key)]
     return changes
