@@ -1,12 +1,13 @@
 """What this machine offers a run, in words for the page: each GPU's name, free memory and usage (read with
 ``nvidia-smi``, :mod:`jagg_core.gpus`, so the app process never takes a CUDA context), else the CPU's cores, load
-and free memory."""
+and free memory (its container's, :mod:`jagg_core.host`)."""
 
 from __future__ import annotations
 
 import psutil
 
 from jagg_core.gpus import gpu_free_gb, gpu_rows
+from jagg_core.host import available_memory, total_memory
 
 #: a GPU is free for a new run when at least this share of its memory is free and it is this idle (percent busy)
 FREE_MEMORY_SHARE = 0.9
@@ -24,9 +25,9 @@ def hardware_words() -> str:
         lines.append(f"**GPU {index}:** {name} · {memory} · {usage}% busy")
     if lines:
         return "  \n".join(lines)
-    memory = psutil.virtual_memory()
     return (f"**No CUDA GPU:** runs train on the CPU ({psutil.cpu_count(logical=False) or 1} cores, "
-            f"{psutil.cpu_percent():.0f}% busy, {memory.available / 2**30:.1f} / {memory.total / 2**30:.1f} GiB memory free)")
+            f"{psutil.cpu_percent():.0f}% busy, {available_memory() / 2**30:.1f} / {total_memory() / 2**30:.1f} GiB "
+            "memory free)")
 
 
 def free_gpus() -> int:

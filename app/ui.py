@@ -299,19 +299,23 @@ class Studio:
 
     @staticmethod
     def plan(*values) -> str:
-        """The memory plan of the form (``values`` as for :meth:`start`): its parts, and whether it fits this
-        machine's GPU, naming the cheapest change that does when not."""
-        from jagg_core.memory_plan import check_fits, plan_memory  # torch: loaded on first use
+        """The memory plan of the form (``values`` as for :meth:`start`): its parts, whether it fits this
+        machine's GPU, naming the cheapest change that does when not, and whether the host holds its
+        text-embedding cache."""
+        from jagg_core.memory_plan import check_fits, check_host, plan_memory  # torch: loaded on first use
         free = gpu_free_gb()
+        processes = _processes(dict(zip(START_PARAMS, values)).get("processes"))
         try:
             with tempfile.TemporaryDirectory() as scratch:
                 config = build_config(_form(values), Path(scratch))
             memory = plan_memory(config)
             verdict = check_fits(memory, config, free)
+            host = check_host(memory, runs_root(), processes)
         except UserError as err:
             return f"**Cannot plan:** {err}"
         where = "" if free is not None else " (no CUDA GPU here: compare with your card)"
-        return f"**{verdict}**{where}\n\n```\n{memory.table()}\n```"
+        host = f"\n\n**{host}**" if host else ""
+        return f"**{verdict}**{where}{host}\n\n```\n{memory.table()}\n```"
 
     @staticmethod
     def export(*values) -> tuple[str | None, str]:
@@ -807,7 +811,7 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                            [prompt_set, prompt_file, prompt_text], api_visibility="private")
         start.click(_named(studio.start, START_PARAMS), [*form_inputs, processes], [form_message, run_select],
                     api_name="start")
-        plan.click(studio.plan, form_inputs, memory_plan, api_name="plan")
+        plan.click(studio.plan, [*form_inputs, processes], memory_plan, api_name="plan")
         export.click(studio.export, form_inputs, [export_yaml, export_cli], api_name="export")
         delete.click(studio.delete, run_select, [run_message, run_select], js=CONFIRM_DELETE, api_name="delete")
         stop.click(studio.stop, None, form_message, api_name="stop")

@@ -40,7 +40,6 @@ from __future__ import annotations
 import errno
 import queue
 import re
-import shutil
 import threading
 import time
 from collections import deque
@@ -49,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import UserError
+from .host import free_disk
 from .hubclient import hub_errors, resolve_token
 from .model_index import read_model_index
 
@@ -219,8 +219,7 @@ def check_disk_room(plan: DownloadPlan) -> None:
     if plan.left == 0:
         return
     cache = Path(constants.HF_HUB_CACHE).expanduser().absolute()
-    disk = next(folder for folder in (cache, *cache.parents) if folder.exists())
-    free = shutil.disk_usage(disk).free
+    free = free_disk(cache)
     margin = max(MARGIN_MIN_BYTES, MARGIN_FRACTION * plan.left)
     if free < plan.left + margin:
         raise UserError(f"cannot download the base model {plan.repo_id}: it needs {amount(plan.left)} (and "

@@ -22,6 +22,9 @@ How it is computed:
 - **Fixed parts**: the rollout batch's trajectory (latents, velocities, reference velocities, float32),
   its conditioning and decoded images; the reward and judge models (their catalog sizes, float32; no judge with
   ``eval.judges_on_cpu``).
+- **Host**: with ``model.cache_text_embeddings`` every distinct prompt's conditioning stays in each process's
+  host memory and in the run folder (:func:`~jagg_core.models.text_embeddings.bytes_per_prompt` a prompt);
+  :func:`check_host` says whether this machine holds it.
 - **Phases**: set-up, rollout forward, VAE decode, backward. The peak is the largest phase's resident parts plus
   its transient. The set-up holds first the text encoders alone while they encode the prompts, then, once they
   have left, the resident parts but the optimizer's states (made by its first step), the judges among them (they
@@ -42,6 +45,7 @@ import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from unittest import mock
 
 import torch
@@ -55,7 +59,9 @@ from .models import DTYPES, FAMILIES
 from .models.base import ENCODE_BATCH, NEGATIVE
 from .models.quantize import transformer_dtype
 from .models.meta import META, meta_pipeline
+from .models.text_embeddings import bytes_per_prompt, check_cache_room
 from .placement import most_trained_steps
+from .prompts import run_prompts
 from .rewards.catalog import reward_entry
 
 #: bytes per weight of a quantized linear layer (see the module docstring)
@@ -122,6 +128,14 @@ class MemoryPlan:
     setup: dict[str, float] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)       # transient of each training phase
     phase_parts: dict[str, float] = field(default_factory=dict)  # extra resident of each phase (trajectory, ...)
+    #: the text-embedding cache's distinct prompts (0: no cache) and bytes a prompt, in each process's host memory
+    #: and on the run folder's disk
+    cached_prompts: int = 0
+    bytes_per_cached_prompt: int = 0
+
+    @property
+    def host_cache(self) -> int:
+        return self.cached_prompts * self.bytes_per_cached_prompt
 
     def phase_total(self, phase: str) -> float:
         return sum(self.resident.values()) + self.phase_parts.get(phase, 0.0) + self.phases[phase]
@@ -159,6 +173,9 @@ class MemoryPlan:
             lines.append(f"    {phase:<42} +{extra / GB:6.2f} +{self.phases[phase] / GB:6.2f} = "
                          f"{self.phase_total(phase) / GB:6.2f}")
         lines.append(f"  peak: {self.total / GB:.2f} GB ({self.peak_phase})")
+        if self.cached_prompts:
+            lines.append("  host memory of each process, and disk in the run folder:")
+            lines.append(f"    {f'text-embedding cache ({self.cached_prompts} prompts)':<58} {self.host_cache / GB:8.2f}")
         return "\n".join(lines)
 
 
@@ -282,7 +299,11 @@ def plan_memory(config: RunConfig) -> MemoryPlan:
         lora_count * (4 + state_bytes + ema + lagging)
     plan.optimizer_states = lora_count * state_bytes
 
-    # ----- set-up: the text encoders encode every prompt, then leave
+    # ----- set-up: the text encoders encode every prompt, then leave; the host keeps their embeddings
+    if cfg.model.cache_text_embeddings:
+        train, held_out = run_prompts(cfg.prompts)
+        plan.cached_prompts = len(dict.fromkeys(train + held_out))
+        plan.bytes_per_cached_prompt = bytes_per_prompt(model)
     if cfg.model.cache_text_embeddings and encoders:
         tokens = max(cfg.model.max_sequence_length, 77)
         plan.setup[f"text encoders ({encoder_names}, {cfg.model.dtype})"] = encoder_bytes
@@ -438,6 +459,18 @@ def _changed(config: RunConfig, key: str, value) -> RunConfig:
     section, name = key.split(".")
     data[section][name] = value
     return RunConfig.model_validate(data)
+
+
+def check_host(plan: MemoryPlan, run_dir: Path, processes: int = 1) -> str:
+    """Whether the plan's text-embedding cache fits this host's memory and ``run_dir``'s disk, as the line to show
+    (empty without a cache); a run refuses at set-up the cache that does not (:func:`check_cache_room`)."""
+    if not plan.cached_prompts:
+        return ""
+    try:
+        check_cache_room(plan.bytes_per_cached_prompt, plan.cached_prompts, run_dir, processes)
+    except UserError as err:
+        return f"host: {err}"
+    return f"host: fits the text-embedding cache ({plan.host_cache / GB:.2f} GB) in memory and on disk"
 
 
 def fits(plan: MemoryPlan, gpu_gb: float) -> bool:

@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         if plan is not None and plan.left:
             print(f"{PROG}: {plan.summary()}", file=sys.stderr)
         if args.plan:
-            return print_plan(config, args.gpu_memory)
+            return print_plan(config, args.gpu_memory, run_dir)
         if args.dry_run:
             print(config.to_yaml(), end="")
             print(f"# run directory: {run_dir}", file=sys.stderr)
@@ -120,15 +120,18 @@ def enqueue(config: RunConfig, run_dir: Path) -> int:
     return 0
 
 
-def print_plan(config: RunConfig, gpu_memory: float | None) -> int:
-    """``--plan``: the memory plan's table, then whether it fits the GPU and, if not, the cheapest change that does."""
+def print_plan(config: RunConfig, gpu_memory: float | None, run_dir: Path) -> int:
+    """``--plan``: the memory plan's table, then whether it fits the GPU and, if not, the cheapest change that does,
+    and whether the host holds its text-embedding cache."""
     from .quiet import quiet_libraries
     quiet_libraries()
     from .gpus import gpu_free_gb
-    from .memory_plan import check_fits, plan_memory
+    from .memory_plan import check_fits, check_host, plan_memory
     plan = plan_memory(config)
     print(plan.table())
     print(check_fits(plan, config, gpu_memory if gpu_memory is not None else gpu_free_gb()))
+    if host := check_host(plan, run_dir):
+        print(host)
     return 0
 
 

@@ -39,7 +39,7 @@ from .images import captioned_grid, sample_pictures, still_frames, to_pil
 from .judges import BestAdapter, EvalScores, HackingAlarm, build_judges, load_judges
 from .models import load_flow_model
 from .models.base import FlowModel
-from .models.text_embeddings import load_embeddings, save_embeddings
+from .models.text_embeddings import bytes_per_prompt, check_cache_room, load_embeddings, save_embeddings
 from .prompts import run_prompts
 from .rewards import CombinedReward, build_rewards
 from .rewards.catalog import reward_entry
@@ -134,8 +134,9 @@ class Trainer:
 
     def _load_model(self) -> FlowModel:
         """The base model. With ``model.cache_text_embeddings`` every training and eval prompt is encoded now (a
-        resume reads them back from the run directory instead, without loading the encoders) and the text
-        encoders are released before the transformer and VAE take the device."""
+        resume reads them back from the run directory instead, without loading the encoders), once the cache is
+        known to fit the host's memory and the run folder's disk, and the text encoders are released before the
+        transformer and VAE take the device."""
         cfg = self.config
         device = self.accelerator.device
         options = {"place_transformer": not fsdp_requested(),  # FSDP places each rank's shard itself
@@ -149,6 +150,8 @@ class Trainer:
             model.load_embeddings(saved)
             self._log(f"text embeddings of {len(saved)} prompts read from {self.run.text_embeddings_file.name}")
             return model
+        distinct = len(dict.fromkeys(prompts))  # the app and accelerate launch the processes on one machine
+        check_cache_room(bytes_per_prompt(model), distinct, self.run.path, self.accelerator.num_processes)
         model.encode_and_cache(prompts)
         if self.is_main:
             save_embeddings(self.run.text_embeddings_file, model.cached_embeddings, cfg.model)

@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from conftest import run_cli, tiny_config
+from conftest import ROOT, run_cli, tiny_config
 from jagg_core.config import list_presets, load_config, preset_path
 from jagg_core.errors import UserError
 from jagg_core.gpu_check import CheckOptions, memory_recipe
 from jagg_core.judges import judges_device
 from jagg_core.memory_meter import PeakMemory, measured_peak
 from jagg_core import memory_plan
-from jagg_core.memory_plan import CUDA_CONTEXT_GB, GB, check_fits, cheapest_fit, fits, plan_memory
-from jagg_core.models import load_flow_model
+from jagg_core.memory_plan import CUDA_CONTEXT_GB, GB, check_fits, check_host, cheapest_fit, fits, plan_memory
+from jagg_core.models import load_flow_model, text_embeddings
+from jagg_core.models.text_embeddings import check_cache_room
+from jagg_core.prompts import run_prompts
 from jagg_core.rewards.catalog import reward_entry
 from jagg_core.rundir import RunDirectory
 from jagg_core.sampler import initial_noise, sde_rollout
@@ -70,6 +75,59 @@ def test_the_judges_load_after_the_text_encoders_have_left_and_the_plan_never_ho
     judge = reward_entry("aesthetic").device_params_m * 1e6 * 4
     assert sum(judged.setup.values()) == sum(alone.setup.values()) > 0
     assert judged.setup_resident - alone.setup_resident == pytest.approx(judge)
+
+
+@pytest.mark.parametrize("model, guidance", [("tiny-sd3", 1.0), ("tiny-flux", 4.0), ("tiny-qwen", 1.0)])
+def test_the_plan_counts_the_text_embedding_cache_a_run_keeps_on_the_host(model, guidance, tmp_path, offline):
+    """Every distinct training and eval prompt's conditioning (the negative prompt's too with CFG), held in host
+    memory and written to the run folder, is the plan's host cache to the byte, Qwen-Image's token masks aside."""
+    config = tiny_config(model, model__guidance_scale=guidance)
+    trainer = Trainer(config, tmp_path)
+    trainer.setup()
+    cached = trainer.model.cached_embeddings
+    kept = sum(t.numel() * t.element_size() for cond in cached.values() for key, t in cond.items() if "mask" not in key)
+    plan = plan_memory(config)
+    assert plan.cached_prompts == len(cached) == len(set(trainer.train_prompts + trainer.eval_prompts))
+    assert plan.host_cache == kept and any(key.startswith("negative/") for key in cached[trainer.eval_prompts[0]]) \
+        == (guidance > 1)
+    assert f"text-embedding cache ({len(cached)} prompts)" in plan.table()
+    assert check_host(plan, tmp_path) == f"host: fits the text-embedding cache ({kept / GB:.2f} GB) in memory and on disk"
+    assert check_host(plan_memory(tiny_config(model, model__cache_text_embeddings=False)), tmp_path) == ""
+
+
+#: a run on a machine with 1 MB of memory to spare
+SMALL_HOST = """
+import sys
+from jagg_core.models import text_embeddings
+text_embeddings.available_memory = lambda: 10 ** 6
+from jagg_core.run import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_cache_the_host_cannot_hold_is_refused_in_one_line_before_any_prompt_is_encoded(tmp_path):
+    run_dir = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-c", SMALL_HOST, "--preset", "tiny-sd3", "--output-dir", str(run_dir)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    line = done.stderr.strip().splitlines()[-1]
+    prompts = len(set(sum(run_prompts(load_config(preset="tiny-sd3").prompts), [])))
+    assert re.fullmatch(rf"jagg_core\.run: error: the text-embedding cache of {prompts} prompts \([\d.]+ MB each\) takes "
+                        rf"[\d.]+ MB of host memory and of disk in {run_dir}; this machine has 1\.0 MB of memory "
+                        r"available and [\d.]+ GB of disk free there; set model\.cache_text_embeddings=false .*, lower "
+                        r"model\.max_sequence_length, or use fewer prompts", line), line
+    run = RunDirectory(run_dir)
+    assert run.read_status()["state"] == "failed" and not run.text_embeddings_file.exists()
+
+
+def test_the_cache_needs_the_memory_of_every_process_and_the_disk_of_one_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(text_embeddings, "available_memory", lambda: 10 * GB)
+    monkeypatch.setattr(text_embeddings, "free_disk", lambda folder: 5 * GB)
+    check_cache_room(GB // 1000, 4000, tmp_path, processes=2)  # 4 GB: 8 GB of memory, 4 GB of disk
+    with pytest.raises(UserError, match="takes 4.0 GB of host memory in each of the 3 processes"):
+        check_cache_room(GB // 1000, 4000, tmp_path, processes=3)
+    with pytest.raises(UserError, match="of memory available and 5.0 GB of disk free"):
+        check_cache_room(GB // 1000, 6000, tmp_path)
 
 
 def test_embeddings_made_with_other_settings_are_not_reused(tmp_path, offline):
@@ -246,6 +304,9 @@ def test_plan_cli_prints_the_parts_and_whether_it_fits(offline):
     assert "transformer (2.24 B params, bfloat16)" in result.stdout
     assert "text encoders" in result.stdout and "LoRA" in result.stdout and "backward" in result.stdout
     assert re.search(r"^fits: planned peak [\d.]+ GB \+ 0.55 GB CUDA context of 16.0 GB$", result.stdout, re.M)
+    # with CFG, 320 prompts x 2 x ((77 CLIP + 128 T5 tokens) x 4096 + 2048 pooled) x 2 bytes, on the host
+    assert re.search(r"^    text-embedding cache \(320 prompts\) +1\.08$", result.stdout, re.M), result.stdout
+    assert "\nhost: fits the text-embedding cache (1.08 GB) in memory and on disk\n" in result.stdout
 
 
 @pytest.mark.parametrize("args, message", [
