@@ -120,6 +120,21 @@ def test_a_cache_the_host_cannot_hold_is_refused_in_one_line_before_any_prompt_i
     assert run.read_status()["state"] == "failed" and not run.text_embeddings_file.exists()
 
 
+@pytest.mark.parametrize("limit, usage, available", [("4000000000", "1000000000", 3 * GB), ("max", "1000000000", None),
+                                                      (None, None, None)])
+def test_the_memory_available_is_the_containers_when_its_limit_is_lower(limit, usage, available, tmp_path,
+                                                                         monkeypatch):
+    """A container sees the machine's memory but is killed at its control group's limit (cgroup v2 files here)."""
+    from jagg_core import host
+    if limit is not None:
+        (tmp_path / "memory.max").write_text(limit + "\n")
+        (tmp_path / "memory.current").write_text(usage + "\n")
+    monkeypatch.setattr(host, "CGROUP_FILES", ((tmp_path / "memory.max", tmp_path / "memory.current"),))
+    machine = host.psutil.virtual_memory()
+    assert abs(host.available_memory() - min(available or machine.available, machine.available)) < 0.05 * GB
+    assert host.total_memory() == (4 * GB if limit == "4000000000" else machine.total)
+
+
 def test_the_cache_needs_the_memory_of_every_process_and_the_disk_of_one_file(tmp_path, monkeypatch):
     monkeypatch.setattr(text_embeddings, "available_memory", lambda: 10 * GB)
     monkeypatch.setattr(text_embeddings, "free_disk", lambda folder: 5 * GB)
