@@ -250,20 +250,6 @@ def test_the_flux_path_cases_set_the_products_kernel_keys_and_loading_a_model_ap
     assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction is bf16_reduction
 
 
-def test_the_command_shows_the_order_resumes_and_survives_a_crash(tmp_path):
-    out = str(tmp_path / "out")
-    first = run_gpu_check("--reduced", "--out", out, "--only", "simulate-crash,triage-sdpa-math-1101")
-    assert first.returncode == 1 and "1 step(s) not ok: simulate-crash" in first.stdout
-    again = run_gpu_check("--reduced", "--out", out, "--budget", "0")
-    assert again.returncode == 0, again.stderr
-    order = [line.split("]   ")[1] for line in again.stderr.splitlines() if "]   " in line]
-    triage = [line for line in order if line.startswith("triage-")]
-    assert order[0].startswith("device: never measured") and order[1:len(triage) + 1] == triage
-    after = order[len(triage) + 1:]  # the last failed, then the never measured
-    assert after[0].startswith("simulate-crash: last crashed on 20") and after[1].startswith("simulate-hang: never")
-    assert not any(line.startswith("triage-sdpa-math-1101") for line in order)  # measured: not run again
-
-
 @pytest.mark.parametrize("preset", ["sd35-medium-pickscore-16gb", "flux-dev-pickscore-24gb",
                                     "qwen-image-pickscore-24gb", "wan21-t2v-1.3b-pickscore-24gb"])
 def test_the_measured_recipe_keeps_what_memory_depends_on(preset):
@@ -343,21 +329,33 @@ def test_the_tables_read_without_a_gpu_or_a_ledger():
     assert "| device | 30 | never measured | - | - |" in text and "The triage has not run yet." in text
 
 
-def test_the_script_runs_the_check_into_its_folder_and_its_archive(tmp_path):
-    """A lent GPU machine returns at most 8 files: the check's files also travel as one archive."""
-    archive = tmp_path / "back" / "gpu_check.tar.gz"
+def test_the_script_runs_the_check_into_its_folder_and_its_archive_and_the_next_call_resumes(tmp_path):
+    """A lent GPU machine returns at most 8 files: the check's files also travel as one archive. The next call
+    shows its order: the device (every call), the triage but its step measured, the crashed step, then the never
+    measured."""
+    archive, out = tmp_path / "back" / "gpu_check.tar.gz", str(tmp_path / "out")
     archive.parent.mkdir()
-    done = subprocess.run(["bash", "scripts/gpu_check.sh", "--out", str(tmp_path / "out"), "--reduced", "--only",
-                           "device,simulate-crash", "--archive", str(archive)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "PYTHON": sys.executable})
+    done = subprocess.run(["bash", "scripts/gpu_check.sh", "--out", out, "--reduced", "--only",
+                           "device,simulate-crash,triage-sdpa-math-1101", "--archive", str(archive)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHON": sys.executable})
     assert done.returncode == 1, done.stderr  # the simulated crash is a step not ok
-    files = ["device.json", "device.log", "gpu_check.md", "simulate-crash.json", "simulate-crash.log"]
+    files = [f"{step}.{kind}" for step in ("device", "simulate-crash", "triage-sdpa-math-1101") for kind in ("json", "log")]
+    files = sorted([*files, "gpu_check.md"])
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == files
-    assert "2 rows this run, 1 step(s) not ok: simulate-crash" in done.stdout
+    assert "3 rows this run, 1 step(s) not ok: simulate-crash" in done.stdout
     assert [p.name for p in archive.parent.iterdir()] == ["gpu_check.tar.gz"]
     with tarfile.open(archive) as tar:
         assert sorted(tar.getnames()) == files
         assert tar.extractfile("gpu_check.md").read().decode() == (tmp_path / "out" / "gpu_check.md").read_text()
+
+    again = run_gpu_check("--reduced", "--out", out, "--budget", "0")
+    assert again.returncode == 0, again.stderr
+    order = [line.split("]   ")[1] for line in again.stderr.splitlines() if "]   " in line]
+    triage = [line for line in order if line.startswith("triage-")]
+    assert order[0].startswith("device: last ok on 20") and order[1:len(triage) + 1] == triage  # every call
+    after = order[len(triage) + 1:]  # the last failed, then the never measured
+    assert after[0].startswith("simulate-crash: last crashed on 20") and after[1].startswith("simulate-hang: never")
+    assert not any(line.startswith("triage-sdpa-math-1101") for line in order)  # measured: not run again
 
 
 def test_todays_plan_is_within_15_percent_of_each_peak_a_gpu_measured():
