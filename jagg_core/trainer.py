@@ -53,6 +53,8 @@ from .tracking import log_eval_grid, log_row, start_trackers
 
 #: a run fails, instead of skipping updates for ever, after this many iterations in a row with a non-finite reward
 MAX_NON_FINITE_STREAK = 5
+#: seconds between two progress messages of the prompts' encoding at set-up
+SAY_EVERY_S = 1.0
 
 
 def effective_interval(every: int, iterations: int) -> int:
@@ -93,6 +95,7 @@ class Trainer:
         self.alarm_stop: str | None = None  # the alarm's line when it ends the run (train.on_hacking: stop)
         self.base_eval: dict | None = None  # the base model's eval row (the doctor's range check)
         self.doctor_report: dict | None = None
+        self._said_at = time.monotonic()  # when the last progress message was written (:meth:`_say_encoded`)
 
     # ----- set-up ----------------------------------------------------------------------
     def setup(self) -> None:
@@ -152,11 +155,19 @@ class Trainer:
             return model
         distinct = len(dict.fromkeys(prompts))  # the app and accelerate launch the processes on one machine
         check_cache_room(bytes_per_prompt(model), distinct, self.run.path, self.accelerator.num_processes)
-        model.encode_and_cache(prompts)
+        self._phase("loading", f"encoding the prompts: 0/{distinct}")
+        model.encode_and_cache(prompts, progress=self._say_encoded)
         if self.is_main:
             save_embeddings(self.run.text_embeddings_file, model.cached_embeddings, cfg.model)
         model.release_text_encoders()
         return model
+
+    def _say_encoded(self, done: int, total: int) -> None:
+        """The prompts' encoding at set-up, in ``status.json``'s message at most every :data:`SAY_EVERY_S` seconds
+        and at its end (a set of 25,000 prompts takes minutes)."""
+        if self.is_main and (done == total or time.monotonic() - self._said_at >= SAY_EVERY_S):
+            self.run.write_status("running", phase="loading", message=f"encoding the prompts: {done}/{total}")
+            self._said_at = time.monotonic()
 
     def _load_judges(self) -> CombinedReward | None:
         """The judges (``eval.judges``), each scoring one blank image now, so that a judge that cannot load fails the

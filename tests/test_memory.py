@@ -78,13 +78,24 @@ def test_the_judges_load_after_the_text_encoders_have_left_and_the_plan_never_ho
 
 
 @pytest.mark.parametrize("model, guidance", [("tiny-sd3", 1.0), ("tiny-flux", 4.0), ("tiny-qwen", 1.0)])
-def test_the_plan_counts_the_text_embedding_cache_a_run_keeps_on_the_host(model, guidance, tmp_path, offline):
+def test_the_plan_counts_the_text_embedding_cache_a_run_keeps_on_the_host(model, guidance, tmp_path, offline,
+                                                                           monkeypatch):
     """Every distinct training and eval prompt's conditioning (the negative prompt's too with CFG), held in host
-    memory and written to the run folder, is the plan's host cache to the byte, Qwen-Image's token masks aside."""
+    memory and written to the run folder, is the plan's host cache to the byte, Qwen-Image's token masks aside; the
+    run's status counts the prompts encoded."""
     config = tiny_config(model, model__guidance_scale=guidance)
     trainer = Trainer(config, tmp_path)
+    said, write_status = [], RunDirectory.write_status
+
+    def recording(run, state, **fields):
+        said.append(fields.get("message"))
+        write_status(run, state, **fields)
+
+    monkeypatch.setattr(RunDirectory, "write_status", recording)
     trainer.setup()
     cached = trainer.model.cached_embeddings
+    encoding = [message for message in said if message and message.startswith("encoding the prompts: ")]
+    assert encoding[0] == f"encoding the prompts: 0/{len(cached)}" and encoding[-1].endswith(f" {len(cached)}/{len(cached)}")
     kept = sum(t.numel() * t.element_size() for cond in cached.values() for key, t in cond.items() if "mask" not in key)
     plan = plan_memory(config)
     assert plan.cached_prompts == len(cached) == len(set(trainer.train_prompts + trainer.eval_prompts))

@@ -209,8 +209,10 @@ class FlowModel(ABC):
             self.transformer.enable_adapters()
 
     # ----- prompts --------------------------------------------------------------------
-    def encode_and_cache(self, prompts: list[str], batch_size: int = ENCODE_BATCH) -> None:
-        """Encode the prompts not cached yet, ``batch_size`` at a time, into the host-memory cache."""
+    def encode_and_cache(self, prompts: list[str], batch_size: int = ENCODE_BATCH,
+                         progress: Callable[[int, int], None] | None = None) -> None:
+        """Encode the prompts not cached yet, ``batch_size`` at a time, into the host-memory cache; ``progress(done,
+        total)`` after each batch."""
         missing = [p for p in dict.fromkeys(prompts) if p not in self._prompt_cache]
         if missing and not self.text_encoders:
             raise UserError(f"prompt {missing[0]!r} was not encoded at set-up and the text encoders are released; "
@@ -221,6 +223,8 @@ class FlowModel(ABC):
                 encoded = self.encode_prompts(part)
             for i, prompt in enumerate(part):
                 self._prompt_cache[prompt] = {k: v[i:i + 1].cpu() for k, v in encoded.items()}
+            if progress is not None:
+                progress(first + len(part), len(missing))
 
     def conditioning(self, prompts: list[str]) -> Conditioning:
         """Batched conditioning tensors for ``prompts`` on the device; each prompt is encoded once and cached."""
