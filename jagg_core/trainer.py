@@ -139,13 +139,15 @@ class Trainer:
         """The base model. With ``model.cache_text_embeddings`` every training and eval prompt is encoded now (a
         resume reads them back from the run directory instead, without loading the encoders), once the cache is
         known to fit the host's memory and the run folder's disk, and the text encoders are released before the
-        transformer and VAE take the device."""
+        transformer and VAE take the device. Without, only the eval prompts are kept encoded."""
         cfg = self.config
         device = self.accelerator.device
         options = {"place_transformer": not fsdp_requested(),  # FSDP places each rank's shard itself
                    "num_frames": cfg.sampling.num_frames}
-        if not cfg.model.cache_text_embeddings:
-            return load_flow_model(cfg.model, device, seed=cfg.train.seed, **options)
+        if not cfg.model.cache_text_embeddings:  # the encoders stay: each iteration encodes its prompts, unkept
+            model = load_flow_model(cfg.model, device, seed=cfg.train.seed, **options)
+            model.encode_and_cache(self.eval_prompts)  # every eval samples them
+            return model
         prompts = self.train_prompts + self.eval_prompts
         saved = load_embeddings(self.run.text_embeddings_file, prompts, cfg.model) if self.resume else None
         model = load_flow_model(cfg.model, device, seed=cfg.train.seed, text_encoders=saved is None, **options)

@@ -183,7 +183,10 @@ def test_each_row_is_encoded_once_with_its_image_latents(name, monkeypatch):
     model = load(name, guidance_scale=3.0, negative_prompt="blurry")
     first, second = rows()
     same_text = EditPrompt(first.instruction, second.image_bytes, "other")
+    encoded, encode = [], model.encode_prompts
+    monkeypatch.setattr(model, "encode_prompts", lambda prompts: encoded.extend(prompts) or encode(prompts))
     cond = model.conditioning([first, same_text, first])
+    assert encoded == [first, same_text]  # a row twice in a batch: encoded once
     tokens = model.image_seq_len(CONDITION)  # (32 / (2 x the VAE's factor))^2
     assert cond[IMAGE_LATENTS].shape == (3, tokens, model.transformer.config.in_channels)
     assert torch.equal(cond[IMAGE_LATENTS], cond[NEGATIVE + IMAGE_LATENTS])
@@ -191,7 +194,8 @@ def test_each_row_is_encoded_once_with_its_image_latents(name, monkeypatch):
     assert not torch.equal(cond[IMAGE_LATENTS][0], cond[IMAGE_LATENTS][1])
     shapes = model.conditioning_shapes()
     assert all(cond[key].shape[1:] == shapes[key] for key in shapes)
-    monkeypatch.setattr(model, "encode_prompts", lambda prompts: pytest.fail("encoded twice"))
+    model.encode_and_cache([same_text])
+    monkeypatch.setattr(model, "encode_prompts", lambda prompts: pytest.fail("a kept row encoded again"))
     model.conditioning([same_text])
     with pytest.raises(UserError, match=f"the {model.family} model edits images, but the prompt 'a red circle'"):
         load(name).conditioning(["a red circle"])

@@ -156,6 +156,23 @@ def test_the_cache_needs_the_memory_of_every_process_and_the_disk_of_one_file(tm
         check_cache_room(GB // 1000, 6000, tmp_path)
 
 
+def test_without_the_cache_a_run_keeps_only_its_eval_prompts_and_trains_the_same_adapter(tmp_path, offline):
+    """``model.cache_text_embeddings=false``: the encoders stay and each iteration encodes its prompts without keeping
+    them, so the host holds the eval prompts alone however many prompts a long run draws; the embeddings are the
+    same, and so is the adapter."""
+    adapters, kept = {}, {}
+    for cache in (True, False):
+        trainer = Trainer(tiny_config(model__cache_text_embeddings=cache), tmp_path / f"cache-{cache}")
+        trainer.setup()
+        trainer.fit()
+        adapters[cache] = [param.detach().clone() for param in trainer.params]
+        kept[cache] = set(trainer.model.cached_embeddings)
+        trainer.close()
+    assert kept[False] == set(trainer.eval_prompts) and len(kept[True]) > len(kept[False])
+    assert trainer.model.text_encoders and not RunDirectory(tmp_path / "cache-False").text_embeddings_file.exists()
+    assert all(torch.equal(with_cache, without) for with_cache, without in zip(adapters[True], adapters[False]))
+
+
 def test_embeddings_made_with_other_settings_are_not_reused(tmp_path, offline):
     Trainer(tiny_config(), tmp_path).setup()
     other = Trainer(tiny_config(model__max_sequence_length=12), tmp_path, resume=True)

@@ -120,9 +120,10 @@ def test_tiny_qwen_tokenizer_drops_exactly_the_template_prefix():
 
 # ----- conditioning ---------------------------------------------------------------------------
 @pytest.mark.parametrize("name", NAMES)
-def test_conditioning_is_batched_and_cached(name, monkeypatch):
+def test_conditioning_is_batched_and_the_kept_prompts_come_from_the_cache(name, monkeypatch):
     model = load(name, guidance_scale=3.0, negative_prompt="blurry")
     cond = model.conditioning([PROMPTS[0], PROMPTS[1], PROMPTS[0]])
+    assert model.cached_embeddings == {}  # encoded for this batch, not kept
     positive = [k for k in cond if not k.startswith(NEGATIVE)]
     assert positive and sorted(NEGATIVE + k for k in positive) == sorted(k for k in cond if k.startswith(NEGATIVE))
     for key, value in cond.items():
@@ -132,6 +133,7 @@ def test_conditioning_is_batched_and_cached(name, monkeypatch):
             assert value.shape == cond[NEGATIVE + key].shape
     assert not torch.equal(cond["prompt_embeds"][0], cond["prompt_embeds"][1])
 
+    model.encode_and_cache([PROMPTS[1]])
     calls = []
     monkeypatch.setattr(model, "encode_prompts", lambda prompts: calls.append(prompts))
     again = model.conditioning([PROMPTS[1]])

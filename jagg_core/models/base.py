@@ -214,23 +214,33 @@ class FlowModel(ABC):
         """Encode the prompts not cached yet, ``batch_size`` at a time, into the host-memory cache; ``progress(done,
         total)`` after each batch."""
         missing = [p for p in dict.fromkeys(prompts) if p not in self._prompt_cache]
-        if missing and not self.text_encoders:
-            raise UserError(f"prompt {missing[0]!r} was not encoded at set-up and the text encoders are released; "
+        encoded = self._encode(missing, batch_size, progress)
+        self._prompt_cache.update({prompt: {k: v.cpu() for k, v in cond.items()} for prompt, cond in encoded.items()})
+
+    def _encode(self, prompts: list[str], batch_size: int = ENCODE_BATCH,
+                progress: Callable[[int, int], None] | None = None) -> dict[str, Conditioning]:
+        """Each of ``prompts``' conditioning (a batch of one, on the device), ``batch_size`` at a time."""
+        if prompts and not self.text_encoders:
+            raise UserError(f"prompt {prompts[0]!r} was not encoded at set-up and the text encoders are released; "
                             "set model.cache_text_embeddings=false to encode prompts as they come")
-        for first in range(0, len(missing), batch_size):
-            part = missing[first:first + batch_size]
+        encoded: dict[str, Conditioning] = {}
+        for first in range(0, len(prompts), batch_size):
+            part = prompts[first:first + batch_size]
             with torch.no_grad():
-                encoded = self.encode_prompts(part)
-            for i, prompt in enumerate(part):
-                self._prompt_cache[prompt] = {k: v[i:i + 1].cpu() for k, v in encoded.items()}
+                batch = self.encode_prompts(part)
+            encoded.update({prompt: {k: v[i:i + 1] for k, v in batch.items()} for i, prompt in enumerate(part)})
             if progress is not None:
-                progress(first + len(part), len(missing))
+                progress(first + len(part), len(prompts))
+        return encoded
 
     def conditioning(self, prompts: list[str]) -> Conditioning:
-        """Batched conditioning tensors for ``prompts`` on the device; each prompt is encoded once and cached."""
-        self.encode_and_cache(prompts)
-        return {key: torch.cat([self._prompt_cache[p][key] for p in prompts]).to(self.device)
-                for key in self._prompt_cache[prompts[0]]}
+        """Batched conditioning tensors for ``prompts`` on the device. A cached prompt's come from the host cache; the
+        others are encoded now and not kept: only :meth:`encode_and_cache` keeps prompts (a run's every prompt at
+        set-up under ``model.cache_text_embeddings``, else its eval prompts), so the host's memory does not grow with
+        the prompts a long run draws."""
+        rows = {p: self._prompt_cache[p] for p in prompts if p in self._prompt_cache}
+        rows.update(self._encode([p for p in dict.fromkeys(prompts) if p not in rows]))
+        return {key: torch.cat([rows[p][key].to(self.device) for p in prompts]) for key in rows[prompts[0]]}
 
     @property
     def cached_embeddings(self) -> dict[str, Conditioning]:
