@@ -365,6 +365,9 @@ class PromptsConfig(_Section):
     eval_source: str | None = Field(None, description="the eval prompts themselves, a prompt set as source is "
                                     "(taken out of training; eval_count and split_seed then unused); null: "
                                     "eval_count prompts held out from source")
+    limit: int | None = Field(None, ge=1, description="train on at most this many distinct prompts of source, drawn "
+                              "with split_seed after the eval prompts are held out (a large dataset's subset, a "
+                              "smaller text-embedding cache); null: all of them")
 
 
 class TrainConfig(_Section):

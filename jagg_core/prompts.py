@@ -213,16 +213,29 @@ def _hub_dataset(dataset_id: str, columns: list[str]):
 
 def run_prompts(config) -> tuple[list[str], list[str]]:
     """``(train, eval)`` of a run's :class:`~jagg_core.config.PromptsConfig`: the prompts of ``eval_source`` (taken
-    out of training) when given, else ``eval_count`` prompts held out from ``source`` (:func:`split_prompts`)."""
+    out of training) when given, else ``eval_count`` prompts held out from ``source`` (:func:`split_prompts`); the
+    training prompts cut to ``limit`` distinct ones (:func:`limit_prompts`)."""
     prompts = load_prompts(config.source)
     if config.eval_source is None:
-        return split_prompts(prompts, config.eval_count, config.split_seed)
-    held_out = list(dict.fromkeys(load_prompts(config.eval_source)))
-    excluded = set(held_out)
-    train = [p for p in prompts if p not in excluded]
-    if not train:
-        raise UserError("every training prompt is also an eval prompt; the eval prompts must leave some for training")
-    return train, held_out
+        train, held_out = split_prompts(prompts, config.eval_count, config.split_seed)
+    else:
+        held_out = list(dict.fromkeys(load_prompts(config.eval_source)))
+        excluded = set(held_out)
+        train = [p for p in prompts if p not in excluded]
+        if not train:
+            raise UserError("every training prompt is also an eval prompt; the eval prompts must leave some for "
+                            "training")
+    return limit_prompts(train, config.limit, config.split_seed), held_out
+
+
+def limit_prompts(train: list, limit: int | None, seed: int) -> list:
+    """``train`` with only ``limit`` of its distinct prompts, drawn with ``random.Random(seed)`` from them sorted
+    (repeats and order kept); all of it without a limit or with fewer distinct prompts."""
+    distinct = sorted(set(train))
+    if limit is None or limit >= len(distinct):
+        return train
+    kept = set(random.Random(seed).sample(distinct, limit))
+    return [p for p in train if p in kept]
 
 
 def split_prompts(prompts: list[str], eval_count: int, seed: int) -> tuple[list[str], list[str]]:

@@ -45,6 +45,7 @@ def test_start_a_run_in_the_browser_and_see_samples(tmp_path):
             page.locator("#plan-btn").click()  # the memory plan of the form, beside Start
             expect(page.locator("#memory-plan")).to_contain_text("planned peak")
             expect(page.locator("#memory-plan")).to_contain_text("LoRA")
+            expect(page.locator("#memory-plan")).to_contain_text("host: fits the text-embedding cache")
             page.locator("#start-btn").click()
             expect(page.locator("#form-message")).to_contain_text("Started")
             expect(page.locator("#base-samples img").first).to_be_visible()

@@ -14,6 +14,7 @@ import pytest
 
 from conftest import ROOT
 from jagg_core.config import load_config
+from jagg_core.models.base import ENCODE_BATCH
 from jagg_core.gpu_check import (CheckOptions, all_steps, format_tables, memory_presets, memory_recipe, next_batch,
                                  plan_order, read_ledger, run_check, step_names, triage_verdict)
 from jagg_core.gpu_check.ledger import describe_order
@@ -271,6 +272,7 @@ def test_the_measured_recipe_keeps_what_memory_depends_on(preset):
     assert measured.model.name.startswith("random:") and "@" not in measured.model.name  # the real depth
     assert [r.name for r in measured.rewards] == ["jpeg_compressibility"]
     assert measured.grpo.prompts_per_iteration == 1 and measured.prompts.eval_count <= measured.grpo.num_generations
+    assert measured.prompts.limit == ENCODE_BATCH  # the set-up encodes the same batches, fewer of them
 
 
 def test_a_reduced_check_runs_each_kind_of_real_size_step_and_writes_its_tables(tmp_path):

@@ -126,7 +126,7 @@ def test_a_cache_the_host_cannot_hold_is_refused_in_one_line_before_any_prompt_i
     assert re.fullmatch(rf"jagg_core\.run: error: the text-embedding cache of {prompts} prompts \([\d.]+ MB each\) takes "
                         rf"[\d.]+ MB of host memory and of disk in {run_dir}; this machine has 1\.0 MB of memory "
                         r"available and [\d.]+ GB of disk free there; set model\.cache_text_embeddings=false .*, lower "
-                        r"model\.max_sequence_length, or use fewer prompts", line), line
+                        r"model\.max_sequence_length, or train on fewer prompts \(prompts\.limit\)", line), line
     run = RunDirectory(run_dir)
     assert run.read_status()["state"] == "failed" and not run.text_embeddings_file.exists()
 

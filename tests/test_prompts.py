@@ -134,3 +134,15 @@ def test_eval_prompts_of_ones_own_are_the_eval_set_and_leave_training(tmp_path):
     assert run_prompts(PromptsConfig(source="shapes", eval_count=8)) == split_prompts(load_prompts("shapes"), 8, 0)
     with pytest.raises(UserError, match="every training prompt is also an eval prompt"):
         run_prompts(PromptsConfig(source=str(typed), eval_source=str(typed)))
+
+
+def test_a_limit_trains_on_a_seeded_draw_of_that_many_distinct_prompts_and_leaves_the_eval_set(tmp_path):
+    source = tmp_path / "prompts.txt"
+    source.write_text("\n".join([f"p{i}" for i in range(40)] + ["p3", "p3"]) + "\n")
+    full_train, held_out = run_prompts(PromptsConfig(source=str(source), eval_count=4))
+    train, limited_eval = run_prompts(PromptsConfig(source=str(source), eval_count=4, limit=10))
+    assert limited_eval == held_out and len(set(train)) == 10 and set(train) < set(full_train)
+    assert train == [p for p in full_train if p in set(train)]  # their order and repeats kept
+    assert run_prompts(PromptsConfig(source=str(source), eval_count=4, limit=10))[0] == train
+    assert set(run_prompts(PromptsConfig(source=str(source), eval_count=4, limit=10, split_seed=1))[0]) != set(train)
+    assert run_prompts(PromptsConfig(source=str(source), eval_count=4, limit=36))[0] == full_train  # 36 distinct

@@ -230,9 +230,11 @@ def step_quantize(base: str, options: CheckOptions) -> list[dict]:
 def memory_recipe(preset: str, options: CheckOptions):
     """The preset's config at real size with random weights, shrunk where the memory does not depend on it:
     one prompt with one rollout chunk of samples (at least 2), the same micro-batch, an eval of one chunk
-    of 4 steps, the weightless reward :data:`MEASURE_REWARD` and no judges, 2 iterations (the second is measured)."""
+    of 4 steps, the weightless reward :data:`MEASURE_REWARD` and no judges, 2 iterations (the second is measured),
+    one encoding batch of training prompts (the set-up's peak encodes one batch; its host cache is apart)."""
     from ..archs import arch_for_model
     from ..config import load_config
+    from ..models.base import ENCODE_BATCH
     config = load_config(preset=preset)
     arch = arch_for_model(config.model.name)
     samples = config.grpo.num_generations * config.grpo.prompts_per_iteration
@@ -244,7 +246,8 @@ def memory_recipe(preset: str, options: CheckOptions):
                  "eval.judges=[]", "grpo.prompts_per_iteration=1", f"grpo.num_generations={generations}",
                  f"train.gradient_accumulation_steps={math.ceil(generations / micro)}",
                  f"prompts.eval_count={min(chunk, generations)}", "sampling.eval_num_steps=4",
-                 "train.iterations=2", "train.sample_every=2", "train.checkpoint_every=2", *options.overrides]
+                 "train.iterations=2", "train.sample_every=2", "train.checkpoint_every=2",
+                 f"prompts.limit={ENCODE_BATCH}", *options.overrides]
     if options.resolution:
         overrides.append(f"sampling.resolution={options.resolution}")
     return load_config(preset=preset, overrides=overrides)

@@ -60,7 +60,7 @@ def check_cache_room(per_prompt: int, prompts: int, run_dir: Path, processes: in
                     f"{amount(size)} of host memory{each} and of disk in {run_dir}; this machine has "
                     f"{amount(memory)} of memory available and {amount(disk)} of disk free there; set "
                     "model.cache_text_embeddings=false (the text encoders then stay on the device and encode each "
-                    "batch), lower model.max_sequence_length, or use fewer prompts")
+                    "batch), lower model.max_sequence_length, or train on fewer prompts (prompts.limit)")
 
 
 def save_embeddings(path: Path, embeddings: dict[str, Conditioning], config: ModelConfig) -> None:
