@@ -139,6 +139,7 @@ ADVANCED_KNOBS = (
          choices=(("TensorBoard", "tensorboard"), ("trackio", "trackio"), ("Weights & Biases", "wandb"))),
     Knob("train.seed", "Seed", "int"),
     Knob("prompts.eval_count", "Eval prompts", "int"),
+    Knob("prompts.limit", "Training prompts at most", "int", optional=True),
     Knob("train.sample_every", "Sample every", "int"),
     Knob("train.checkpoint_every", "Checkpoint every", "int"),
     Knob("sampling.num_frames", "Video frames", "int"),

@@ -52,6 +52,7 @@ import torch
 
 from .algorithms import ALGORITHMS
 from .config import RunConfig
+from .download import amount
 from .errors import UserError
 from .gpus import GB
 from .memory_meter import LiveBytes
@@ -470,7 +471,7 @@ def check_host(plan: MemoryPlan, run_dir: Path, processes: int = 1) -> str:
         check_cache_room(plan.bytes_per_cached_prompt, plan.cached_prompts, run_dir, processes)
     except UserError as err:
         return f"host: {err}"
-    return f"host: fits the text-embedding cache ({plan.host_cache / GB:.2f} GB) in memory and on disk"
+    return f"host: fits the text-embedding cache ({amount(plan.host_cache)}) in memory and on disk"
 
 
 def fits(plan: MemoryPlan, gpu_gb: float) -> bool:

@@ -102,7 +102,7 @@ def test_the_plan_counts_the_text_embedding_cache_a_run_keeps_on_the_host(model,
     assert plan.host_cache == kept and any(key.startswith("negative/") for key in cached[trainer.eval_prompts[0]]) \
         == (guidance > 1)
     assert f"text-embedding cache ({len(cached)} prompts)" in plan.table()
-    assert check_host(plan, tmp_path) == f"host: fits the text-embedding cache ({kept / GB:.2f} GB) in memory and on disk"
+    assert check_host(plan, tmp_path) == f"host: fits the text-embedding cache ({kept / 1e6:.1f} MB) in memory and on disk"
     assert check_host(plan_memory(tiny_config(model, model__cache_text_embeddings=False)), tmp_path) == ""
 
 
@@ -349,7 +349,7 @@ def test_plan_cli_prints_the_parts_and_whether_it_fits(offline):
     assert re.search(r"^fits: planned peak [\d.]+ GB \+ 0.55 GB CUDA context of 16.0 GB$", result.stdout, re.M)
     # with CFG, 320 prompts x 2 x ((77 CLIP + 128 T5 tokens) x 4096 + 2048 pooled) x 2 bytes, on the host
     assert re.search(r"^    text-embedding cache \(320 prompts\) +1\.08$", result.stdout, re.M), result.stdout
-    assert "\nhost: fits the text-embedding cache (1.08 GB) in memory and on disk\n" in result.stdout
+    assert "\nhost: fits the text-embedding cache (1.1 GB) in memory and on disk\n" in result.stdout
 
 
 @pytest.mark.parametrize("args, message", [
