@@ -25,27 +25,25 @@ CGROUP_FILES = ((Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.
 def available_memory() -> int:
     """Bytes of memory a new allocation can take without swapping or meeting the container's limit."""
     available = psutil.virtual_memory().available
+    container = _container_memory()
+    return available if container is None else max(0, min(available, container[0] - container[1]))
+
+
+def total_memory() -> int:
+    """Bytes of memory of the machine, or of the container's limit when lower."""
+    container = _container_memory()
+    return psutil.virtual_memory().total if container is None else container[0]
+
+
+def _container_memory() -> tuple[int, int] | None:
+    """The control group's memory limit and usage in bytes; None without a limit below the machine's memory."""
     for limit_file, usage_file in CGROUP_FILES:
         try:
             limit, usage = limit_file.read_text().strip(), int(usage_file.read_text())
         except (OSError, ValueError):
             continue
-        if limit.isdigit() and int(limit) < psutil.virtual_memory().total:
-            return max(0, min(available, int(limit) - usage))
-        return available
-    return available
-
-
-def total_memory() -> int:
-    """Bytes of memory of the machine, or of the container's limit when lower."""
-    total = psutil.virtual_memory().total
-    for limit_file, _usage in CGROUP_FILES:
-        try:
-            limit = limit_file.read_text().strip()
-        except OSError:
-            continue
-        return min(total, int(limit)) if limit.isdigit() else total
-    return total
+        return (int(limit), usage) if limit.isdigit() and int(limit) < psutil.virtual_memory().total else None
+    return None
 
 
 def free_disk(folder: Path) -> int:
