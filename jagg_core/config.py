@@ -67,8 +67,9 @@ class ModelConfig(_Section):
                                         "(batched), keep the embeddings in host memory and in "
                                         "RUN/text_embeddings.safetensors (a resume reuses them without loading the "
                                         "encoders) and free the text encoders before training; a cache larger than "
-                                        "the host's available memory or the run folder's free disk is refused at "
-                                        "set-up (--plan shows its size); false: the encoders stay on the device and "
+                                        "the host's available memory or the run folder's free disk is refused "
+                                        "before a download and at set-up (--plan shows its size); false: the "
+                                        "encoders stay on the device and "
                                         "each iteration encodes its prompts, keeping only the eval prompts'")
     vae_slicing: bool = Field(True, description="the VAE decodes one image at a time (diffusers enable_slicing): "
                               "the decode's peak memory no longer grows with the batch")

@@ -57,7 +57,7 @@ from .errors import UserError
 from .gpus import GB
 from .memory_meter import LiveBytes
 from .models import DTYPES, FAMILIES
-from .models.base import ENCODE_BATCH, NEGATIVE
+from .models.base import ENCODE_BATCH, NEGATIVE, FlowModel
 from .models.quantize import transformer_dtype
 from .models.meta import META, meta_pipeline
 from .models.text_embeddings import bytes_per_prompt, check_cache_room
@@ -251,21 +251,42 @@ def _text_encoder_activations(encoder: torch.nn.Module, tokens: int, element: in
     return ENCODE_BATCH * tokens * (2 * hidden + 2 * inner + heads * tokens) * element
 
 
+def _meta_model(cfg: RunConfig, dtype: torch.dtype | None = None) -> FlowModel:
+    """The run's flow model on the meta device, from its configs alone, its weights in ``dtype`` (None: as built)."""
+    pipe = meta_pipeline(cfg.model.name, cfg.model.revision)
+    family_class = FAMILIES[type(pipe).__name__]
+    if dtype is not None:
+        with META:
+            pipe = pipe.to(dtype=dtype)
+    return family_class(pipe, cfg.model, META, num_frames=cfg.sampling.num_frames)
+
+
+def _text_cache(cfg: RunConfig, model: FlowModel) -> tuple[int, int]:
+    """The run's text-embedding cache: its distinct prompts (training and eval) and the bytes of one."""
+    train, held_out = run_prompts(cfg.prompts)
+    return len(dict.fromkeys(train + held_out)), bytes_per_prompt(model)
+
+
+def check_text_cache_before_download(config: RunConfig, run_dir: Path, processes: int = 1) -> None:
+    """Refuse, in one line, a text-embedding cache this host cannot hold (:func:`check_cache_room`), sized from
+    the model's configs alone, so that a run learns it before it downloads the weights (the trainer checks again
+    with the loaded model, for a model that needs no download)."""
+    if config.model.cache_text_embeddings:
+        prompts, per_prompt = _text_cache(config, _meta_model(config))
+        check_cache_room(per_prompt, prompts, run_dir, processes)
+
+
 def plan_memory(config: RunConfig) -> MemoryPlan:
     """The memory plan of ``config`` (see the module docstring)."""
     cfg = config
     forward_process = ALGORITHMS[cfg.train.algorithm] if cfg.train.algorithm != "grpo" else None
-    pipe = meta_pipeline(cfg.model.name, cfg.model.revision)
-    family_class = FAMILIES[type(pipe).__name__]
     dtype = DTYPES[cfg.model.dtype]
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.mixed_precision)
     compute = autocast or dtype
     if cfg.model.quantize != "none":
         compute = torch.bfloat16
-    with META:
-        pipe = pipe.to(dtype=compute)
-    model = family_class(pipe, cfg.model, META, num_frames=cfg.sampling.num_frames)
-    transformer = model.transformer
+    model = _meta_model(cfg, compute)
+    pipe, transformer = model.pipe, model.transformer
     element = torch.tensor([], dtype=dtype).element_size()
     plan = MemoryPlan(cfg.model.name, model.family, cfg.sampling.resolution)
 
@@ -302,9 +323,7 @@ def plan_memory(config: RunConfig) -> MemoryPlan:
 
     # ----- set-up: the text encoders encode every prompt, then leave; the host keeps their embeddings
     if cfg.model.cache_text_embeddings:
-        train, held_out = run_prompts(cfg.prompts)
-        plan.cached_prompts = len(dict.fromkeys(train + held_out))
-        plan.bytes_per_cached_prompt = bytes_per_prompt(model)
+        plan.cached_prompts, plan.bytes_per_cached_prompt = _text_cache(cfg, model)
     if cfg.model.cache_text_embeddings and encoders:
         tokens = max(cfg.model.max_sequence_length, 77)
         plan.setup[f"text encoders ({encoder_names}, {cfg.model.dtype})"] = encoder_bytes

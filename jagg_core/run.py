@@ -151,7 +151,7 @@ def train(config: RunConfig, run_dir: Path, resume: bool, doctor_only: bool = Fa
     try:
         if is_main:  # what the run does from its first second: the page and the log say it
             _say_loading(run, config)
-        if download_base_model(config, run if is_main else None) and is_main:
+        if download_base_model(config, run, report=is_main, resume=resume) and is_main:
             _say_loading(run, config)
         from .quiet import quiet_libraries
         quiet_libraries()
@@ -206,11 +206,13 @@ def _say_loading(run: RunDirectory, config: RunConfig) -> None:
     print(f"{PROG}: {loading}", flush=True)
 
 
-def download_base_model(config: RunConfig, run: RunDirectory | None) -> bool:
+def download_base_model(config: RunConfig, run: RunDirectory, *, report: bool = True, resume: bool = False) -> bool:
     """The ``downloading`` phase: a Hub base model with files not yet in the Hugging Face cache is downloaded there
     (:mod:`jagg_core.download`: it continues an interrupted download) before the trainer loads it; True if it was.
+    A text-embedding cache the host cannot hold is refused first, sized from the model's configs (a resume with its
+    cache written checks it as it reads it back).
 
-    With ``run`` (the main process) it is reported about once a second in status.json: ``phase: downloading``,
+    With ``report`` (the main process) it is reported about once a second in status.json: ``phase: downloading``,
     ``message`` ("downloading OWNER/NAME: 3.2 of 23.8 GB, 41 MB/s, about 8 min left") and ``download``: ``{"done":
     bytes of the model in the cache, "total": bytes of the files the run needs, "rate": bytes/s}``, and the message
     is printed at most every :data:`PRINT_EVERY_S` seconds and at the end. Every process downloads (each file under a
@@ -219,9 +221,12 @@ def download_base_model(config: RunConfig, run: RunDirectory | None) -> bool:
     plan = check_model(config.model)  # again: the cache may have changed since the pre-flight
     if plan is None or not plan.pending:
         return False
+    if not (resume and run.text_embeddings_file.is_file()):
+        from .memory_plan import check_text_cache_before_download
+        check_text_cache_before_download(config, run.path, int(os.environ.get("WORLD_SIZE", "1")))
     printed = [float("-inf")]  # when the last line was printed (time.monotonic())
 
-    def report(transfer, end: bool = False) -> None:
+    def say(transfer, end: bool = False) -> None:
         line = transfer.line(config.model.name)
         run.write_status("running", phase="downloading", message=line,
                          download={"done": transfer.done, "total": transfer.total, "rate": round(transfer.rate)})
@@ -229,9 +234,9 @@ def download_base_model(config: RunConfig, run: RunDirectory | None) -> bool:
             print(f"{PROG}: {line}", flush=True)
             printed[0] = time.monotonic()
 
-    end = download_model(plan, report if run is not None else None)
-    if run is not None:
-        report(end, end=True)
+    end = download_model(plan, say if report else None)
+    if report:
+        say(end, end=True)
     return True
 
 

@@ -149,7 +149,8 @@ class Trainer:
             model.encode_and_cache(self.eval_prompts)  # every eval samples them
             return model
         prompts = self.train_prompts + self.eval_prompts
-        saved = load_embeddings(self.run.text_embeddings_file, prompts, cfg.model) if self.resume else None
+        saved = load_embeddings(self.run.text_embeddings_file, prompts, cfg.model,
+                                self.accelerator.num_processes) if self.resume else None
         model = load_flow_model(cfg.model, device, seed=cfg.train.seed, text_encoders=saved is None, **options)
         if saved is not None:
             model.load_embeddings(saved)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from huggingface_hub import constants
 
-from jagg_core.config import ModelConfig, RunConfig
+from jagg_core.config import ModelConfig, RunConfig, load_config
 from jagg_core.download import DownloadPlan, download_model, pipeline_files, storage_folder
 from jagg_core.errors import UserError
 from jagg_core.model_index import ASSETS_DIR
@@ -251,6 +251,29 @@ def test_the_run_says_downloading_with_done_and_total_until_the_model_is_in(hub,
     out = capsys.readouterr().out
     assert f"jagg_core.run: downloading {REPO}: " in out and f"{total / 1e6:.1f} of {total / 1e6:.1f} MB" in out
     assert download_base_model(config, run) is False  # nothing left: no downloading phase
+
+
+def test_a_text_cache_the_host_cannot_hold_is_refused_before_the_weights_download(hub, tmp_path, monkeypatch):
+    """The cache is sized from the model's configs alone, so a run learns it before a download of many GB; a resume
+    whose cache is written reads it back instead (checked as it is read), and a run without the cache downloads."""
+    from jagg_core.memory_plan import plan_memory
+    from jagg_core.models import text_embeddings
+    run = RunDirectory(tmp_path / "run")
+    run.path.mkdir()
+    config = load_config(preset="shapes", overrides=[f"model.name={REPO}"])
+    plan = plan_memory(config)
+    monkeypatch.setattr(text_embeddings, "available_memory", lambda: plan.host_cache - 1)
+    with pytest.raises(UserError) as err:
+        download_base_model(config, run)
+    assert str(err.value).startswith(
+        f"the text-embedding cache of {plan.cached_prompts} prompts ({plan.bytes_per_cached_prompt / 1e6:.3g} MB "
+        f"each) takes {plan.host_cache / 1e6:.1f} MB of host memory and of disk in {run.path}; this machine has ")
+    assert not [d for d in hub.downloads if not d.path.endswith(".json")]  # configs only
+    run.text_embeddings_file.write_bytes(b"")
+    assert download_base_model(config, run, resume=True)
+    shutil.rmtree(constants.HF_HUB_CACHE)
+    assert download_base_model(load_config(preset="shapes", overrides=[f"model.name={REPO}",
+                                                                      "model.cache_text_embeddings=false"]), run)
 
 
 def test_an_interrupted_download_continues_where_it_stopped(hub):

@@ -14,6 +14,7 @@ import torch
 from conftest import ROOT, run_cli, tiny_config
 from jagg_core.config import list_presets, load_config, preset_path
 from jagg_core.errors import UserError
+from jagg_core.host import available_memory
 from jagg_core.gpu_check import CheckOptions, memory_recipe
 from jagg_core.judges import judges_device
 from jagg_core.memory_meter import PeakMemory, measured_peak
@@ -41,6 +42,12 @@ def test_text_encoders_leave_after_setup_and_a_resume_reads_the_saved_embeddings
     assert RunDirectory(tmp_path).text_embeddings_file.is_file()
     first.fit()
     expected = first.model.conditioning(first.eval_prompts)
+    saved = RunDirectory(tmp_path).text_embeddings_file.stat().st_size
+    monkeypatch.setattr(text_embeddings, "available_memory", lambda: saved - 1)  # resumed on a smaller host
+    with pytest.raises(UserError, match=r"takes [\d.]+ MB of host memory; this machine has [\d.]+ MB of memory "
+                                        r"available; set model\.cache_text_embeddings=false"):
+        Trainer(config, tmp_path, resume=True).setup()
+    monkeypatch.setattr(text_embeddings, "available_memory", available_memory)
 
     def no_encoding(self, prompts):
         raise AssertionError("a resume must not encode prompts")

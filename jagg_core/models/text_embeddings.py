@@ -6,9 +6,11 @@ shape the embeddings (model, revision, dtype, text length, CFG and its negative 
 row's input image is encoded at). A file whose
 fingerprint differs, that lacks a prompt, or that does not read is ignored: the encoders run again.
 
-The cache lives in host memory (each process of a run holds one) and in that file, so a run refuses at set-up, in
-one line, a cache larger than the memory available or the run folder's free disk (:func:`check_cache_room`): a
-FLUX prompt is 4.2 MB at 512 tokens, and a prompt set of 25,000 would be 105 GB.
+The cache lives in host memory (each process of a run holds one) and in that file, so a run refuses, in one line,
+a cache larger than the memory available or the run folder's free disk (:func:`check_cache_room`): before a Hub
+model downloads (sized from its configs, :func:`jagg_core.memory_plan.check_text_cache_before_download`), at set-up
+before a prompt is encoded, and on a resume before the file is read back. A FLUX prompt is 4.2 MB at 512 tokens,
+and a prompt set of 25,000 would be 105 GB.
 """
 
 from __future__ import annotations
@@ -48,17 +50,21 @@ def bytes_per_prompt(model) -> int:
     return (2 if model.use_cfg else 1) * sum(math.prod(shape) for shape in shapes) * element
 
 
-def check_cache_room(per_prompt: int, prompts: int, run_dir: Path, processes: int = 1) -> None:
+def check_cache_room(per_prompt: int, prompts: int, run_dir: Path, processes: int = 1, *,
+                     written: bool = False) -> None:
     """Refuse, in one line, a cache of ``prompts`` prompts of ``per_prompt`` bytes that the host memory available
-    (each of this machine's ``processes`` holds one) or the free disk of ``run_dir`` (one file) cannot hold."""
+    (each of this machine's ``processes`` holds one) or the free disk of ``run_dir`` (one file, unless ``written``
+    already) cannot hold."""
     size = per_prompt * prompts
-    memory, disk = available_memory(), free_disk(run_dir)
+    memory = available_memory()
+    disk = math.inf if written else free_disk(run_dir)
     if size * processes <= memory and size <= disk:
         return
     each = f" in each of the {processes} processes" if processes > 1 else ""
+    needs = f"of host memory{each}" + ("" if written else f" and of disk in {run_dir}")
+    has = f"{amount(memory)} of memory available" + ("" if written else f" and {amount(disk)} of disk free there")
     raise UserError(f"the text-embedding cache of {prompts} prompts ({per_prompt / 1e6:.3g} MB each) takes "
-                    f"{amount(size)} of host memory{each} and of disk in {run_dir}; this machine has "
-                    f"{amount(memory)} of memory available and {amount(disk)} of disk free there; set "
+                    f"{amount(size)} {needs}; this machine has {has}; set "
                     "model.cache_text_embeddings=false (the text encoders then stay on the device and encode each "
                     "batch), lower model.max_sequence_length, or train on fewer prompts (prompts.limit)")
 
@@ -73,9 +79,11 @@ def save_embeddings(path: Path, embeddings: dict[str, Conditioning], config: Mod
     os.replace(tmp, path)
 
 
-def load_embeddings(path: Path, prompts: list[str], config: ModelConfig) -> dict[str, Conditioning] | None:
+def load_embeddings(path: Path, prompts: list[str], config: ModelConfig,
+                    processes: int = 1) -> dict[str, Conditioning] | None:
     """The saved embeddings of ``prompts``, or None when the file is missing, unreadable, made with other
-    settings or lacking one of them."""
+    settings or lacking one of them. The whole file is read into the host memory of each of this machine's
+    ``processes``: one that does not fit is refused in one line (:func:`check_cache_room`), as at set-up."""
     if not path.is_file():
         return None
     try:
@@ -84,6 +92,8 @@ def load_embeddings(path: Path, prompts: list[str], config: ModelConfig) -> dict
         saved = json.loads(metadata.get("prompts", "[]"))
         if metadata.get("fingerprint") != fingerprint(config) or not set(prompts) <= set(saved):
             return None
+        per_prompt = math.ceil(path.stat().st_size / len(saved))
+        check_cache_room(per_prompt, len(saved), path.parent, processes, written=True)
         tensors = load_file(str(path))
     except (SafetensorError, OSError, ValueError):
         return None
