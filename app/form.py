@@ -104,6 +104,8 @@ ADVANCED_KNOBS = (
     Knob("backward.joint", "Joint endpoints", "bool"),
     Knob("backward.shared_knots", "Shared knots", "bool"),
     Knob("sampling.noise_level", "Noise level", "float"),
+    Knob("sampling.sde_type", "SDE", "choice", choices=(("Flow-GRPO", "flow_grpo"), ("DanceGRPO", "dance_grpo"),
+                                                       ("CPS (coefficients-preserving)", "cps"))),
     Knob("grpo.clip_range", "Clip range", "float"),
     Knob("grpo.kl_beta", "KL beta", "float"),
     Knob("grpo.timestep_fraction", "Trained steps", "float"),

@@ -123,7 +123,14 @@ class SamplingConfig(_Section):
                                       "rollout_batch_size before); null = the whole rollout batch at once, eval "
                                       f"{EVAL_CHUNK} at a time")
     noise_level: float = Field(0.7, gt=0.0, le=2.0, description="SDE noise level a: step i from sigma s to s' adds "
-                               "Gaussian noise of std a sqrt(s / (1 - s)) sqrt(s - s')")
+                               "Gaussian noise of std a sqrt(s / (1 - s)) sqrt(s - s') (flow_grpo; see "
+                               "sampling.sde_type)")
+    sde_type: Literal["flow_grpo", "dance_grpo", "cps"] = Field(
+        "flow_grpo", description="the stochastic step of GRPO's rollouts (jagg_core/sde.py has the formulas): "
+        "flow_grpo = Flow-GRPO's SDE step, noise std a sqrt(s / (1 - s)) sqrt(s - s'); dance_grpo = DanceGRPO's, "
+        "the same step with noise std a sqrt(s - s'); cps = Flow-CPS's coefficients-preserving step, noise std "
+        "s' sin(a pi / 2), whose samples keep no extra noise (a in (0, 1]; its last step adds none, so it is not "
+        "trained) and whose log-probability is the reference code's -mean (z' - mean)^2")
     num_frames: int = Field(1, ge=1, le=257, description="frames of each sample of a video model (Wan): 4k + 1, "
                             "e.g. 33 or 81 (its VAE makes one latent frame of 4); 1 = one image, the only value an "
                             "image model takes")
@@ -190,7 +197,8 @@ class GrpoConfig(_Section):
         "(mean_theta - mean_ref)^2 / (2 std_t^2 |dt|); flow_grpo = Flow-GRPO's, (mean_theta - mean_ref)^2 / "
         "(2 std_t^2), |dt| times smaller (15-100x on 10-40 steps), so Flow-GRPO's kl_beta goes with this form")
     timestep_fraction: float = Field(1.0, gt=0.0, le=1.0, description="fraction of the rollout steps trained: "
-                                     "T = ceil(num_steps x fraction) steps (Flow-GRPO floors), placed by "
+                                     "T = ceil(num_steps x fraction) steps (Flow-GRPO floors; under sampling.sde_type "
+                                     "cps, of the num_steps - 1 steps that add noise), placed by "
                                      "grpo.window_placement")
     window_placement: Literal["range", "random"] = Field(
         "range", description="where the trained steps lie: range = the T consecutive steps from grpo.trained_start; "
@@ -198,7 +206,7 @@ class GrpoConfig(_Section):
         "([0, W-1], [W, 2W-1], ...), drawn from (train.seed, iteration), the same on every process and on a resume "
         "(DanceGRPO)")
     trained_start: int = Field(0, ge=0, description="first trained step of the range placement (0 = from the noise "
-                               "end); trained_start + T must not exceed sampling.num_steps")
+                               "end); trained_start + T must not exceed sampling.num_steps (cps: num_steps - 1)")
     slide_every: int = Field(0, ge=0, description="range placement only: the range moves one step later every "
                              "slide_every iterations, from trained_start until it reaches the last step, then stays "
                              "(MixGRPO's sliding window); 0 = fixed")
@@ -474,7 +482,11 @@ class RunConfig(_Section):
         if self.backward.route_by == "audit" and routed and self.backward.audit_every == 0:
             raise ValueError("backward.route_by audit routes by the fidelity audit: set backward.audit_every > 0 "
                              "or route_by linearity")
-        count = trained_count(self.sampling.num_steps, self.grpo.timestep_fraction)
+        trainable = self.trainable_steps()
+        count = trained_count(trainable, self.grpo.timestep_fraction)
+        if self.sampling.sde_type == "cps" and self.sampling.noise_level > 1:
+            raise ValueError(f"sampling.noise_level {self.sampling.noise_level:g} with sampling.sde_type cps: its "
+                             "noise s' sin(a pi / 2) is largest at a = 1; give a in (0, 1]")
         if self.grpo.slide_every and self.grpo.window_placement != "range":
             raise ValueError("grpo.slide_every moves a range placement: set grpo.window_placement range or "
                              "slide_every 0")
@@ -486,9 +498,11 @@ class RunConfig(_Section):
                 raise ValueError(f"grpo.branch_factor {factor} must split the group of grpo.num_generations {group} "
                                  f"in k splits with {factor}^k = {group} and k <= the {count} trained steps (e.g. "
                                  "branch_factor 2 with num_generations 4 or 8), or be 0 (off)") from None
-        if self.grpo.window_placement == "range" and self.grpo.trained_start + count > self.sampling.num_steps:
-            raise ValueError(f"grpo.trained_start {self.grpo.trained_start} + {count} trained steps exceeds "
-                             f"sampling.num_steps {self.sampling.num_steps}")
+        if self.grpo.window_placement == "range" and self.grpo.trained_start + count > trainable:
+            steps = (f"the {trainable} steps of sampling.num_steps {self.sampling.num_steps} that add noise under "
+                     "sampling.sde_type cps (its last adds none)" if trainable < self.sampling.num_steps
+                     else f"sampling.num_steps {self.sampling.num_steps}")
+            raise ValueError(f"grpo.trained_start {self.grpo.trained_start} + {count} trained steps exceeds {steps}")
         self._algorithm_consistent()
         judges = term_names([judge.name for judge in self.eval.judges])
         if self.eval.best_by not in ("reward", *judges):
@@ -521,6 +535,11 @@ class RunConfig(_Section):
                 raise ValueError(f"awm.train_timesteps {self.awm.train_timesteps} must be at most the {max(last, 0)} "
                                  "steps 1..int(sampling.num_steps x awm.timestep_fraction)")
 
+    def trainable_steps(self) -> int:
+        """The rollout steps GRPO can train, those that add noise: all ``sampling.num_steps``, but the last under
+        ``sampling.sde_type`` cps (its noise ``s' sin(a pi / 2)`` is 0 at ``s' = 0``)."""
+        return self.sampling.num_steps - (self.sampling.sde_type == "cps")
+
     def nft_steps_per_sample(self) -> int:
         """DiffusionNFT's K: the schedule steps each sample is trained at, ``max(1, int(T nft.timestep_fraction))``."""
         return max(1, int(self.sampling.num_steps * self.nft.timestep_fraction))
@@ -547,7 +566,7 @@ class RunConfig(_Section):
 #: the config keys (a section stands for all of its keys) that only one algorithm reads; every other key applies to
 #: all of them
 ALGORITHM_KEYS: dict[str, list[str]] = {
-    "grpo": ["backward", "sampling.noise_level", "grpo.clip_range", "grpo.kl_beta", "grpo.kl_reference",
+    "grpo": ["backward", "sampling.noise_level", "sampling.sde_type", "grpo.clip_range", "grpo.kl_beta", "grpo.kl_reference",
              "grpo.kl_form", "grpo.timestep_fraction", "grpo.window_placement", "grpo.trained_start",
              "grpo.slide_every", "grpo.shared_prefix", "grpo.branch_factor", "grpo.ode_after_trained",
              "grpo.inner_epochs"],

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampler import Trajectory, gaussian_log_prob, sde_step_mean, step_std
+from .sampler import Trajectory
+from .sde import STEPS
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, clip: float, prompts: list[str] | None = None,
@@ -58,21 +59,23 @@ def step_loss(v: torch.Tensor, step: int, batch: Trajectory, advantages: torch.T
         ratio = exp(log p_theta(z_{i+1} | z_i) - log p_old)
         L_i   = mean_samples max(-A ratio, -A clip(ratio, 1 - eps, 1 + eps)) + beta * KL_i
 
-    multiplied by ``settings.scale``, with the KL to the base model's step in one of two forms
-    (``settings.kl_form``), ``mean_k`` over the latent's elements::
+    multiplied by ``settings.scale``, with the step's mean and log p of the trajectory's ``sde_type``
+    (:mod:`jagg_core.sde`) and the KL to the base model's step in one of two forms (``settings.kl_form``),
+    ``mean_k`` over the latent's elements::
 
-        step:      KL_i = mean_samples mean_k (mean_theta - mean_ref)^2 / (2 std_t^2 |dt|)
-                   the Gaussian KL of the step's transition (its std is std_t sqrt(|dt|))
+        step:      KL_i = mean_samples mean_k (mean_theta - mean_ref)^2 / (2 std^2)
+                   the Gaussian KL of the step's transition, whose std is std_t sqrt(|dt|) (cps: std_t)
         flow_grpo: KL_i = mean_samples mean_k (mean_theta - mean_ref)^2 / (2 std_t^2)
-                   Flow-GRPO's, |dt| times the step form: on a 10-40 step schedule 15-100x smaller
+                   Flow-GRPO's, |dt| times the step form: on a 10-40 step schedule 15-100x smaller (cps: the same)
 
     Returns the scalar loss and detached statistics.
     """
     s, s_next, sd = float(batch.sigmas[step]), float(batch.sigmas[step + 1]), float(batch.std_t[step])
     z, z_next = batch.latents[step], batch.latents[step + 1]
-    mean = sde_step_mean(z, v, s, s_next, sd)
-    std = step_std(s, s_next, sd)
-    log_prob = gaussian_log_prob(z_next, mean, std)
+    sde = STEPS[batch.sde_type]
+    mean = sde.mean(z, v, s, s_next, sd)
+    std = sde.std(s, s_next, sd)
+    log_prob = sde.log_prob(z_next, mean, std)
     ratio = torch.exp(log_prob - batch.log_probs[step].to(log_prob.device))
     adv = advantages.to(ratio.device)
     clipped = torch.clamp(ratio, 1 - settings.clip_range, 1 + settings.clip_range)
@@ -80,7 +83,7 @@ def step_loss(v: torch.Tensor, step: int, batch: Trajectory, advantages: torch.T
     loss = policy_loss
     kl = torch.zeros((), device=v.device)
     if settings.kl_beta > 0:
-        ref_mean = sde_step_mean(z, v_ref, s, s_next, sd)
+        ref_mean = sde.mean(z, v_ref, s, s_next, sd)
         variance = std ** 2 if settings.kl_form == "step" else sd ** 2
         kl = (((mean - ref_mean) ** 2).flatten(1).mean(dim=1) / (2 * variance)).mean()
         loss = loss + settings.kl_beta * kl

@@ -335,8 +335,10 @@ def plan_memory(config: RunConfig) -> MemoryPlan:
     latent = model.latent_shape(cfg.sampling.resolution)
     latent_numel = math.prod(latent)
     steps = cfg.sampling.num_steps
-    trained = most_trained_steps(steps, cfg.grpo.timestep_fraction, cfg.grpo.window_placement, cfg.backward.window)
-    noisy = trained if cfg.grpo.ode_after_trained else steps
+    trainable = cfg.trainable_steps()
+    trained = most_trained_steps(trainable, cfg.grpo.timestep_fraction, cfg.grpo.window_placement,
+                                 cfg.backward.window)
+    noisy = trained if cfg.grpo.ode_after_trained else trainable
     # reference velocities: the rollout's at every noisy step, or the training pass's at every trained step
     reference = (noisy if cfg.grpo.kl_reference == "rollout" else trained) if cfg.grpo.kl_beta > 0 else 0
     trajectory = samples * latent_numel * 4 * ((steps + 1) + steps + reference)

@@ -242,10 +242,13 @@ def _algorithm_lines(config: dict, snap: RunSnapshot) -> str:
 
 
 def _sampler_words(config: dict) -> str:
-    """How rollouts sample: GRPO's SDE with its noise level, or the forward-process methods' ODE."""
+    """How rollouts sample: GRPO's SDE (its type when not Flow-GRPO's) with its noise level, or the forward-process
+    methods' ODE."""
     if run_algorithm(config) != "grpo":
         return ", ODE rollouts"
-    return f", SDE noise level {(config.get('sampling') or {}).get('noise_level')}"
+    sampling = config.get("sampling") or {}
+    sde = {"dance_grpo": "DanceGRPO ", "cps": "CPS "}.get(sampling.get("sde_type"), "")
+    return f", {sde}SDE noise level {sampling.get('noise_level')}"
 
 
 def _results_table(first: dict, last: dict) -> str:

@@ -1,14 +1,8 @@
 """SDE rollouts with log-probabilities, and ODE sampling for evaluation (Flow-GRPO conventions).
 
 Step i goes from sigma ``s = sigma_i`` to ``s' = sigma_{i+1}``, ``dt = s' - s < 0``, with the velocity
-``v = v_theta(z_i, s, c)`` and noise level ``a``::
-
-    std_t  = a * sqrt(s / (1 - s))                  (s = 1 uses sigma_1 in the denominator)
-    mean   = z + [v + std_t^2 / (2 s) * (z + (1 - s) v)] dt
-    z'     = mean + std_t * sqrt(-dt) * eps
-
-``log p(z' | z)`` is the Gaussian log-density averaged over elements, in fp32. ``a = 0`` is the
-Euler ODE step ``z' = z + v dt``.
+``v = v_theta(z_i, s, c)``; a stochastic step (:mod:`jagg_core.sde`, ``sampling.sde_type``: Flow-GRPO's by default)
+draws ``z' = mean + std eps`` and records ``log p(z' | z)``; an ODE step is the Euler step ``z' = z + v dt``.
 
 A rollout may inject noise only at the steps ``sde_steps`` and take the ODE step at the others (as
 Flow-GRPO-Fast and MixGRPO, with the trained steps): then every difference between the samples of a
@@ -30,42 +24,14 @@ from dataclasses import dataclass
 import torch
 
 from .models.base import Conditioning, FlowModel
-
-
-
-
-def step_noise_std(sigmas: torch.Tensor, noise_level: float) -> torch.Tensor:
-    """``std_t = a sqrt(s / (1 - s))`` for every step; the step at s = 1 uses sigma_1 instead."""
-    s = sigmas[:-1].double()
-    denominator = 1 - torch.where(s >= 1, sigmas[1].double(), s)
-    return (noise_level * torch.sqrt(s / denominator)).float()
-
-
-def sde_step_mean(z: torch.Tensor, v: torch.Tensor, sigma: float, sigma_next: float, std_t: float) -> torch.Tensor:
-    """``mean = z + [v + std_t^2 / (2 s) (z + (1 - s) v)] dt`` in fp32."""
-    z, v = z.float(), v.float()
-    dt = sigma_next - sigma
-    return z + (v + std_t ** 2 / (2 * sigma) * (z + (1 - sigma) * v)) * dt
-
-
-def step_std(sigma: float, sigma_next: float, std_t: float) -> float:
-    """Standard deviation of ``z'`` given ``z``: ``std_t sqrt(-dt)``."""
-    return std_t * math.sqrt(sigma - sigma_next)
-
-
-def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: float) -> torch.Tensor:
-    """Per-sample Gaussian log-density of ``x`` averaged over elements, fp32:
-    ``mean_k[ -(x_k - mu_k)^2 / (2 std^2) - log std - log sqrt(2 pi) ]``."""
-    x, mean = x.float(), mean.float()
-    log_density = -((x - mean) ** 2) / (2 * std ** 2) - math.log(std) - 0.5 * math.log(2 * math.pi)
-    return log_density.flatten(1).mean(dim=1)
+from .sde import STEPS
 
 
 @dataclass
 class Trajectory:
     """One rollout batch: ``latents[i]`` is z_i (``latents[0]`` the noise), ``velocities[i]`` the
     velocity used at step i, ``log_probs[i]`` log p(z_{i+1} | z_i) under the rollout policy (0 for
-    an ODE step, whose ``std_t`` is 0)."""
+    an ODE step, whose ``std_t`` is 0), with the steps of ``sde_type`` (:data:`jagg_core.sde.STEPS`)."""
 
     latents: torch.Tensor          # [T + 1, B, *latent]
     velocities: torch.Tensor       # [T, B, *latent]
@@ -76,6 +42,7 @@ class Trajectory:
     #                                             (grpo.kl_reference: rollout; else the training pass computes them)
     node_ids: torch.Tensor | None = None        # [T + 1, B]: samples of a group rollout with the same id at level i
     #                                             hold the same z_i (group_node_ids); None: all distinct
+    sde_type: str = "flow_grpo"
 
     @property
     def num_steps(self) -> int:
@@ -94,7 +61,7 @@ class Trajectory:
         ref = self.ref_velocities[:, index] if self.ref_velocities is not None else None
         nodes = self.node_ids[:, index] if self.node_ids is not None else None
         return Trajectory(self.latents[:, index], self.velocities[:, index], self.log_probs[:, index],
-                          self.sigmas, self.std_t, ref, nodes)
+                          self.sigmas, self.std_t, ref, nodes, self.sde_type)
 
 
 def initial_noise(model: FlowModel, batch: int, resolution: int, generator: torch.Generator) -> torch.Tensor:
@@ -149,9 +116,10 @@ def shared_velocity(model: FlowModel, z: torch.Tensor, sigma: torch.Tensor, cond
 def sde_rollout(model: FlowModel, cond: Conditioning, sigmas: torch.Tensor, noise_level: float,
                 z0: torch.Tensor, generator: torch.Generator, with_reference: bool = False,
                 sde_steps: Sequence[int] | None = None, chunk_size: int | None = None,
-                group_size: int = 1, splits: Mapping[int, int] | None = None) -> Trajectory:
-    """Sample ``z_0 -> z_T`` recording latents, velocities and log-probs: the SDE step at the steps
-    ``sde_steps`` (default: all), the Euler ODE step at the others.
+                group_size: int = 1, splits: Mapping[int, int] | None = None,
+                sde_type: str = "flow_grpo") -> Trajectory:
+    """Sample ``z_0 -> z_T`` recording latents, velocities and log-probs: the stochastic step of ``sde_type`` at
+    the steps ``sde_steps`` (default: all), the Euler ODE step at the others (and where its noise is 0).
 
     The noise of every SDE step is drawn first, step by step for the whole batch, then the batch is
     denoised step by step, ``chunk_size`` samples per transformer call (default: all at once): a rollout in
@@ -167,7 +135,8 @@ def sde_rollout(model: FlowModel, cond: Conditioning, sigmas: torch.Tensor, nois
     num_steps = len(sigmas) - 1
     noisy = torch.zeros(num_steps, dtype=torch.bool)
     noisy[list(range(num_steps) if sde_steps is None else sde_steps)] = True
-    std_t = step_noise_std(sigmas, noise_level) * noisy
+    std_t = STEPS[sde_type].noise(sigmas, noise_level) * noisy
+    noisy &= std_t > 0
     noise = torch.zeros((num_steps, *z0.shape))
     for i in noisy.nonzero().flatten().tolist():
         noise[i] = torch.randn(z0.shape, generator=generator, dtype=torch.float32)
@@ -184,15 +153,16 @@ def sde_rollout(model: FlowModel, cond: Conditioning, sigmas: torch.Tensor, nois
         for i in noisy.nonzero().flatten().tolist():
             first, inverse = distinct_rows(node_ids[i + 1])
             noise[i] = noise[i][first[inverse]]  # one draw per node of level i + 1
-    return _rollout(model, cond, sigmas, std_t, z0, noise, with_reference, chunk_size, node_ids)
+    return _rollout(model, cond, sigmas, std_t, z0, noise, with_reference, chunk_size, node_ids, sde_type)
 
 
 def _rollout(model: FlowModel, cond: Conditioning, sigmas: torch.Tensor, std_t: torch.Tensor, z0: torch.Tensor,
              noise: torch.Tensor, with_reference: bool, chunk_size: int | None,
-             node_ids: torch.Tensor | None) -> Trajectory:
-    """The rollout of ``z0`` through ``sigmas`` given the noise ``noise[i]`` of each step ``i`` (the SDE steps are
-    those with ``std_t > 0``), each step's velocities computed once per node of ``node_ids``, ``chunk_size`` of them
-    per transformer call."""
+             node_ids: torch.Tensor | None, sde_type: str) -> Trajectory:
+    """The rollout of ``z0`` through ``sigmas`` given the noise ``noise[i]`` of each step ``i`` (the stochastic steps
+    of ``sde_type`` are those with ``std_t > 0``), each step's velocities computed once per node of ``node_ids``,
+    ``chunk_size`` of them per transformer call."""
+    step = STEPS[sde_type]
     latents, velocities, log_probs, refs = [z0.float()], [], [], []
     z = z0.float()
     for i in range(len(sigmas) - 1):
@@ -208,13 +178,13 @@ def _rollout(model: FlowModel, cond: Conditioning, sigmas: torch.Tensor, std_t: 
         if with_reference:
             with model.adapters_disabled():
                 refs.append(shared_velocity(model, z, sigmas[i].to(z.device), cond, ids, chunk_size).float())
-        mean = sde_step_mean(z, v, s, s_next, sd)
-        std = step_std(s, s_next, sd)
+        mean = step.mean(z, v, s, s_next, sd)
+        std = step.std(s, s_next, sd)
         z = mean + std * noise[i].to(z.device)
         latents.append(z)
-        log_probs.append(gaussian_log_prob(z, mean, std))
+        log_probs.append(step.log_prob(z, mean, std))
     return Trajectory(torch.stack(latents), torch.stack(velocities), torch.stack(log_probs), sigmas, std_t,
-                      torch.stack(refs) if with_reference else None, node_ids)
+                      torch.stack(refs) if with_reference else None, node_ids, sde_type)
 
 
 @torch.no_grad()

@@ -55,12 +55,12 @@ class AffineJacobianModel(torch.nn.Module):
             self.disabled = False
 
 
-def rollout(model, batch=6, kl=False, seed=0):
+def rollout(model, batch=6, kl=False, seed=0, sde_type="flow_grpo"):
     gen = torch.Generator().manual_seed(seed)
     sigmas = torch.linspace(1, 0, STEPS + 1) ** 1.5
     z0 = torch.randn((batch, *model.latent_shape(0)), generator=gen)
     cond = {"c": torch.zeros(batch, 1)}
-    traj = sde_rollout(model, cond, sigmas, 0.7, z0, gen, with_reference=kl)
+    traj = sde_rollout(model, cond, sigmas, 0.7, z0, gen, with_reference=kl, sde_type=sde_type)
     rewards = torch.randn(batch, generator=gen)
     return traj, cond, group_advantages(rewards, 3, 5.0)
 
@@ -69,21 +69,22 @@ def params_of(model):
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def exact_gradient(model, traj, cond, adv, settings):
-    """Ground truth by plain autograd: d/dtheta sum_j L_j(v_theta(z_j, sigma_j))."""
+def exact_gradient(model, traj, cond, adv, settings, trained=None):
+    """Ground truth by plain autograd: d/dtheta sum_j L_j(v_theta(z_j, sigma_j)) over the ``trained`` first steps
+    (default: all)."""
     for p in params_of(model):
         p.grad = None
     total = sum(step_loss(model.velocity(traj.latents[j], traj.sigmas[j], cond), j, traj, adv, settings,
                           traj.reference_velocity(j) if settings.kl_beta > 0 else None)[0]
-                for j in range(traj.num_steps))
+                for j in range(trained or traj.num_steps))
     total.backward()
     return torch.cat([p.grad.flatten().clone() for p in params_of(model)])
 
 
-def backward_gradient(model, traj, cond, adv, settings, config, on_policy=True):
+def backward_gradient(model, traj, cond, adv, settings, config, on_policy=True, trained=None):
     for p in params_of(model):
         p.grad = None
-    plan = make_plan(config, traj, traj.num_steps, LossSettings(settings.clip_range, settings.kl_beta))
+    plan = make_plan(config, traj, trained or traj.num_steps, LossSettings(settings.clip_range, settings.kl_beta))
     result = run_backward(model, plan, traj, cond, adv, on_policy=on_policy)
     return torch.cat([p.grad.flatten().clone() for p in params_of(model)]), plan, result
 
@@ -102,6 +103,22 @@ def test_jagg_is_exact_when_jacobian_is_affine_in_sigma(window, shared_knots, jo
     config = BackwardConfig(mode="jagg", window=window, shared_knots=shared_knots, joint=joint, velocities=velocities)
     got, plan, _ = backward_gradient(model, traj, cond, adv, SETTINGS, config)
     assert plan.interpolated, "the plan must interpolate some steps for this test to mean anything"
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("sde_type", ["dance_grpo", "cps"])
+@pytest.mark.parametrize("kl_beta", [0.0, 0.3])
+def test_jagg_is_exact_under_every_sde_type_when_the_jacobian_is_affine_in_sigma(sde_type, kl_beta):
+    """JAGG aggregates each step's upstream gradient dL_j/dv_j whatever the step's SDE (DanceGRPO's, CPS's with
+    its log p and the KL's variance): exact in the same case, on the steps that add noise (CPS: all but the last)."""
+    model = AffineJacobianModel()
+    traj, cond, adv = rollout(model, kl=kl_beta > 0, sde_type=sde_type)
+    trained = STEPS - (sde_type == "cps")
+    settings = LossSettings(clip_range=0.2, kl_beta=kl_beta, scale=1.0 / trained)
+    expected = exact_gradient(model, traj, cond, adv, settings, trained)
+    config = BackwardConfig(mode="jagg", window=5, velocities="cached")
+    got, plan, _ = backward_gradient(model, traj, cond, adv, settings, config, trained=trained)
+    assert plan.interpolated and expected.abs().max() > 0
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
 
 

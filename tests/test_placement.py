@@ -113,6 +113,39 @@ def test_a_tree_rollout_trains_end_to_end(tmp_path, offline):
     assert "tree rollouts splitting 2 ways" in str(build_model_card(read_run(tmp_path), "me/tree"))
 
 
+@pytest.mark.parametrize("placement, fraction, draws", [("range", 1.0, {(0, 1, 2, 3, 4)}),
+                                                        ("random", 0.5, {(0, 1, 2), (3, 4)})])
+def test_cps_trains_every_step_but_its_last_which_adds_no_noise(placement, fraction, draws, tmp_path, offline):
+    """sampling.sde_type cps: the last step (sigma' = 0) is the ODE step, so timestep_fraction 1 trains the 5 others
+    of 6, and a random draw takes the blocks of W = 3 that cut those 5; the run trains (with its KL, an audit and
+    the doctor) and its model card names the SDE."""
+    config = tiny_config(sampling__sde_type="cps", sampling__noise_level=0.8, grpo__window_placement=placement,
+                         grpo__timestep_fraction=fraction, grpo__kl_beta=0.1, backward__audit_every=1,
+                         backward__audit_samples=2, train__doctor=True)
+    trainer = Trainer(config, tmp_path)
+    trainer.setup()
+    assert {tuple(trained_steps(trainer.algorithm.trained_spans(k))) for k in range(1, 20)} == draws
+    rollout = trainer.rollout(1)
+    assert (rollout.trajectory.std_t > 0).tolist() == [True] * 5 + [False]
+    trainer.fit()
+    rows = [r for r in RunDirectory(tmp_path).read_metrics() if r["iteration"] > 0]
+    assert len(rows) == 2 and all(r["train/grad_norm"] > 0 and math.isfinite(r["train/grad_norm"]) for r in rows)
+    assert trainer.doctor_report["passed"], trainer.doctor_report
+    assert "CPS SDE noise level 0.8" in str(build_model_card(read_run(tmp_path), "me/cps"))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"sampling__noise_level": 1.5}, "sampling.noise_level 1.5 with sampling.sde_type cps: .* give a in \\(0, 1\\]"),
+    ({"grpo__timestep_fraction": 0.5, "grpo__trained_start": 3},
+     "grpo.trained_start 3 \\+ 3 trained steps exceeds the 5 steps of sampling.num_steps 6 that add noise under "
+     "sampling.sde_type cps")])
+def test_a_cps_setting_it_cannot_train_is_one_line(overrides, message):
+    with pytest.raises(UserError, match=message):
+        tiny_config(sampling__sde_type="cps", **overrides)
+    with pytest.raises(UserError, match="sampling.sde_type cps applies to train.algorithm grpo only"):
+        load_config(preset="shapes-nft", overrides=["sampling.sde_type=cps"])  # its rollouts are ODE
+
+
 @pytest.mark.parametrize("factor, group", [(2, 6), (3, 4), (1, 4), (2, 16)])
 def test_a_branch_factor_that_cannot_split_the_group_is_a_clear_error(factor, group):
     with pytest.raises(UserError, match="grpo.branch_factor"):

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import math
+import typing
 
 import pytest
 import torch
 
+from jagg_core.config import SamplingConfig
 from jagg_core.grpo import LossSettings, group_advantages, step_loss
-from jagg_core.sampler import gaussian_log_prob, ode_sample, sde_rollout, step_noise_std
+from jagg_core.sampler import ode_sample, sde_rollout
+from jagg_core.sde import STEPS, gaussian_log_prob
 
 
 class LinearVelocity:
@@ -44,6 +47,89 @@ def flow_grpo_sde_step(z, v, sigma, sigma_next, sigma_max, noise_level):
     z, v = z.double(), v.double()
     mean = z * (1 + std_dev_t ** 2 / (2 * sigma) * dt) + v * (1 + std_dev_t ** 2 * (1 - sigma) / (2 * sigma)) * dt
     return mean, std_dev_t * math.sqrt(-dt)
+
+
+def flow_cps_step(z, v, sigma, sigma_next, noise_level):
+    """One step written out from Flow-CPS's ``sde_step_with_logprob`` (sde_type='cps'), in float64: ``std_dev_t =
+    sigma_prev sin(a pi / 2)``, ``x0 = z - sigma v``, ``x1 = z + (1 - sigma) v`` and ``mean = x0 (1 - sigma_prev) +
+    x1 sqrt(sigma_prev^2 - std_dev_t^2)``. Returns (mean, std)."""
+    std = sigma_next * math.sin(noise_level * math.pi / 2)
+    z, v = z.double(), v.double()
+    x0, x1 = z - sigma * v, z + (1 - sigma) * v
+    return x0 * (1 - sigma_next) + x1 * math.sqrt(sigma_next ** 2 - std ** 2), std
+
+
+def dance_grpo_sde_step(z, v, sigma, sigma_next, noise_level):
+    """One step written out from DanceGRPO's form, in float64: ``x0 = z - sigma v``, ``mean = z + (v + a^2 (z - (1 -
+    sigma) x0) / (2 sigma^2)) dt`` and the standard deviation ``a sqrt(-dt)``. Returns (mean, std)."""
+    dt = sigma_next - sigma
+    z, v = z.double(), v.double()
+    x0 = z - sigma * v
+    return z + (v + noise_level ** 2 * (z - (1 - sigma) * x0) / (2 * sigma ** 2)) * dt, noise_level * math.sqrt(-dt)
+
+
+@pytest.mark.parametrize("sde_type", ["cps", "dance_grpo"])
+def test_rollout_reproduces_the_cps_and_dance_grpo_steps_and_their_log_probs(sde_type):
+    """As for Flow-GRPO's step: each z_{i+1} is the reference's mean plus std * eps, eps re-drawn from the same
+    generator; CPS's log p is its reference's -mean (z' - mean)^2 and its last step (sigma' = 0) is the ODE step,
+    which draws no noise; DanceGRPO's is the Gaussian density."""
+    gen = torch.Generator().manual_seed(1)
+    sigmas = torch.linspace(1, 0, 6) ** 1.3
+    noise_level = 0.8
+    z0 = torch.randn(4, 2, 8, generator=gen)
+    state = gen.get_state()
+    traj = sde_rollout(NonlinearVelocity(), {}, sigmas, noise_level, z0, gen, sde_type=sde_type)
+    replay = torch.Generator().set_state(state)
+    assert traj.sde_type == sde_type and (traj.std_t[-1] == 0) == (sde_type == "cps")
+    for i in range(5):
+        s, s_next = float(sigmas[i]), float(sigmas[i + 1])
+        z = traj.latents[i].double()
+        v = NonlinearVelocity.field(z, s)
+        if sde_type == "cps" and i == 4:
+            torch.testing.assert_close(traj.latents[5].double(), z + v * (s_next - s), rtol=1e-5, atol=1e-5)
+            assert traj.log_probs[4].abs().max() == 0
+            continue
+        reference = flow_cps_step if sde_type == "cps" else dance_grpo_sde_step
+        mean, std = reference(z, v, s, s_next, noise_level)
+        eps = torch.randn(z.shape, generator=replay, dtype=torch.float32).double()
+        torch.testing.assert_close(traj.latents[i + 1].double(), mean + std * eps, rtol=1e-5, atol=1e-5)
+        assert (mean - (z + v * (s_next - s))).abs().max() > 1e-2  # not the ODE step
+        if sde_type == "cps":
+            expected = -((traj.latents[i + 1].double() - mean) ** 2).flatten(1).mean(1)
+        else:
+            expected = torch.distributions.Normal(mean, std).log_prob(traj.latents[i + 1].double()).flatten(1).mean(1)
+        torch.testing.assert_close(traj.log_probs[i].double(), expected, rtol=1e-5, atol=1e-4)
+    assert torch.equal(replay.get_state(), gen.get_state())  # CPS drew no noise for its last step
+
+
+def test_the_config_offers_every_sde_type_there_is():
+    assert typing.get_args(SamplingConfig.model_fields["sde_type"].annotation) == tuple(STEPS)
+
+
+class DeltaVelocity:
+    """The exact velocity of data that is one point x0: ``v(z, s) = (z - x0) / s``."""
+
+    device = torch.device("cpu")
+    x0 = 0.3
+
+    def velocity(self, z, sigma, cond):
+        return (z - self.x0) / sigma
+
+
+@pytest.mark.parametrize("noise_level", [0.5, 1.0])
+def test_cps_keeps_the_schedules_noise_and_ends_on_the_data_which_flow_grpo_does_not(noise_level):
+    """With the exact velocity, a CPS step keeps ``z_i = (1 - s_i) x0 + s_i eps_i`` with eps_i standard normal, so
+    the rollout ends exactly on the data; Flow-GRPO's SDE step injects noise up to its last step, so its samples
+    keep some."""
+    sigmas = torch.linspace(1, 0, 9)
+    z0 = torch.randn(4096, generator=torch.Generator().manual_seed(0))[:, None].expand(4096, 4).contiguous()
+    cps = sde_rollout(DeltaVelocity(), {}, sigmas, noise_level, z0, torch.Generator().manual_seed(1), sde_type="cps")
+    flow = sde_rollout(DeltaVelocity(), {}, sigmas, noise_level, z0, torch.Generator().manual_seed(1))
+    torch.testing.assert_close(cps.latents[-1], torch.full_like(z0, DeltaVelocity.x0), rtol=0, atol=1e-5)
+    for i in range(1, 8):  # the noise of z_i, whose coefficient the schedule says is s_i
+        eps = (cps.latents[i] - (1 - sigmas[i]) * DeltaVelocity.x0) / sigmas[i]
+        assert abs(float(eps.std()) - 1) < 0.05 and abs(float(eps.mean())) < 0.05, (i, eps.std())
+    assert (flow.latents[-1] - DeltaVelocity.x0).abs().mean() > 0.05
 
 
 def test_log_prob_equals_closed_form_gaussian_density():
@@ -85,18 +171,19 @@ def test_rollout_reproduces_flow_grpo_sde_steps_and_their_log_densities():
 
 def test_noise_std_follows_the_formula_and_avoids_division_by_zero_at_sigma_one():
     sigmas = torch.tensor([1.0, 0.8, 0.5, 0.0])
-    std_t = step_noise_std(sigmas, 0.7)
+    std_t = STEPS["flow_grpo"].noise(sigmas, 0.7)
     assert math.isclose(float(std_t[0]), 0.7 * math.sqrt(1.0 / (1 - 0.8)), rel_tol=1e-6)
     assert math.isclose(float(std_t[2]), 0.7 * math.sqrt(0.5 / 0.5), rel_tol=1e-6)
     assert torch.isfinite(std_t).all()
 
 
-def test_on_policy_ratio_is_exactly_one():
+@pytest.mark.parametrize("sde_type", STEPS)
+def test_on_policy_ratio_is_exactly_one(sde_type):
     gen = torch.Generator().manual_seed(2)
     sigmas = torch.linspace(1, 0, 5)
-    traj = sde_rollout(LinearVelocity(), {}, sigmas, 0.7, torch.randn(4, 8, generator=gen), gen)
+    traj = sde_rollout(LinearVelocity(), {}, sigmas, 0.7, torch.randn(4, 8, generator=gen), gen, sde_type=sde_type)
     adv = group_advantages(torch.tensor([0.1, 0.5, 0.2, 0.9]), 2, 5.0)
-    for i in range(4):
+    for i in range(4 - (sde_type == "cps")):
         _, stats = step_loss(traj.velocities[i], i, traj, adv, LossSettings(clip_range=1e-4, kl_beta=0.0))
         assert stats["ratio"].item() == 1.0 and stats["clip_frac"].item() == 0.0
 
@@ -202,7 +289,7 @@ def test_a_tree_rollout_is_a_rollout_of_its_paths_with_each_node_computed_once()
         assert (latents == latents[:, :, :1]).all(), i  # one latent per node
         assert len(torch.unique(traj.latents[i], dim=0)) == prompts * nodes, i
         assert torch.equal(traj.node_ids[i] // group, torch.arange(prompts).repeat_interleave(group))
-    std_t = step_noise_std(sigmas, 0.9)
+    std_t = STEPS["flow_grpo"].noise(sigmas, 0.9)
     for i in range(8):
         v = model.field(traj.latents[i], sigmas[i]) + cond["c"]
         torch.testing.assert_close(traj.velocities[i], v, rtol=0, atol=1e-6)

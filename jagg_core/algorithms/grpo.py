@@ -51,7 +51,7 @@ class GrpoAlgorithm(Algorithm):
     def trained_spans(self, iteration: int) -> list[range]:
         """The steps iteration ``iteration`` trains (``grpo.window_placement``), the same on every process."""
         cfg = self.config
-        return trained_spans(cfg.sampling.num_steps, cfg.grpo.timestep_fraction, cfg.grpo.window_placement,
+        return trained_spans(cfg.trainable_steps(), cfg.grpo.timestep_fraction, cfg.grpo.window_placement,
                              cfg.grpo.trained_start, cfg.backward.window,
                              seed=iteration_seed(self.ctx.seed, iteration, 0, 2), iteration=iteration,
                              slide_every=cfg.grpo.slide_every)
@@ -68,7 +68,8 @@ class GrpoAlgorithm(Algorithm):
         traj = sde_rollout(model, cond, self.ctx.sigmas, cfg.sampling.noise_level, z0.repeat_interleave(shared, dim=0),
                            generator, with_reference=cfg.grpo.kl_beta > 0 and cfg.grpo.kl_reference == "rollout",
                            sde_steps=trained_steps(spans) if cfg.grpo.ode_after_trained else None,
-                           chunk_size=cfg.sampling.rollout_chunk, group_size=shared, splits=splits)
+                           chunk_size=cfg.sampling.rollout_chunk, group_size=shared, splits=splits,
+                           sde_type=cfg.sampling.sde_type)
         return Sampled(traj.latents[-1], traj, spans)
 
     # ----- backward plan, with the audit -------------------------------------------------

@@ -69,7 +69,7 @@ def bench_iterations(model: str, options: BenchOptions) -> list[dict]:
             "mode": "exact" if backward.mode == "exact" else backward_label(config).split()[0],
             "window": backward.window if backward.mode == "jagg" else 1, "joint": backward.joint,
             "frac": backward.frac, "backward": backward_label(config),
-            "trained_steps": trained_count(config.sampling.num_steps, config.grpo.timestep_fraction),
+            "trained_steps": trained_count(config.trainable_steps(), config.grpo.timestep_fraction),
             "sde_every_step": not config.grpo.ode_after_trained,
             "reference": config.grpo.kl_reference if config.grpo.kl_beta > 0 else None,
             "seconds": iteration_s[name], "rollout_s": min(times[name]["rollout"]),
