@@ -1,5 +1,5 @@
 """Whole trainings, the default against the exact backward, Flow-GRPO's default iteration, tree rollouts and the
-forward-process algorithms (``python -m jagg_core.bench --training [--setups flow_grpo,exact,default,tree,nft,awm]``).
+forward-process algorithms (``python -m jagg_core.bench --training [--setups flow_grpo,exact,default,tree,cps,nft,awm]``).
 
 For every seed, the run config (the default task unless told) is trained to its full length under each setup of
 :func:`comparison_setups` named by ``--setups`` (default ``exact,default``): ``flow_grpo`` (Flow-GRPO's default
@@ -78,7 +78,9 @@ def comparison_setups(config: RunConfig) -> dict[str, list[str]]:
     - ``default``: the config as it is (on the CPU models the project's default task: JAGG, ODE outside the trained
       steps, the reference in the training pass);
     - ``tree``: the config with tree rollouts, ``grpo.branch_factor`` :data:`TREE_BRANCH_FACTOR` (when the group
-      size is a power of it and the trained steps hold the splits)."""
+      size is a power of it and the trained steps hold the splits);
+    - ``cps``: the config with Flow-CPS's coefficients-preserving rollout step at its largest noise
+      (:data:`CPS_NOISE_LEVEL`)."""
     steps = config.sampling.num_steps
     flow_grpo_steps = int(FLOW_GRPO_TIMESTEP_FRACTION * steps)
     setups = {"flow_grpo": [f"sampling.noise_level={FLOW_GRPO_NOISE_LEVEL}", "grpo.ode_after_trained=false",
@@ -86,7 +88,8 @@ def comparison_setups(config: RunConfig) -> dict[str, list[str]]:
                             "grpo.window_placement=range", "grpo.trained_start=0", "grpo.slide_every=0",
                             f"grpo.timestep_fraction={(flow_grpo_steps - 0.5) / steps}", "backward.mode=exact"],
               "exact": ["backward.mode=exact"],
-              "default": []}
+              "default": [],
+              "cps": ["sampling.sde_type=cps", f"sampling.noise_level={CPS_NOISE_LEVEL}"]}
     tree = [f"grpo.branch_factor={TREE_BRANCH_FACTOR}"]
     try:
         with_overrides(config, tree)
@@ -97,6 +100,9 @@ def comparison_setups(config: RunConfig) -> dict[str, list[str]]:
 
 #: the branch factor of the ``tree`` setup (BranchGRPO's)
 TREE_BRANCH_FACTOR = 2
+#: the noise level a of the ``cps`` setup: its step's noise s' sin(a pi / 2) is largest at a = 1 (std s': each step
+#: keeps none of the noise it predicts and draws it afresh)
+CPS_NOISE_LEVEL = 1.0
 
 #: the forward-process setups: each one is its preset for the default task (the algorithm with its settings, learning
 #: rate, groups and length), on the bench's model
@@ -108,7 +114,7 @@ UNTIMED_CHECKS_OFF = ["train.doctor=false", "eval.judges=[]"]
 
 #: the setups' names in tables and plots
 SETUP_LABELS = {"flow_grpo": "Flow-GRPO default", "exact": "exact, same rollout", "default": "default",
-                "tree": "default, tree rollout", "nft": "DiffusionNFT", "awm": "AWM"}
+                "tree": "default, tree rollout", "cps": "default, CPS rollout", "nft": "DiffusionNFT", "awm": "AWM"}
 
 
 def setup_configs(base: RunConfig, names, overrides=()) -> dict[str, RunConfig]:
