@@ -25,6 +25,7 @@ import math
 
 import torch
 
+
 def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: float) -> torch.Tensor:
     """Per-sample Gaussian log-density of ``x`` averaged over elements, fp32:
     ``mean_k[ -(x_k - mu_k)^2 / (2 std^2) - log std - log sqrt(2 pi) ]``."""
