@@ -14,9 +14,14 @@ from .variants import BenchOptions, bench_config
 from .workload import base_params_m
 
 
+#: the setups of :func:`~jagg_core.bench.training.comparison_setups` timed here: the ones whose iteration does other
+#: work (``cps`` changes a step's arithmetic, not its passes, so it costs the default's iteration)
+ITERATION_SETUPS = ("flow_grpo", "exact", "default", "tree")
+
+
 def bench_iterations(model: str, options: BenchOptions) -> list[dict]:
     """Short trainings of ``model``'s bench config (:func:`bench_config`) under each of
-    :func:`~jagg_core.bench.training.comparison_setups`,
+    :func:`~jagg_core.bench.training.comparison_setups` in :data:`ITERATION_SETUPS`,
     alternating iteration by iteration, per seed.
 
     One row per setup: per-iteration seconds over every iteration but the first (the warm-up, unless
@@ -29,7 +34,8 @@ def bench_iterations(model: str, options: BenchOptions) -> list[dict]:
     of the training and is timed apart, so its row also has the seconds of one audit (``audit_s``, the minimum),
     their ratio to the iteration's (``audit_ratio``) and the mean audited cosine (``audit_cosine``).
     """
-    setups = comparison_setups(bench_config(model, options.overrides))
+    setups = {name: changes for name, changes in comparison_setups(bench_config(model, options.overrides)).items()
+              if name in ITERATION_SETUPS}
     times = {name: {"rollout": [], "train": [], "audit": []} for name in setups}
     cosines = {name: [] for name in setups}
     curves = {name: {} for name in setups}
