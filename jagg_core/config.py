@@ -176,6 +176,17 @@ class GrpoConfig(_Section):
                                        "a rollout batch holds prompts_per_iteration x num_generations images")
     clip_range: float = Field(1e-4, gt=0.0, description="PPO ratio clip eps: the ratio exp(logp - logp_old) is "
                               "clipped to [1 - eps, 1 + eps]")
+    policy_loss: Literal["clip", "guard", "dppo"] = Field(
+        "clip", description="the policy loss of a step (jagg_core/grpo.py has the formulas): clip = PPO's ratio clip "
+        "(Flow-GRPO); guard = GRPO-Guard's: the ratio normalized to centre on 1 at every step (RatioNorm), clipped, "
+        "and each step's loss weighted 1 / (num_steps |dt|); dppo = DPPO's trust region: no clip, and a sample's step "
+        "is dropped when its KL to the rollout's step exceeds grpo.kl_mask_threshold and its update widens the gap. "
+        "The first optimizer step on a rollout batch is on-policy, where nothing is clipped or dropped: clip and dppo "
+        "differ from the second on (grpo.inner_epochs >= 2)")
+    kl_mask_threshold: float = Field(1e-6, gt=0.0, description="policy_loss dppo: the per-step KL to the rollout's "
+                                     "step, mean_k (mean_theta - mean_old)^2 / (2 std^2) over the latent's elements, "
+                                     "from which a gap-widening sample is dropped (Flow-Factory's default; on the "
+                                     "default task the median KL of a second optimizer step)")
     adv_clip: float = Field(5.0, gt=0.0, description="advantages (r - mean_group) / (std + 1e-4) are clamped to "
                             "[-adv_clip, adv_clip]")
     group_by: Literal["draw", "prompt"] = Field("draw", description="the group an advantage is relative to: draw = "
@@ -487,6 +498,10 @@ class RunConfig(_Section):
         if self.sampling.sde_type == "cps" and self.sampling.noise_level > 1:
             raise ValueError(f"sampling.noise_level {self.sampling.noise_level:g} with sampling.sde_type cps: its "
                              "noise s' sin(a pi / 2) is largest at a = 1; give a in (0, 1]")
+        if self.grpo.policy_loss == "guard" and self.sampling.sde_type == "cps":
+            raise ValueError("grpo.policy_loss guard weights each step by 1 / |dt|, which balances Flow-GRPO's and "
+                             "DanceGRPO's steps (their mean moves with dt), not CPS's: set sampling.sde_type "
+                             "flow_grpo or dance_grpo, or policy_loss clip or dppo")
         if self.grpo.slide_every and self.grpo.window_placement != "range":
             raise ValueError("grpo.slide_every moves a range placement: set grpo.window_placement range or "
                              "slide_every 0")
@@ -566,7 +581,8 @@ class RunConfig(_Section):
 #: the config keys (a section stands for all of its keys) that only one algorithm reads; every other key applies to
 #: all of them
 ALGORITHM_KEYS: dict[str, list[str]] = {
-    "grpo": ["backward", "sampling.noise_level", "sampling.sde_type", "grpo.clip_range", "grpo.kl_beta", "grpo.kl_reference",
+    "grpo": ["backward", "sampling.noise_level", "sampling.sde_type", "grpo.clip_range",
+             "grpo.policy_loss", "grpo.kl_mask_threshold", "grpo.kl_beta", "grpo.kl_reference",
              "grpo.kl_form", "grpo.timestep_fraction", "grpo.window_placement", "grpo.trained_start",
              "grpo.slide_every", "grpo.shared_prefix", "grpo.branch_factor", "grpo.ode_after_trained",
              "grpo.inner_epochs"],

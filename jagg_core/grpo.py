@@ -1,4 +1,5 @@
-"""GRPO: per-prompt group advantages and the per-step PPO-clip loss with an optional KL term.
+"""GRPO: per-prompt group advantages and the per-step policy loss (PPO's clip, GRPO-Guard's or DPPO's) with an
+optional KL term.
 
 Samples are ordered prompt-major: samples ``p*G .. p*G + G - 1`` share prompt ``p`` (G = group size).
 """
@@ -38,6 +39,8 @@ class LossSettings:
     kl_beta: float
     scale: float = 1.0   # multiplies every step loss: see loss_scale
     kl_form: str = "step"  # grpo.kl_form: see step_loss
+    policy_loss: str = "clip"  # grpo.policy_loss: see step_loss
+    kl_mask_threshold: float = 0.0  # grpo.kl_mask_threshold (policy_loss dppo): see step_loss
 
 
 def loss_scale(micro_batch: int, batch: int, trained_steps: int) -> float:
@@ -54,32 +57,61 @@ def loss_scale(micro_batch: int, batch: int, trained_steps: int) -> float:
 def step_loss(v: torch.Tensor, step: int, batch: Trajectory, advantages: torch.Tensor, settings: LossSettings,
               v_ref: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss of step ``i`` as a function of the velocity ``v`` used there, with the base model's velocity ``v_ref``
-    there (needed when ``settings.kl_beta > 0``)::
+    there (needed when ``settings.kl_beta > 0``): the policy loss of ``settings.policy_loss`` plus ``beta * KL_i``,
+    multiplied by ``settings.scale``. The step's mean and log p are those of the trajectory's ``sde_type``
+    (:mod:`jagg_core.sde`); ``mean_old`` is the mean under the rollout's velocity (``batch.velocities``), ``std`` the
+    step's transition std and ``mean_k`` a mean over the latent's elements::
 
         ratio = exp(log p_theta(z_{i+1} | z_i) - log p_old)
-        L_i   = mean_samples max(-A ratio, -A clip(ratio, 1 - eps, 1 + eps)) + beta * KL_i
 
-    multiplied by ``settings.scale``, with the step's mean and log p of the trajectory's ``sde_type``
-    (:mod:`jagg_core.sde`) and the KL to the base model's step in one of two forms (``settings.kl_form``),
-    ``mean_k`` over the latent's elements::
+        clip   (PPO, Flow-GRPO)  L_i = mean_samples max(-A ratio, -A clip(ratio, 1 - eps, 1 + eps))
+        guard  (GRPO-Guard, arXiv 2510.22319)  the same with the normalized ratio (RatioNorm)
+                   ratio~ = exp(mean_k (mean_theta - mean_old)_k (z_{i+1} - mean_old)_k / std),
+               which is std log ratio + mean_k (mean_theta - mean_old)^2 / (2 std) for a Gaussian step: centred on
+               1 at every step (the plain ratio's log has the negative mean -mean_k (mean_theta - mean_old)^2 /
+               (2 std^2), so a positive-advantage sample seldom reaches 1 + eps) and of a spread that does not grow
+               as std shrinks; and the step's loss weighted 1 / (N |dt|) (N = the schedule's steps, so 1 on a
+               uniform schedule): the gradient reweighting that gives every noise level an equal share
+        dppo   (DPPO's divergence trust region)  no clip; a sample's step whose
+                   KL_old = mean_k (mean_theta - mean_old)^2 / (2 std^2)      (the exact Gaussian KL to the rollout's)
+               is at least eps_KL = ``settings.kl_mask_threshold`` and whose update widens the gap (ratio > 1 with
+               A > 0, ratio < 1 with A < 0) is dropped:
+                   L_i = mean_samples -A ratio [not (KL_old >= eps_KL and widening)]
+               (a mean over all samples, as PPO's clip zeroes a clipped sample's gradient without a new mean)
+
+    On-policy (the first optimizer step on a rollout batch) ``mean_theta = mean_old``: both ratios are 1, nothing is
+    clipped or dropped, and guard differs from clip only in each step's weight (std / (N |dt|) times clip's
+    gradient). The KL to the base model's step takes one of two forms (``settings.kl_form``)::
 
         step:      KL_i = mean_samples mean_k (mean_theta - mean_ref)^2 / (2 std^2)
                    the Gaussian KL of the step's transition, whose std is std_t sqrt(|dt|) (cps: std_t)
         flow_grpo: KL_i = mean_samples mean_k (mean_theta - mean_ref)^2 / (2 std_t^2)
                    Flow-GRPO's, |dt| times the step form: on a 10-40 step schedule 15-100x smaller (cps: the same)
 
-    Returns the scalar loss and detached statistics.
+    Returns the scalar loss and detached statistics (``clip_frac``: the fraction of samples clipped, or dropped by
+    dppo).
     """
     s, s_next, sd = float(batch.sigmas[step]), float(batch.sigmas[step + 1]), float(batch.std_t[step])
     z, z_next = batch.latents[step], batch.latents[step + 1]
     sde = STEPS[batch.sde_type]
     mean = sde.mean(z, v, s, s_next, sd)
     std = sde.std(s, s_next, sd)
-    log_prob = sde.log_prob(z_next, mean, std)
-    ratio = torch.exp(log_prob - batch.log_probs[step].to(log_prob.device))
-    adv = advantages.to(ratio.device)
-    clipped = torch.clamp(ratio, 1 - settings.clip_range, 1 + settings.clip_range)
-    policy_loss = torch.maximum(-adv * ratio, -adv * clipped).mean()
+    adv = advantages.to(mean.device)
+    if settings.policy_loss == "clip":
+        ratio = torch.exp(sde.log_prob(z_next, mean, std) - batch.log_probs[step].to(mean.device))
+        policy_loss, stopped = _clipped(ratio, adv, settings.clip_range)
+    else:
+        old_mean = sde.mean(z, batch.velocities[step].to(mean.device), s, s_next, sd)
+        gap = (mean - old_mean).flatten(1)
+        if settings.policy_loss == "guard":
+            ratio = torch.exp((gap * (z_next.float() - old_mean).flatten(1)).mean(dim=1) / std)
+            policy_loss, stopped = _clipped(ratio, adv, settings.clip_range)
+            policy_loss = policy_loss / ((len(batch.sigmas) - 1) * (s - s_next))
+        else:
+            ratio = torch.exp(sde.log_prob(z_next, mean, std) - batch.log_probs[step].to(mean.device))
+            kl_old = (gap ** 2).mean(dim=1) / (2 * std ** 2)
+            stopped = (kl_old >= settings.kl_mask_threshold) & (((ratio > 1) & (adv > 0)) | ((ratio < 1) & (adv < 0)))
+            policy_loss = (-adv * ratio * (~stopped)).mean()
     loss = policy_loss
     kl = torch.zeros((), device=v.device)
     if settings.kl_beta > 0:
@@ -88,5 +120,12 @@ def step_loss(v: torch.Tensor, step: int, batch: Trajectory, advantages: torch.T
         kl = (((mean - ref_mean) ** 2).flatten(1).mean(dim=1) / (2 * variance)).mean()
         loss = loss + settings.kl_beta * kl
     stats = {"kl": kl.detach(), "ratio": ratio.detach().mean(), "ratio_dev": (ratio.detach() - 1).abs().max(),
-             "clip_frac": ((ratio - 1).abs() > settings.clip_range).float().mean().detach()}
+             "clip_frac": stopped.float().mean().detach()}
     return loss * settings.scale, stats
+
+
+def _clipped(ratio: torch.Tensor, adv: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's ``mean_samples max(-A ratio, -A clip(ratio, 1 - eps, 1 + eps))`` and which samples lie outside the
+    clip range."""
+    clipped = torch.clamp(ratio, 1 - eps, 1 + eps)
+    return torch.maximum(-adv * ratio, -adv * clipped).mean(), (ratio - 1).abs() > eps

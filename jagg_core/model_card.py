@@ -237,7 +237,11 @@ def _algorithm_lines(config: dict, snap: RunSnapshot) -> str:
                          f"JAGG fraction {backward.get('frac')}){_audit_words(snap.metrics)}")
     else:
         backward_text = "exact per-step backward"
-    return (f"- **GRPO:** {groups}, clip range {grpo.get('clip_range')}, KL beta {grpo.get('kl_beta')}{tree}\n"
+    policy = {"guard": f"GRPO-Guard's normalized ratio, clip range {grpo.get('clip_range')}",
+              "dppo": f"DPPO's trust region, KL threshold {grpo.get('kl_mask_threshold')}"}.get(
+        grpo.get("policy_loss"), f"clip range {grpo.get('clip_range')}")
+    steps = f", {grpo['inner_epochs']} optimizer steps per rollout" if grpo.get("inner_epochs", 1) > 1 else ""
+    return (f"- **GRPO:** {groups}, {policy}, KL beta {grpo.get('kl_beta')}{steps}{tree}\n"
             f"- **Backward:** {backward_text}")
 
 

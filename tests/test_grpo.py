@@ -1,12 +1,19 @@
-"""The GRPO step loss's KL forms and the advantage options, against their formulas."""
+"""The GRPO step loss's policy losses and KL forms and the advantage options, against their formulas."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
 from jagg_core.grpo import LossSettings, step_loss
+from jagg_core.model_card import build_model_card, read_run
+from jagg_core.rundir import RunDirectory
 from jagg_core.sampler import sde_rollout
+from jagg_core.trainer import Trainer
+
+from conftest import tiny_config
 
 
 class Shifted(torch.nn.Module):
@@ -63,3 +70,104 @@ def test_advantage_options_equal_their_formulas():
     global_std = group_advantages(rewards, 2, 10.0, global_std=True)
     means = torch.tensor([2.0, 2.0, 2.0, 2.0, 4.0, 4.0])
     torch.testing.assert_close(global_std, (rewards - means) / (rewards.std(unbiased=False) + 1e-4))
+
+
+def _shifted_rollout(sde_type="flow_grpo", batch=6):
+    """A rollout of ``v = -z + 0.3`` and its advantages (three of each sign)."""
+    gen = torch.Generator().manual_seed(1)
+    sigmas = torch.linspace(1, 0, 6) ** 1.3
+    traj = sde_rollout(Shifted(), {}, sigmas, 0.8, torch.randn(batch, 16, generator=gen), gen, sde_type=sde_type)
+    return traj, torch.tensor([1.5, -0.5, 0.7, -1.2, 0.2, -2.0])[:batch]
+
+
+@pytest.mark.parametrize("sde_type", ["flow_grpo", "dance_grpo"])
+def test_the_guard_ratio_is_the_normalized_log_ratio_and_each_step_is_weighted_by_one_over_n_dt(sde_type):
+    """GRPO-Guard's ratio is exp(std log r + mean_k (mean_theta - mean_old)^2 / (2 std)) (its RatioNorm, written from
+    the plain log ratio the rollout recorded), clipped as PPO's, and the step's loss is weighted 1 / (N |dt|)."""
+    traj, adv = _shifted_rollout(sde_type)
+    eps, n = 0.05, len(traj.sigmas) - 1
+    guard = LossSettings(clip_range=eps, kl_beta=0.0, policy_loss="guard")
+    for i in range(n):
+        v = traj.velocities[i] + 0.02 * torch.randn(traj.velocities[i].shape, generator=torch.Generator().manual_seed(i))
+        s, s_next, std_t = float(traj.sigmas[i]), float(traj.sigmas[i + 1]), float(traj.std_t[i])
+        std = std_t * (s - s_next) ** 0.5
+        mean = traj.latents[i] + (v + std_t ** 2 / (2 * s) * (traj.latents[i] + (1 - s) * v)) * (s_next - s)
+        old = traj.latents[i] + (traj.velocities[i] + std_t ** 2 / (2 * s) * (traj.latents[i] + (1 - s) *
+                                                                              traj.velocities[i])) * (s_next - s)
+        log_p = (-((traj.latents[i + 1] - mean) ** 2) / (2 * std ** 2)).mean(dim=1) - torch.log(torch.tensor(std)) \
+            - 0.5 * torch.log(torch.tensor(2 * torch.pi))
+        ratio = torch.exp(std * (log_p - traj.log_probs[i]) + ((mean - old) ** 2).mean(dim=1) / (2 * std))
+        expected = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - eps, 1 + eps)).mean() / (n * (s - s_next))
+        loss, stats = step_loss(v, i, traj, adv, guard)
+        assert float(loss) == pytest.approx(float(expected), rel=1e-4, abs=1e-7)
+        assert float(stats["ratio"]) == pytest.approx(float(ratio.mean()), rel=1e-5)
+        on_policy, _ = step_loss(traj.velocities[i], i, traj, adv, guard)
+        assert float(on_policy) == pytest.approx(float(-adv.mean()) / (n * (s - s_next)), rel=1e-5)
+
+
+def test_dppo_drops_exactly_the_samples_past_the_kl_threshold_whose_update_widens_the_gap():
+    """DPPO: KL_old = mean_k (mean_theta - mean_old)^2 / (2 std^2) per sample; a sample with KL_old >= the threshold
+    and ratio > 1 with A > 0 (or ratio < 1 with A < 0) adds nothing to the loss or its gradient, every other one adds
+    -A ratio / B; with a threshold above every KL it is the plain policy gradient."""
+    traj, adv = _shifted_rollout()
+    i = 1
+    s, s_next, std_t = float(traj.sigmas[i]), float(traj.sigmas[i + 1]), float(traj.std_t[i])
+    std = std_t * (s - s_next) ** 0.5
+    slope = (1 + std_t ** 2 * (1 - s) / (2 * s)) * (s_next - s)  # d mean / d v
+    old_mean = traj.latents[i] + (traj.velocities[i] + std_t ** 2 / (2 * s) * (traj.latents[i] + (1 - s) *
+                                                                              traj.velocities[i])) * (s_next - s)
+    # sample b's mean moved a fraction c_b of the way to z_{i+1}: its ratio > 1, its KL grows with c_b
+    gap = torch.tensor([0.0, 0.01, 0.02, 0.04, 0.06, 0.08])[:, None] * (traj.latents[i + 1] - old_mean)
+    v = (traj.velocities[i] + gap / slope).requires_grad_(True)
+    kl_old = (gap ** 2).mean(dim=1) / (2 * std ** 2)
+    threshold = float(kl_old.sort().values[3])  # samples at or above the fourth-smallest KL are past it
+    plain = LossSettings(clip_range=1.0, kl_beta=0.0, policy_loss="dppo", kl_mask_threshold=1e9)
+    loss, _ = step_loss(v, i, traj, adv, plain)
+    (per_sample,) = torch.autograd.grad(loss, v)
+    dppo = LossSettings(clip_range=1.0, kl_beta=0.0, policy_loss="dppo", kl_mask_threshold=threshold)
+    masked_loss, stats = step_loss(v, i, traj, adv, dppo)
+    (masked_grad,) = torch.autograd.grad(masked_loss, v)
+    with torch.no_grad():
+        ratios = []
+        for b in range(6):
+            single, _ = step_loss(v[b:b + 1], i, traj.select(slice(b, b + 1)), torch.ones(1), plain)
+            ratios.append(-float(single))
+        ratio = torch.tensor(ratios)
+    widening = ((ratio > 1) & (adv > 0)) | ((ratio < 1) & (adv < 0))
+    dropped = (kl_old >= threshold) & widening
+    assert (ratio[1:] > 1).all()  # the moved samples' ratios: the gap widens where A > 0; the KL is past from b = 3
+    assert dropped.tolist() == [False, False, False, False, True, False]
+    assert float(masked_loss.detach()) == pytest.approx(float((-adv * ratio * ~dropped).mean()), rel=1e-5)
+    assert float(stats["clip_frac"]) == pytest.approx(float(dropped.float().mean()))
+    assert masked_grad[dropped].abs().max() == 0
+    torch.testing.assert_close(masked_grad[~dropped], per_sample[~dropped])
+
+
+def test_on_policy_dppo_and_clip_give_the_same_gradient():
+    """On-policy the ratio is 1 and KL_old 0: nothing is clipped or dropped, so dppo's gradient is clip's."""
+    traj, adv = _shifted_rollout()
+    grads = []
+    for settings in (LossSettings(clip_range=1e-4, kl_beta=0.0),
+                     LossSettings(clip_range=1e-4, kl_beta=0.0, policy_loss="dppo", kl_mask_threshold=1e-12)):
+        v = traj.velocities[2].clone().requires_grad_(True)
+        loss, stats = step_loss(v, 2, traj, adv, settings)
+        grads.append(torch.autograd.grad(loss, v)[0])
+        assert float(stats["clip_frac"]) == 0
+    assert grads[0].abs().max() > 0
+    torch.testing.assert_close(grads[1], grads[0])
+
+
+@pytest.mark.parametrize("policy_loss, words", [("guard", "GRPO-Guard's normalized ratio, clip range 0.0001"),
+                                                ("dppo", "DPPO's trust region, KL threshold 1e-12")])
+def test_a_run_trains_with_guard_and_dppo_over_two_optimizer_steps_a_rollout(policy_loss, words, tmp_path, offline):
+    """Each policy loss trains end to end with two optimizer steps on each rollout batch (the second off-policy, where
+    DPPO's threshold, set below every KL here, drops the gap-widening samples) and the model card names it."""
+    config = tiny_config(grpo__policy_loss=policy_loss, grpo__inner_epochs=2, grpo__kl_mask_threshold=1e-12)
+    trainer = Trainer(config, tmp_path)
+    trainer.setup()
+    trainer.fit()
+    rows = [r for r in RunDirectory(tmp_path).read_metrics() if r["iteration"] > 0]
+    assert len(rows) == 2 and all(r["train/grad_norm"] > 0 and math.isfinite(r["train/grad_norm"]) for r in rows)
+    if policy_loss == "dppo":  # the mean over both optimizer steps: half of them on-policy, where none is dropped
+        assert all(0 < r["train/clip_frac"] < 0.5 for r in rows)
+    assert f"{words}, KL beta 0.0, 2 optimizer steps per rollout" in str(build_model_card(read_run(tmp_path), "me/x"))

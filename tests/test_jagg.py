@@ -84,7 +84,7 @@ def exact_gradient(model, traj, cond, adv, settings, trained=None):
 def backward_gradient(model, traj, cond, adv, settings, config, on_policy=True, trained=None):
     for p in params_of(model):
         p.grad = None
-    plan = make_plan(config, traj, trained or traj.num_steps, LossSettings(settings.clip_range, settings.kl_beta))
+    plan = make_plan(config, traj, trained or traj.num_steps, replace(settings, scale=1.0))
     result = run_backward(model, plan, traj, cond, adv, on_policy=on_policy)
     return torch.cat([p.grad.flatten().clone() for p in params_of(model)]), plan, result
 
@@ -119,6 +119,26 @@ def test_jagg_is_exact_under_every_sde_type_when_the_jacobian_is_affine_in_sigma
     config = BackwardConfig(mode="jagg", window=5, velocities="cached")
     got, plan, _ = backward_gradient(model, traj, cond, adv, settings, config, trained=trained)
     assert plan.interpolated and expected.abs().max() > 0
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("policy_loss", ["guard", "dppo"])
+@pytest.mark.parametrize("velocities", ["cached", "forward"])
+def test_jagg_is_exact_under_guard_and_dppo_off_policy_when_the_jacobian_is_affine_in_sigma(policy_loss, velocities):
+    """GRPO-Guard's normalized ratio and step weights and DPPO's KL mask are functions of each step's velocity, so
+    JAGG aggregates their upstream gradients like clip's: exact in the same case, off-policy (a later optimizer step
+    on the batch, where the ratio has moved and some samples are clipped or dropped)."""
+    model = AffineJacobianModel()
+    traj, cond, adv = rollout(model)
+    with torch.no_grad():  # the policy has moved since the rollout
+        model.A.add_(0.02 * torch.randn(12, generator=torch.Generator().manual_seed(5)))
+        model.B.sub_(0.03)
+    settings = LossSettings(clip_range=1e-3, kl_beta=0.0, scale=1.0 / STEPS, policy_loss=policy_loss,
+                            kl_mask_threshold=1e-4)
+    expected = exact_gradient(model, traj, cond, adv, settings)
+    got, plan, result = backward_gradient(model, traj, cond, adv, settings,
+                                          BackwardConfig(mode="jagg", window=5, velocities=velocities), on_policy=False)
+    assert plan.interpolated and 0 < result.clip_frac < 1, "some steps must be clipped or dropped, not all"
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
 
 

@@ -138,7 +138,9 @@ def test_cps_trains_every_step_but_its_last_which_adds_no_noise(placement, fract
     ({"sampling__noise_level": 1.5}, "sampling.noise_level 1.5 with sampling.sde_type cps: .* give a in \\(0, 1\\]"),
     ({"grpo__timestep_fraction": 0.5, "grpo__trained_start": 3},
      "grpo.trained_start 3 \\+ 3 trained steps exceeds the 5 steps of sampling.num_steps 6 that add noise under "
-     "sampling.sde_type cps")])
+     "sampling.sde_type cps"),
+    ({"grpo__policy_loss": "guard"}, "grpo.policy_loss guard weights each step by 1 / \\|dt\\|, .* set "
+     "sampling.sde_type flow_grpo or dance_grpo, or policy_loss clip or dppo")])
 def test_a_cps_setting_it_cannot_train_is_one_line(overrides, message):
     with pytest.raises(UserError, match=message):
         tiny_config(sampling__sde_type="cps", **overrides)

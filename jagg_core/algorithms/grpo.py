@@ -1,12 +1,12 @@
 """GRPO (Flow-GRPO) with the exact or the JAGG backward: the product's default algorithm (``train.algorithm: grpo``).
 
 Rollout: the SDE sampler (:func:`~jagg_core.sampler.sde_rollout`) over the trained steps of
-:mod:`jagg_core.placement`, optionally with a shared prefix or a tree. Loss: the per-step PPO-clip loss with its
-KL term (:func:`~jagg_core.grpo.step_loss`). Backward: :func:`~jagg_core.jagg.run_backward` following one
-:class:`~jagg_core.jagg.BackwardPlan` per rollout batch; every ``backward.audit_every`` iterations the plan's
-fidelity audit (:mod:`jagg_core.audit`) is measured first, inside :meth:`GrpoAlgorithm.plan`, and under
-``backward.route_by: audit`` the plan is routed by it. ``grpo.inner_epochs`` optimizer steps per batch, the first
-on-policy.
+:mod:`jagg_core.placement`, optionally with a shared prefix or a tree. Loss: the per-step policy loss (PPO's clip,
+GRPO-Guard's or DPPO's, ``grpo.policy_loss``) with its KL term (:func:`~jagg_core.grpo.step_loss`). Backward:
+:func:`~jagg_core.jagg.run_backward` following one :class:`~jagg_core.jagg.BackwardPlan` per rollout batch; every
+``backward.audit_every`` iterations the plan's fidelity audit (:mod:`jagg_core.audit`) is measured first, inside
+:meth:`GrpoAlgorithm.plan`, and under ``backward.route_by: audit`` the plan is routed by it. ``grpo.inner_epochs``
+optimizer steps per batch, the first on-policy.
 """
 
 from __future__ import annotations
@@ -95,7 +95,8 @@ class GrpoAlgorithm(Algorithm):
         """The backward plan of the trained steps ``spans`` of one rollout batch under ``backward``, with this run's
         loss settings; routed the same on every process when the transformer is sharded."""
         grpo = self.config.grpo
-        loss = LossSettings(grpo.clip_range, grpo.kl_beta, kl_form=grpo.kl_form)
+        loss = LossSettings(grpo.clip_range, grpo.kl_beta, kl_form=grpo.kl_form, policy_loss=grpo.policy_loss,
+                            kl_mask_threshold=grpo.kl_mask_threshold)
         return self._agreed(make_plan(backward, traj, spans, loss, agree=self._agree, audited=self.audited_cosines))
 
     @property

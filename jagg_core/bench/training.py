@@ -1,5 +1,6 @@
 """Whole trainings, the default against the exact backward, Flow-GRPO's default iteration, tree rollouts and the
-forward-process algorithms (``python -m jagg_core.bench --training [--setups flow_grpo,exact,default,tree,cps,nft,awm]``).
+policy losses and the forward-process algorithms
+(``python -m jagg_core.bench --training [--setups flow_grpo,exact,default,tree,cps,guard,reuse,dppo,nft,awm]``).
 
 For every seed, the run config (the default task unless told) is trained to its full length under each setup of
 :func:`comparison_setups` named by ``--setups`` (default ``exact,default``): ``flow_grpo`` (Flow-GRPO's default
@@ -80,7 +81,10 @@ def comparison_setups(config: RunConfig) -> dict[str, list[str]]:
     - ``tree``: the config with tree rollouts, ``grpo.branch_factor`` :data:`TREE_BRANCH_FACTOR` (when the group
       size is a power of it and the trained steps hold the splits);
     - ``cps``: the config with Flow-CPS's coefficients-preserving rollout step at its largest noise
-      (:data:`CPS_NOISE_LEVEL`)."""
+      (:data:`CPS_NOISE_LEVEL`);
+    - ``guard``: the config with GRPO-Guard's policy loss;
+    - ``reuse``: the config with two optimizer steps on each rollout batch (``grpo.inner_epochs: 2``, PPO's clip);
+    - ``dppo``: ``reuse`` with DPPO's trust region in place of the clip."""
     steps = config.sampling.num_steps
     flow_grpo_steps = int(FLOW_GRPO_TIMESTEP_FRACTION * steps)
     setups = {"flow_grpo": [f"sampling.noise_level={FLOW_GRPO_NOISE_LEVEL}", "grpo.ode_after_trained=false",
@@ -89,7 +93,10 @@ def comparison_setups(config: RunConfig) -> dict[str, list[str]]:
                             f"grpo.timestep_fraction={(flow_grpo_steps - 0.5) / steps}", "backward.mode=exact"],
               "exact": ["backward.mode=exact"],
               "default": [],
-              "cps": ["sampling.sde_type=cps", f"sampling.noise_level={CPS_NOISE_LEVEL}"]}
+              "cps": ["sampling.sde_type=cps", f"sampling.noise_level={CPS_NOISE_LEVEL}"],
+              "guard": ["grpo.policy_loss=guard"],
+              "reuse": ["grpo.inner_epochs=2"],
+              "dppo": ["grpo.inner_epochs=2", "grpo.policy_loss=dppo"]}
     tree = [f"grpo.branch_factor={TREE_BRANCH_FACTOR}"]
     try:
         with_overrides(config, tree)
@@ -114,7 +121,9 @@ UNTIMED_CHECKS_OFF = ["train.doctor=false", "eval.judges=[]"]
 
 #: the setups' names in tables and plots
 SETUP_LABELS = {"flow_grpo": "Flow-GRPO default", "exact": "exact, same rollout", "default": "default",
-                "tree": "default, tree rollout", "cps": "default, CPS rollout", "nft": "DiffusionNFT", "awm": "AWM"}
+                "tree": "default, tree rollout", "cps": "default, CPS rollout", "guard": "default, GRPO-Guard",
+                "reuse": "default, 2 steps a rollout", "dppo": "default, 2 steps a rollout, DPPO",
+                "nft": "DiffusionNFT", "awm": "AWM"}
 
 
 def setup_configs(base: RunConfig, names, overrides=()) -> dict[str, RunConfig]:
