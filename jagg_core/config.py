@@ -502,6 +502,10 @@ class RunConfig(_Section):
             raise ValueError("grpo.policy_loss guard weights each step by 1 / |dt|, which balances Flow-GRPO's and "
                              "DanceGRPO's steps (their mean moves with dt), not CPS's: set sampling.sde_type "
                              "flow_grpo or dance_grpo, or policy_loss clip or dppo")
+        if self.grpo.policy_loss == "dppo" and self.grpo.inner_epochs == 1:
+            raise ValueError("grpo.policy_loss dppo drops samples from the second optimizer step on a rollout batch "
+                             "(the first is on-policy, where nothing moved): set grpo.inner_epochs 2 or more, or "
+                             "policy_loss clip")
         if self.grpo.slide_every and self.grpo.window_placement != "range":
             raise ValueError("grpo.slide_every moves a range placement: set grpo.window_placement range or "
                              "slide_every 0")

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from jagg_core.errors import UserError
 from jagg_core.grpo import LossSettings, step_loss
 from jagg_core.model_card import build_model_card, read_run
 from jagg_core.rundir import RunDirectory
@@ -171,3 +172,10 @@ def test_a_run_trains_with_guard_and_dppo_over_two_optimizer_steps_a_rollout(pol
     if policy_loss == "dppo":  # the mean over both optimizer steps: half of them on-policy, where none is dropped
         assert all(0 < r["train/clip_frac"] < 0.5 for r in rows)
     assert f"{words}, KL beta 0.0, 2 optimizer steps per rollout" in str(build_model_card(read_run(tmp_path), "me/x"))
+
+
+def test_dppo_with_one_optimizer_step_a_rollout_is_refused_in_one_line():
+    """With one optimizer step per rollout batch every step is on-policy, so DPPO would never drop anything."""
+    with pytest.raises(UserError, match="grpo.policy_loss dppo drops samples from the second optimizer step .* set "
+                                        "grpo.inner_epochs 2 or more, or policy_loss clip"):
+        tiny_config(grpo__policy_loss="dppo")
