@@ -167,7 +167,7 @@ class SamplingConfig(_Section):
 
 
 class GrpoConfig(_Section):
-    """GRPO: groups of samples per prompt, group-normalized advantages, the per-step PPO-clip loss and its KL term
+    """GRPO: groups of samples per prompt, group-normalized advantages, the per-step policy loss and its KL term
     (the groups and their advantages, num_generations to global_std, also serve nft and awm)."""
 
     num_generations: int = Field(4, ge=2, description="group size G: images sampled per prompt; each image's "
