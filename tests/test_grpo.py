@@ -179,3 +179,14 @@ def test_dppo_with_one_optimizer_step_a_rollout_is_refused_in_one_line():
     with pytest.raises(UserError, match="grpo.policy_loss dppo drops samples from the second optimizer step .* set "
                                         "grpo.inner_epochs 2 or more, or policy_loss clip"):
         tiny_config(grpo__policy_loss="dppo")
+
+
+def test_the_benchs_policy_loss_setups_change_only_the_loss_and_the_optimizer_steps():
+    from jagg_core.bench.training import setup_configs
+
+    configs = setup_configs(tiny_config(), ["default", "guard", "reuse", "dppo"])
+    default = configs["default"].grpo
+    assert configs["guard"].grpo == default.model_copy(update={"policy_loss": "guard"})
+    assert configs["reuse"].grpo == default.model_copy(update={"inner_epochs": 2})
+    assert configs["dppo"].grpo == default.model_copy(update={"inner_epochs": 2, "policy_loss": "dppo"})
+    assert all(config.model_copy(update={"grpo": default}) == configs["default"] for config in configs.values())
