@@ -97,21 +97,20 @@ def step_loss(v: torch.Tensor, step: int, batch: Trajectory, advantages: torch.T
     mean = sde.mean(z, v, s, s_next, sd)
     std = sde.std(s, s_next, sd)
     adv = advantages.to(mean.device)
-    if settings.policy_loss == "clip":
-        ratio = torch.exp(sde.log_prob(z_next, mean, std) - batch.log_probs[step].to(mean.device))
-        policy_loss, stopped = _clipped(ratio, adv, settings.clip_range)
+    old_mean = None if settings.policy_loss == "clip" else sde.mean(z, batch.velocities[step].to(mean.device),
+                                                                    s, s_next, sd)
+    if settings.policy_loss == "guard":
+        ratio = torch.exp(((mean - old_mean).flatten(1) * (z_next.float() - old_mean).flatten(1)).mean(dim=1) / std)
     else:
-        old_mean = sde.mean(z, batch.velocities[step].to(mean.device), s, s_next, sd)
-        gap = (mean - old_mean).flatten(1)
-        if settings.policy_loss == "guard":
-            ratio = torch.exp((gap * (z_next.float() - old_mean).flatten(1)).mean(dim=1) / std)
-            policy_loss, stopped = _clipped(ratio, adv, settings.clip_range)
-            policy_loss = policy_loss / ((len(batch.sigmas) - 1) * (s - s_next))
-        else:
-            ratio = torch.exp(sde.log_prob(z_next, mean, std) - batch.log_probs[step].to(mean.device))
-            kl_old = (gap ** 2).mean(dim=1) / (2 * std ** 2)
-            stopped = (kl_old >= settings.kl_mask_threshold) & (((ratio > 1) & (adv > 0)) | ((ratio < 1) & (adv < 0)))
-            policy_loss = (-adv * ratio * (~stopped)).mean()
+        ratio = torch.exp(sde.log_prob(z_next, mean, std) - batch.log_probs[step].to(mean.device))
+    if settings.policy_loss == "dppo":
+        kl_old = ((mean - old_mean) ** 2).flatten(1).mean(dim=1) / (2 * std ** 2)
+        stopped = (kl_old >= settings.kl_mask_threshold) & (((ratio > 1) & (adv > 0)) | ((ratio < 1) & (adv < 0)))
+        policy_loss = (-adv * ratio * (~stopped)).mean()
+    else:
+        policy_loss, stopped = _clipped(ratio, adv, settings.clip_range)
+    if settings.policy_loss == "guard":
+        policy_loss = policy_loss / ((len(batch.sigmas) - 1) * (s - s_next))
     loss = policy_loss
     kl = torch.zeros((), device=v.device)
     if settings.kl_beta > 0:
