@@ -73,6 +73,24 @@ def test_a_journal_keeps_every_finished_run_and_a_second_bench_trains_only_what_
     changed = with_overrides(config, ["train.learning_rate=0.002"])  # another config is trained anew
     training.training_rows(changed, seeds=(0,), setups=("default",), journal=journal)
     assert trained[-1] == ("default-0", 0) and len(trained) == 5
+    assert "Every run with" not in training.format_training(rows)
+
+
+def test_the_benchs_overrides_are_kept_in_its_rows_and_named_under_its_table(monkeypatch, offline):
+    from jagg_core.bench import training
+
+    monkeypatch.setattr(training, "train_once", lambda config, run_dir: {
+        "gain": config.grpo.timestep_fraction, "minutes": 1.0, "train_minutes": 0.5, "gain_per_minute": 0.01,
+        "curve": [[0.0, 0.5], [60.0, 0.5 + config.grpo.timestep_fraction]]})
+    overrides = ["grpo.timestep_fraction=0.9", "sampling.noise_level=0.7"]
+    rows = training.training_rows(tiny_config(train__iterations=1), seeds=(0,), setups=("exact", "default"),
+                                  overrides=overrides)
+    assert [row["overrides"] for row in rows] == [overrides, overrides]
+    assert [row["gain"] for row in rows] == [pytest.approx(0.9)] * 2  # the runs trained with them
+    assert training.format_training(rows).endswith(
+        "\nEvery run with `--set grpo.timestep_fraction=0.9` `--set sampling.noise_level=0.7`.\n")
+    assert training.shared_overrides([rows[0], {**rows[1], "overrides": overrides[:1]}]) == \
+        "`--set grpo.timestep_fraction=0.9`"
 
 
 def _training_row(setup: str, curves: dict[str, list], minutes: float, measured: str | None = None) -> dict:

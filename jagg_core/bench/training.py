@@ -199,7 +199,8 @@ def training_rows(base: RunConfig, seeds=SEEDS, setups=("exact", "default"), jou
         config = configs[name]
         row = {"section": "training", "model": base.model.name, "setup": name,
                "backward": backward_label(config), "iterations": config.train.iterations,
-               "seeds": list(seeds), "runs": {str(seed): run for seed, run in by_seed.items()}}
+               "seeds": list(seeds), "runs": {str(seed): run for seed, run in by_seed.items()},
+               "overrides": list(overrides)}
         for key in ("gain", "minutes", "train_minutes", "gain_per_minute"):
             values = [run[key] for run in by_seed.values()]
             row[key] = statistics.mean(values)
@@ -274,7 +275,15 @@ def format_training(rows: list[dict]) -> str:
               spread(r, "train_minutes", ".2f"), spread(r, "gain_per_minute", "+.4f"),
               *([f"{r['gain_per_minute'] / flow_grpo:.1f}x"] if flow_grpo is not None else []),
               *([to_target(r), mean_to_target(r)] if target is not None else [])] for r in rows]
-    return markdown_table(header, lines) + "\n"
+    shared = shared_overrides(rows)
+    return markdown_table(header, lines) + "\n" + (f"\nEvery run with {shared}.\n" if shared else "")
+
+
+def shared_overrides(rows: list[dict]) -> str:
+    """The bench's ``--set`` overrides that every row was trained with (a row from before they were recorded has
+    none), as ``--set KEY=VALUE ...``; empty when there are none."""
+    common = set.intersection(*(set(row.get("overrides", ())) for row in rows)) if rows else set()
+    return " ".join(f"`--set {override}`" for override in rows[0]["overrides"] if override in common) if common else ""
 
 
 def plot_training(rows: list[dict], path: str | Path) -> None:
@@ -283,5 +292,7 @@ def plot_training(rows: list[dict], path: str | Path) -> None:
                {seed: run["curve"] for seed, run in r["runs"].items()}) for r in rows]
     lengths = {r["iterations"] for r in rows}
     length = f"{lengths.pop()} iterations" if len(lengths) == 1 else "each at its full length"
-    plot_curves(series, f"{rows[0]['model']}: held-out reward vs wall-clock ({length})",
+    shared = shared_overrides(rows).replace("`", "")
+    plot_curves(series, f"{rows[0]['model']}: held-out reward vs wall-clock ({length})"
+                + (f"\n{shared}" if shared else ""),
                 "cumulative seconds (rollout + train + eval)", "held-out eval reward", path)
