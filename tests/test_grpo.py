@@ -190,3 +190,17 @@ def test_the_benchs_policy_loss_setups_change_only_the_loss_and_the_optimizer_st
     assert configs["reuse"].grpo == default.model_copy(update={"inner_epochs": 2})
     assert configs["dppo"].grpo == default.model_copy(update={"inner_epochs": 2, "policy_loss": "dppo"})
     assert all(config.model_copy(update={"grpo": default}) == configs["default"] for config in configs.values())
+
+
+def test_a_composed_bench_setup_makes_the_changes_of_each_part():
+    from jagg_core.bench.training import setup_configs, setup_label
+
+    configs = setup_configs(tiny_config(grpo__num_generations=4), ["tree", "guard+tree", "tree+dppo"])
+    assert configs["guard+tree"].grpo == configs["tree"].grpo.model_copy(update={"policy_loss": "guard"})
+    assert configs["tree+dppo"].grpo == configs["tree"].grpo.model_copy(update={"inner_epochs": 2,
+                                                                                 "policy_loss": "dppo"})
+    assert configs["guard+tree"].model_copy(update={"grpo": configs["tree"].grpo}) == configs["tree"]
+    assert setup_label("guard+tree") == "default, GRPO-Guard, tree rollout"
+    assert setup_label("flow_grpo+guard") == "Flow-GRPO default, GRPO-Guard"
+    with pytest.raises(UserError, match="setup tree does not apply to this task"):  # a group of 3 cannot split
+        setup_configs(tiny_config(grpo__num_generations=3), ["guard+tree"])

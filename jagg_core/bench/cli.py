@@ -20,7 +20,7 @@ from .iterations import bench_iterations
 from .memory import memory_worker
 from .rows import ROW_KEYS, bench_train_phase
 from .tables import write_outputs
-from .training import (SETUP_LABELS, comparison_setups, format_training, plot_training, training_rows,
+from .training import (SETUP_LABELS, comparison_setups, format_training, is_setup, plot_training, training_rows,
                        with_earlier)
 from .variants import EMBEDDED_MODEL, BenchOptions, bench_config, default_models
 
@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> None:
                         "backward, reference in the rollout; tree: the default with tree rollouts; cps: the default "
                         "with Flow-CPS rollout steps; guard: the default with GRPO-Guard's loss; reuse: 2 optimizer steps a rollout; "
                         "dppo: reuse with DPPO's trust region; nft, awm: "
-                        "DiffusionNFT and AWM as the shapes-nft and shapes-awm presets); default exact,default")
+                        "DiffusionNFT and AWM as the shapes-nft and shapes-awm presets; a+b: the changes of both, "
+                        "e.g. guard+tree); default exact,default")
     parser.add_argument("--journal", metavar="FILE", help="with --training: append each finished run to FILE and reuse "
                         "the runs already there (same setup, seed and config), so a stopped bench goes on where it was")
     parser.add_argument("--earlier", metavar="JSON", help="with --training: also the rows of this earlier --json "
@@ -112,9 +113,10 @@ def run_training(args: argparse.Namespace) -> None:
     and printed."""
     model = args.models.split(",")[0] if args.models else EMBEDDED_MODEL
     setups = [name.strip() for name in args.setups.split(",") if name.strip()]
-    unknown = [name for name in setups if name not in SETUP_LABELS]
+    unknown = [name for name in setups if not is_setup(name)]
     if unknown or not setups:
-        raise UserError(f"--setups {args.setups}: choose from {', '.join(SETUP_LABELS)}")
+        raise UserError(f"--setups {args.setups}: choose from {', '.join(SETUP_LABELS)}, or join GRPO setups with + "
+                        "(guard+tree)")
     earlier = read_earlier_rows(args.earlier) if args.earlier else None
     journal = Path(args.journal) if args.journal else None
     if journal:

@@ -126,21 +126,39 @@ SETUP_LABELS = {"flow_grpo": "Flow-GRPO default", "exact": "exact, same rollout"
                 "nft": "DiffusionNFT", "awm": "AWM"}
 
 
+def setup_label(name: str) -> str:
+    """The setup's name in tables and plots; a composed setup ``a+b`` (:func:`setup_configs`) names the first part
+    and then the others' changes: ``guard+tree`` is "default, GRPO-Guard, tree rollout"."""
+    first, *rest = (SETUP_LABELS[part] for part in name.split("+"))
+    return ", ".join([first, *(label.removeprefix("default, ") for label in rest if label != "default")])
+
+
+def is_setup(name: str) -> bool:
+    """A setup's name: one of :data:`SETUP_LABELS`, or comparison setups joined by ``+``."""
+    parts = name.split("+")
+    return all(part in SETUP_LABELS for part in parts) and (len(parts) == 1 or
+                                                             not any(part in ALGORITHM_PRESETS for part in parts))
+
+
 def setup_configs(base: RunConfig, names, overrides=()) -> dict[str, RunConfig]:
-    """The config of each setup named: :func:`comparison_setups`' changes to ``base`` (the fidelity audit off), or
-    the preset of :data:`ALGORITHM_PRESETS` on ``base``'s model; the bench's ``overrides`` (``--set``) go into
-    each, after ``base`` or the preset (so a key of one algorithm can be set when only its setup is trained);
+    """The config of each setup named: :func:`comparison_setups`' changes to ``base`` (the fidelity audit off; a
+    composed setup ``a+b`` makes the changes of ``a``, then those of ``b``), or the preset of
+    :data:`ALGORITHM_PRESETS` on ``base``'s model; the bench's ``overrides`` (``--set``) go into each, after
+    ``base`` or the preset (so a key of one algorithm can be set when only its setup is trained);
     :data:`UNTIMED_CHECKS_OFF` in all."""
     if any(name not in ALGORITHM_PRESETS for name in names):
         base = with_overrides(base, list(overrides))
     changes = comparison_setups(base)
-    missing = [name for name in names if name not in changes and name not in ALGORITHM_PRESETS]
+    missing = [part for name in names if name not in ALGORITHM_PRESETS for part in name.split("+")
+               if part not in changes]
     if missing:
         raise UserError(f"setup {', '.join(missing)} does not apply to this task (tree: grpo.num_generations must be "
                         f"a power of {TREE_BRANCH_FACTOR}); choose from {', '.join([*changes, *ALGORITHM_PRESETS])}")
     configs = {name: load_config(preset=ALGORITHM_PRESETS[name],
                                  overrides=[f"model.name={base.model.name}", *overrides])
-               if name in ALGORITHM_PRESETS else with_overrides(base, [*changes[name], "backward.audit_every=0"])
+               if name in ALGORITHM_PRESETS else
+               with_overrides(base, [*(change for part in name.split("+") for change in changes[part]),
+                                     "backward.audit_every=0"])
                for name in names}
     return {name: with_overrides(config, UNTIMED_CHECKS_OFF) for name, config in configs.items()}
 
@@ -270,7 +288,7 @@ def format_training(rows: list[dict]) -> str:
         header.append("gain per minute vs Flow-GRPO's")
     if target is not None:
         header += [f"minutes to the default's final reward ({target:.3f})", "the seeds' mean curve reaches it at"]
-    lines = [[r["model"], SETUP_LABELS[r["setup"]], r["backward"], str(r["iterations"]),
+    lines = [[r["model"], setup_label(r["setup"]), r["backward"], str(r["iterations"]),
               str(len(r["seeds"])), spread(r, "gain", "+.4f"), spread(r, "minutes", ".2f"),
               spread(r, "train_minutes", ".2f"), spread(r, "gain_per_minute", "+.4f"),
               *([f"{r['gain_per_minute'] / flow_grpo:.1f}x"] if flow_grpo is not None else []),
@@ -288,7 +306,7 @@ def shared_overrides(rows: list[dict]) -> str:
 
 def plot_training(rows: list[dict], path: str | Path) -> None:
     """Held-out reward against wall-clock seconds of every run."""
-    series = [(f"{SETUP_LABELS[r['setup']]} ({r['backward']})",
+    series = [(f"{setup_label(r['setup'])} ({r['backward']})",
                {seed: run["curve"] for seed, run in r["runs"].items()}) for r in rows]
     lengths = {r["iterations"] for r in rows}
     length = f"{lengths.pop()} iterations" if len(lengths) == 1 else "each at its full length"
