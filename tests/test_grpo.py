@@ -89,7 +89,8 @@ def test_the_guard_ratio_is_the_normalized_log_ratio_and_each_step_is_weighted_b
     eps, n = 0.05, len(traj.sigmas) - 1
     guard = LossSettings(clip_range=eps, kl_beta=0.0, policy_loss="guard")
     for i in range(n):
-        v = traj.velocities[i] + 0.02 * torch.randn(traj.velocities[i].shape, generator=torch.Generator().manual_seed(i))
+        noise = torch.randn(traj.velocities[i].shape, generator=torch.Generator().manual_seed(i))
+        v = traj.velocities[i] + 0.02 * noise
         s, s_next, std_t = float(traj.sigmas[i]), float(traj.sigmas[i + 1]), float(traj.std_t[i])
         std = std_t * (s - s_next) ** 0.5
         mean = traj.latents[i] + (v + std_t ** 2 / (2 * s) * (traj.latents[i] + (1 - s) * v)) * (s_next - s)

@@ -67,10 +67,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--setups", default="exact,default", help="with --training: the setups trained, of "
                         f"{','.join(SETUP_LABELS)} (flow_grpo: Flow-GRPO's default iteration, every step SDE, exact "
                         "backward, reference in the rollout; tree: the default with tree rollouts; cps: the default "
-                        "with Flow-CPS rollout steps; guard: the default with GRPO-Guard's loss; reuse: 2 optimizer steps a rollout; "
-                        "dppo: reuse with DPPO's trust region; nft, awm: "
-                        "DiffusionNFT and AWM as the shapes-nft and shapes-awm presets; a+b: the changes of both, "
-                        "e.g. guard+tree); default exact,default")
+                        "with Flow-CPS rollout steps; guard: the default with GRPO-Guard's loss; reuse: 2 optimizer "
+                        "steps a rollout; dppo: reuse with DPPO's trust region; nft, awm: DiffusionNFT and AWM as the "
+                        "shapes-nft and shapes-awm presets; a+b: the changes of both, e.g. guard+tree); default "
+                        "exact,default")
     parser.add_argument("--journal", metavar="FILE", help="with --training: append each finished run to FILE and reuse "
                         "the runs already there (same setup, seed and config), so a stopped bench goes on where it was")
     parser.add_argument("--earlier", metavar="JSON", help="with --training: also the rows of this earlier --json "
