@@ -90,7 +90,7 @@ def test_the_benchs_overrides_are_kept_in_its_rows_and_named_under_its_table(mon
     assert training.format_training(rows).endswith(
         "\nEvery run with `--set grpo.timestep_fraction=0.9` `--set sampling.noise_level=0.7`.\n")
     assert training.shared_overrides([rows[0], {**rows[1], "overrides": overrides[:1]}]) == \
-        "`--set grpo.timestep_fraction=0.9`"
+        ["grpo.timestep_fraction=0.9"]
 
 
 def _training_row(setup: str, curves: dict[str, list], minutes: float, measured: str | None = None) -> dict:

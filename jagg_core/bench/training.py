@@ -293,15 +293,15 @@ def format_training(rows: list[dict]) -> str:
               spread(r, "train_minutes", ".2f"), spread(r, "gain_per_minute", "+.4f"),
               *([f"{r['gain_per_minute'] / flow_grpo:.1f}x"] if flow_grpo is not None else []),
               *([to_target(r), mean_to_target(r)] if target is not None else [])] for r in rows]
-    shared = shared_overrides(rows)
+    shared = " ".join(f"`--set {override}`" for override in shared_overrides(rows))
     return markdown_table(header, lines) + "\n" + (f"\nEvery run with {shared}.\n" if shared else "")
 
 
-def shared_overrides(rows: list[dict]) -> str:
-    """The bench's ``--set`` overrides that every row was trained with (a row from before they were recorded has
-    none), as ``--set KEY=VALUE ...``; empty when there are none."""
+def shared_overrides(rows: list[dict]) -> list[str]:
+    """The bench's ``--set`` overrides (``KEY=VALUE``, in the bench's order) that every row was trained with; a row
+    from before they were recorded has none."""
     common = set.intersection(*(set(row.get("overrides", ())) for row in rows)) if rows else set()
-    return " ".join(f"`--set {override}`" for override in rows[0]["overrides"] if override in common) if common else ""
+    return [override for override in rows[0]["overrides"] if override in common] if common else []
 
 
 def plot_training(rows: list[dict], path: str | Path) -> None:
@@ -310,7 +310,7 @@ def plot_training(rows: list[dict], path: str | Path) -> None:
                {seed: run["curve"] for seed, run in r["runs"].items()}) for r in rows]
     lengths = {r["iterations"] for r in rows}
     length = f"{lengths.pop()} iterations" if len(lengths) == 1 else "each at its full length"
-    shared = shared_overrides(rows).replace("`", "")
+    shared = " ".join(f"--set {override}" for override in shared_overrides(rows))
     plot_curves(series, f"{rows[0]['model']}: held-out reward vs wall-clock ({length})"
                 + (f"\n{shared}" if shared else ""),
                 "cumulative seconds (rollout + train + eval)", "held-out eval reward", path)
