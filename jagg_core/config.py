@@ -188,7 +188,7 @@ class GrpoConfig(_Section):
     kl_mask_threshold: float = Field(1e-6, gt=0.0, description="policy_loss dppo: the per-step KL to the rollout's "
                                      "step, mean_k (mean_theta - mean_old)^2 / (2 std^2) over the latent's elements, "
                                      "from which a gap-widening sample is dropped (Flow-Factory's default; on the "
-                                     "default task near the median KL of a second optimizer step)")
+                                     "default task 22% of a second optimizer step's sample steps reach it)")
     adv_clip: float = Field(5.0, gt=0.0, description="advantages (r - mean_group) / (std + 1e-4) are clamped to "
                             "[-adv_clip, adv_clip]")
     group_by: Literal["draw", "prompt"] = Field("draw", description="the group an advantage is relative to: draw = "
