@@ -506,13 +506,18 @@ class Trainer:
                 raise AlarmStop(self.alarm_stop or "the reward-hacking alarm fired on the main process")
             if iteration == last < total:
                 self._end_doctor_only(iteration)
-                return
-        identical = self._adapters_identical_across_processes()
-        if self.is_main:
-            self.run.write_status("finished", iteration=total, message=f"finished {total} iterations",
-                                  processes=self.accelerator.num_processes, adapters_identical=identical,
-                                  **({"sharding": self.sharding.record} if self.sharding.enabled else {}))
-            self._log(f"finished: adapter at {self.run.lora_file}")
+                break
+        else:
+            identical = self._adapters_identical_across_processes()
+            if self.is_main:
+                self.run.write_status("finished", iteration=total, message=f"finished {total} iterations",
+                                      processes=self.accelerator.num_processes, adapters_identical=identical,
+                                      **({"sharding": self.sharding.record} if self.sharding.enabled else {}))
+                self._log(f"finished: adapter at {self.run.lora_file}")
+        # Every process waits here for the others (and, on gloo, for its own collectives still in flight) before
+        # :meth:`close` tears the process group down: a process destroying it while another still writes its status
+        # or finishes a collective can abort at exit ("terminate called without an active exception").
+        self.accelerator.wait_for_everyone()
 
     def close(self) -> None:
         """Finish the experiment trackers (flushes their files)."""
