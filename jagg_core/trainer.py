@@ -520,7 +520,7 @@ class Trainer:
         self.accelerator.wait_for_everyone()
 
     def close(self) -> None:
-        """Finish the experiment trackers (flushes their files)."""
+        """Finish the experiment trackers (flushes their files) and destroy the process group of several processes."""
         self.accelerator.end_training()
 
     def _end_doctor_only(self, iteration: int) -> None:
