@@ -183,8 +183,8 @@ class GrpoConfig(_Section):
         "is dropped when its KL to the rollout's step exceeds grpo.kl_mask_threshold and its update widens the gap. "
         "The first optimizer step on a rollout batch is on-policy, where nothing is clipped or dropped: clip and dppo "
         "differ from the second on (grpo.inner_epochs >= 2). A per-task choice: on the default task guard gains 1.2x "
-        "the clip's held-out reward per minute (2.3x with 9 of its 10 steps trained), but 0.8x on JPEG "
-        "incompressibility and less than the clip with tree rollouts (README, The policy loss)")
+        "the clip's held-out reward per minute (2.3x with 9 of its 10 steps trained), but 0.8x and 0.9x on JPEG "
+        "incompressibility and compressibility, and less than the clip with tree rollouts (README, The policy loss)")
     kl_mask_threshold: float = Field(1e-6, gt=0.0, description="policy_loss dppo: the per-step KL to the rollout's "
                                      "step, mean_k (mean_theta - mean_old)^2 / (2 std^2) over the latent's elements, "
                                      "from which a gap-widening sample is dropped (Flow-Factory's default; on the "
