@@ -52,6 +52,23 @@ def test_training_comparison_reports_gain_time_and_spread(tmp_path, offline):
     assert (tmp_path / "training.png").stat().st_size > 0
 
 
+def test_the_default_task_with_its_tree_rollouts_is_compared_with_flat_rollouts():
+    """The default preset has tree rollouts, so the bench offers ``flat`` (every sample its own path) beside it and
+    refuses ``tree``, which would train the default again."""
+    from jagg_core.bench.training import comparison_setups, setup_configs, setup_label
+    from jagg_core.config import load_config
+
+    default = load_config(preset="shapes")
+    assert default.grpo.branch_factor == 2
+    setups = comparison_setups(default)
+    assert "tree" not in setups and setups["flat"] == ["grpo.branch_factor=0"]
+    configs = setup_configs(default, ["default", "flat", "guard+flat"])
+    assert [configs[name].grpo.branch_factor for name in configs] == [2, 0, 0]
+    assert setup_label("guard+flat") == "default, GRPO-Guard, flat rollout"
+    with pytest.raises(UserError, match="setup tree does not apply to this task .*flat: the config has tree"):
+        setup_configs(default, ["tree"])
+
+
 def test_a_journal_keeps_every_finished_run_and_a_second_bench_trains_only_what_is_missing(tmp_path, monkeypatch,
                                                                                            offline):
     from jagg_core.bench import training

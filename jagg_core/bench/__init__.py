@@ -3,7 +3,7 @@
     python -m jagg_core.bench [--quick] [--json OUT.json] [--table OUT.md] [--plot OUT.png] [--models A,B]
     python -m jagg_core.bench --arch NAME --random-weights [--layers N] [--resolution R] [--quantize nf4|int8]
     python -m jagg_core.bench --fidelity ROLLOUTS ...     (adds section 5)
-    python -m jagg_core.bench --training [--setups flow_grpo,exact,default,tree] [--models M] [--json|--table|--plot OUT]
+    python -m jagg_core.bench --training [--setups flow_grpo,exact,default,flat] [--models M] [--json|--table|--plot OUT]
 
 Every comparison runs in one process on the same model, the same rollout batch and the same seeds,
 through the project's own code: :class:`~jagg_core.trainer.Trainer` (set-up, rollout, iterations),
@@ -23,8 +23,8 @@ through the project's own code: :class:`~jagg_core.trainer.Trainer` (set-up, rol
    while there is none) and ``bench-sd3-31m``, a DiT large enough to be compute-bound on a CPU.
 3. **Whole iterations** (rollout + train) of short trainings on each model, alternating
    iteration by iteration, for each seed: Flow-GRPO's default (every step SDE, exact backward, reference in the
-   rollout), the exact backward with the default's rollout, the default, and the default with tree rollouts
-   (:func:`~jagg_core.bench.training.comparison_setups`); reward
+   rollout), the exact backward with the default's rollout, the default, and the default with tree rollouts or,
+   when it has them (the default task), without (:func:`~jagg_core.bench.training.comparison_setups`); reward
    against wall-clock goes to ``--plot``. The default's training is audited at every iteration
    (``backward.audit_every``), timed apart: the cost of one audit against an iteration's.
 4. **Routing**: the linearity score of every window (``linearity`` in each row) and rows with

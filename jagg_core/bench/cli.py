@@ -16,7 +16,7 @@ from ..errors import UserError, exit_on_user_error
 from ..quiet import quiet_libraries
 from .archs import ARCH_RESOLUTION, arch_model, arch_options, arch_overrides
 from .fidelity import fidelity_rows
-from .iterations import bench_iterations
+from .iterations import ITERATION_SETUPS, bench_iterations
 from .memory import memory_worker
 from .rows import ROW_KEYS, bench_train_phase
 from .tables import write_outputs
@@ -38,7 +38,7 @@ def run_bench(options: BenchOptions, threads: int = 2, log=print) -> list[dict]:
         for model in options.models:
             setups = comparison_setups(bench_config(model, options.overrides))
             log(f"[bench] {model}: {options.iterations} iterations x {len(options.seeds)} seeds, whole iterations: "
-                + ", ".join(SETUP_LABELS[name] for name in setups))
+                + ", ".join(SETUP_LABELS[name] for name in setups if name in ITERATION_SETUPS))
             rows += bench_iterations(model, options)
     if options.fidelity_rollouts:
         log(f"[bench] {options.models[0]}: fidelity along the trajectory, {options.fidelity_rollouts} rollouts")
@@ -66,10 +66,11 @@ def main(argv: list[str] | None = None) -> None:
                         "held-out gain, wall clock and gain per minute with their spread (jagg_core.bench.training)")
     parser.add_argument("--setups", default="exact,default", help="with --training: the setups trained, of "
                         f"{','.join(SETUP_LABELS)} (flow_grpo: Flow-GRPO's default iteration, every step SDE, exact "
-                        "backward, reference in the rollout; tree: the default with tree rollouts; cps: the default "
+                        "backward, reference in the rollout; tree, flat: the default with tree rollouts, or without "
+                        "its own (the default task's); cps: the default "
                         "with Flow-CPS rollout steps; guard: the default with GRPO-Guard's loss; reuse: 2 optimizer "
                         "steps a rollout; dppo: reuse with DPPO's trust region; nft, awm: DiffusionNFT and AWM as the "
-                        "shapes-nft and shapes-awm presets; a+b: the changes of both, e.g. guard+tree); default "
+                        "shapes-nft and shapes-awm presets; a+b: the changes of both, e.g. guard+flat); default "
                         "exact,default")
     parser.add_argument("--journal", metavar="FILE", help="with --training: append each finished run to FILE and reuse "
                         "the runs already there (same setup, seed and config), so a stopped bench goes on where it was")
@@ -116,7 +117,7 @@ def run_training(args: argparse.Namespace) -> None:
     unknown = [name for name in setups if not is_setup(name)]
     if unknown or not setups:
         raise UserError(f"--setups {args.setups}: choose from {', '.join(SETUP_LABELS)}, or join GRPO setups with + "
-                        "(guard+tree)")
+                        "(guard+flat)")
     earlier = read_earlier_rows(args.earlier) if args.earlier else None
     journal = Path(args.journal) if args.journal else None
     if journal:

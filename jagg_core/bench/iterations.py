@@ -17,7 +17,7 @@ from .workload import base_params_m
 #: the setups of :func:`~jagg_core.bench.training.comparison_setups` timed here: the ones whose iteration does other
 #: work (``cps`` and ``guard`` change a step's arithmetic, not its passes, so they cost the default's iteration;
 #: ``reuse`` and ``dppo`` repeat the default's train phase)
-ITERATION_SETUPS = ("flow_grpo", "exact", "default", "tree")
+ITERATION_SETUPS = ("flow_grpo", "exact", "default", "tree", "flat")
 
 
 def bench_iterations(model: str, options: BenchOptions) -> list[dict]:

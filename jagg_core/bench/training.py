@@ -1,11 +1,11 @@
-"""Whole trainings, the default against the exact backward, Flow-GRPO's default iteration, tree rollouts and the
-policy losses and the forward-process algorithms
-(``python -m jagg_core.bench --training [--setups flow_grpo,exact,default,tree,cps,guard,reuse,dppo,nft,awm]``).
+"""Whole trainings, the default against the exact backward, Flow-GRPO's default iteration, tree or flat rollouts,
+the policy losses and the forward-process algorithms
+(``python -m jagg_core.bench --training [--setups flow_grpo,exact,default,flat,cps,guard,reuse,dppo,nft,awm]``).
 
 For every seed, the run config (the default task unless told) is trained to its full length under each setup of
 :func:`comparison_setups` named by ``--setups`` (default ``exact,default``): ``flow_grpo`` (Flow-GRPO's default
-iteration), ``exact`` (the config with ``backward.mode: exact``), ``default`` (the config as it is), ``tree`` (the
-config with tree rollouts), ``nft`` and ``awm`` (DiffusionNFT and AWM as their presets for the default task set
+iteration), ``exact`` (the config with ``backward.mode: exact``), ``default`` (the config as it is), ``tree`` or ``flat``
+(the config with or without tree rollouts), ``nft`` and ``awm`` (DiffusionNFT and AWM as their presets for the default task set
 them, :data:`ALGORITHM_PRESETS`), same seed (so the same prompts at every iteration until the adapters part), through
 :meth:`~jagg_core.trainer.Trainer.fit`. The fidelity audit is off in all (it is timed apart anyway), and so are the
 doctor and the judges (:data:`UNTIMED_CHECKS_OFF`). Per run::
@@ -78,8 +78,10 @@ def comparison_setups(config: RunConfig) -> dict[str, list[str]]:
     - ``exact``: the config's own rollout settings with the exact backward;
     - ``default``: the config as it is (on the CPU models the project's default task: JAGG, ODE outside the trained
       steps, the reference in the training pass);
-    - ``tree``: the config with tree rollouts, ``grpo.branch_factor`` :data:`TREE_BRANCH_FACTOR` (when the group
-      size is a power of it and the trained steps hold the splits);
+    - ``tree``: the config with tree rollouts, ``grpo.branch_factor`` :data:`TREE_BRANCH_FACTOR` (when the config
+      has none, the group size is a power of it and the trained steps hold the splits);
+    - ``flat``: the config without its tree rollouts (when it has them: the default task's), every sample its own
+      path;
     - ``cps``: the config with Flow-CPS's coefficients-preserving rollout step at its largest noise
       (:data:`CPS_NOISE_LEVEL`);
     - ``guard``: the config with GRPO-Guard's policy loss;
@@ -97,6 +99,8 @@ def comparison_setups(config: RunConfig) -> dict[str, list[str]]:
               "guard": ["grpo.policy_loss=guard"],
               "reuse": ["grpo.inner_epochs=2"],
               "dppo": ["grpo.inner_epochs=2", "grpo.policy_loss=dppo"]}
+    if config.grpo.branch_factor:
+        return {**setups, "flat": ["grpo.branch_factor=0"]}
     tree = [f"grpo.branch_factor={TREE_BRANCH_FACTOR}"]
     try:
         with_overrides(config, tree)
@@ -121,7 +125,7 @@ UNTIMED_CHECKS_OFF = ["train.doctor=false", "eval.judges=[]"]
 
 #: the setups' names in tables and plots
 SETUP_LABELS = {"flow_grpo": "Flow-GRPO default", "exact": "exact, same rollout", "default": "default",
-                "tree": "default, tree rollout", "cps": "default, CPS rollout", "guard": "default, GRPO-Guard",
+                "tree": "default, tree rollout", "flat": "default, flat rollout", "cps": "default, CPS rollout", "guard": "default, GRPO-Guard",
                 "reuse": "default, 2 steps a rollout", "dppo": "default, 2 steps a rollout, DPPO",
                 "nft": "DiffusionNFT", "awm": "AWM"}
 
@@ -152,8 +156,9 @@ def setup_configs(base: RunConfig, names, overrides=()) -> dict[str, RunConfig]:
     missing = [part for name in names if name not in ALGORITHM_PRESETS for part in name.split("+")
                if part not in changes]
     if missing:
-        raise UserError(f"setup {', '.join(missing)} does not apply to this task (tree: grpo.num_generations must be "
-                        f"a power of {TREE_BRANCH_FACTOR}); choose from {', '.join([*changes, *ALGORITHM_PRESETS])}")
+        raise UserError(f"setup {', '.join(missing)} does not apply to this task (tree: the config has no tree "
+                        f"rollouts and grpo.num_generations is a power of {TREE_BRANCH_FACTOR}; flat: the config has "
+                        f"tree rollouts); choose from {', '.join([*changes, *ALGORITHM_PRESETS])}")
     configs = {name: load_config(preset=ALGORITHM_PRESETS[name],
                                  overrides=[f"model.name={base.model.name}", *overrides])
                if name in ALGORITHM_PRESETS else
