@@ -4,9 +4,10 @@ the policy losses and the forward-process algorithms
 
 For every seed, the run config (the default task unless told) is trained to its full length under each setup of
 :func:`comparison_setups` named by ``--setups`` (default ``exact,default``): ``flow_grpo`` (Flow-GRPO's default
-iteration), ``exact`` (the config with ``backward.mode: exact``), ``default`` (the config as it is), ``tree`` or ``flat``
-(the config with or without tree rollouts), ``nft`` and ``awm`` (DiffusionNFT and AWM as their presets for the default task set
-them, :data:`ALGORITHM_PRESETS`), same seed (so the same prompts at every iteration until the adapters part), through
+iteration), ``exact`` (the config with ``backward.mode: exact``), ``default`` (the config as it is), ``tree`` or
+``flat`` (the config with or without tree rollouts), ``nft`` and ``awm`` (DiffusionNFT and AWM as their presets for
+the default task set them, :data:`ALGORITHM_PRESETS`), same seed (so the same prompts at every iteration until the
+adapters part), through
 :meth:`~jagg_core.trainer.Trainer.fit`. The fidelity audit is off in all (it is timed apart anyway), and so are the
 doctor and the judges (:data:`UNTIMED_CHECKS_OFF`). Per run::
 
@@ -125,7 +126,8 @@ UNTIMED_CHECKS_OFF = ["train.doctor=false", "eval.judges=[]"]
 
 #: the setups' names in tables and plots
 SETUP_LABELS = {"flow_grpo": "Flow-GRPO default", "exact": "exact, same rollout", "default": "default",
-                "tree": "default, tree rollout", "flat": "default, flat rollout", "cps": "default, CPS rollout", "guard": "default, GRPO-Guard",
+                "tree": "default, tree rollout", "flat": "default, flat rollout", "cps": "default, CPS rollout",
+                "guard": "default, GRPO-Guard",
                 "reuse": "default, 2 steps a rollout", "dppo": "default, 2 steps a rollout, DPPO",
                 "nft": "DiffusionNFT", "awm": "AWM"}
 
