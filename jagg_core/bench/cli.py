@@ -16,12 +16,11 @@ from ..errors import UserError, exit_on_user_error
 from ..quiet import quiet_libraries
 from .archs import ARCH_RESOLUTION, arch_model, arch_options, arch_overrides
 from .fidelity import fidelity_rows
-from .iterations import ITERATION_SETUPS, bench_iterations
+from .iterations import bench_iterations, iteration_setups
 from .memory import memory_worker
 from .rows import ROW_KEYS, bench_train_phase
 from .tables import write_outputs
-from .training import (SETUP_LABELS, comparison_setups, format_training, is_setup, plot_training, training_rows,
-                       with_earlier)
+from .training import SETUP_LABELS, format_training, is_setup, plot_training, training_rows, with_earlier
 from .variants import EMBEDDED_MODEL, BenchOptions, bench_config, default_models
 
 DESCRIPTION = "Benchmark: the exact backward against JAGG, side by side, in one run."
@@ -36,9 +35,9 @@ def run_bench(options: BenchOptions, threads: int = 2, log=print) -> list[dict]:
         rows += bench_train_phase(model, variants, options, threads)
     if options.iterations and options.seeds:
         for model in options.models:
-            setups = comparison_setups(bench_config(model, options.overrides))
+            setups = iteration_setups(bench_config(model, options.overrides))
             log(f"[bench] {model}: {options.iterations} iterations x {len(options.seeds)} seeds, whole iterations: "
-                + ", ".join(SETUP_LABELS[name] for name in setups if name in ITERATION_SETUPS))
+                + ", ".join(SETUP_LABELS[name] for name in setups))
             rows += bench_iterations(model, options)
     if options.fidelity_rollouts:
         log(f"[bench] {options.models[0]}: fidelity along the trajectory, {options.fidelity_rollouts} rollouts")

@@ -7,6 +7,7 @@ import tempfile
 from pathlib import Path
 
 from .. import metrics
+from ..config import RunConfig
 from ..placement import trained_count
 from ..trainer import Trainer
 from .training import backward_label, comparison_setups
@@ -18,6 +19,12 @@ from .workload import base_params_m
 #: work (``cps`` and ``guard`` change a step's arithmetic, not its passes, so they cost the default's iteration;
 #: ``reuse`` and ``dppo`` repeat the default's train phase)
 ITERATION_SETUPS = ("flow_grpo", "exact", "default", "tree", "flat")
+
+
+def iteration_setups(config: RunConfig) -> dict[str, list[str]]:
+    """The setups of :data:`ITERATION_SETUPS` that apply to ``config``, with their changes
+    (:func:`~jagg_core.bench.training.comparison_setups`)."""
+    return {name: changes for name, changes in comparison_setups(config).items() if name in ITERATION_SETUPS}
 
 
 def bench_iterations(model: str, options: BenchOptions) -> list[dict]:
@@ -35,8 +42,7 @@ def bench_iterations(model: str, options: BenchOptions) -> list[dict]:
     of the training and is timed apart, so its row also has the seconds of one audit (``audit_s``, the minimum),
     their ratio to the iteration's (``audit_ratio``) and the mean audited cosine (``audit_cosine``).
     """
-    setups = {name: changes for name, changes in comparison_setups(bench_config(model, options.overrides)).items()
-              if name in ITERATION_SETUPS}
+    setups = iteration_setups(bench_config(model, options.overrides))
     times = {name: {"rollout": [], "train": [], "audit": []} for name in setups}
     cosines = {name: [] for name in setups}
     curves = {name: {} for name in setups}
