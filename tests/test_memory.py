@@ -167,7 +167,8 @@ def test_the_cache_needs_the_memory_of_every_process_and_the_disk_of_one_file(tm
 def test_without_the_cache_a_run_keeps_only_its_eval_prompts_and_trains_the_same_adapter(tmp_path, offline):
     """``model.cache_text_embeddings=false``: the encoders stay and each iteration encodes its prompts without keeping
     them, so the host holds the eval prompts alone however many prompts a long run draws; the embeddings are the
-    same, and so is the adapter."""
+    same, and so is the adapter, to float32 rounding: a prompt encoded in a batch of 2 or of 16 may round differently
+    in the BLAS (seen on AMD EPYC: 3e-7 in CLIP's pooled projection, 3e-7 in the adapter)."""
     adapters, kept = {}, {}
     for cache in (True, False):
         trainer = Trainer(tiny_config(model__cache_text_embeddings=cache), tmp_path / f"cache-{cache}")
@@ -178,7 +179,8 @@ def test_without_the_cache_a_run_keeps_only_its_eval_prompts_and_trains_the_same
         trainer.close()
     assert kept[False] == set(trainer.eval_prompts) and len(kept[True]) > len(kept[False])
     assert trainer.model.text_encoders and not RunDirectory(tmp_path / "cache-False").text_embeddings_file.exists()
-    assert all(torch.equal(with_cache, without) for with_cache, without in zip(adapters[True], adapters[False]))
+    for with_cache, without in zip(adapters[True], adapters[False], strict=True):
+        torch.testing.assert_close(without, with_cache)
 
 
 def test_embeddings_made_with_other_settings_are_not_reused(tmp_path, offline):
