@@ -133,6 +133,9 @@ class MemoryPlan:
     #: and on the run folder's disk
     cached_prompts: int = 0
     bytes_per_cached_prompt: int = 0
+    #: the backward's traced transient by what it depends on (:func:`_backward_key`), shared with the plans that
+    #: :func:`cheapest_fit` makes from this one: a change that leaves the backward alone does not trace it again
+    backward_traces: dict[tuple, int] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def host_cache(self) -> int:
@@ -276,8 +279,18 @@ def check_text_cache_before_download(config: RunConfig, run_dir: Path, processes
         check_cache_room(per_prompt, prompts, run_dir, processes)
 
 
-def plan_memory(config: RunConfig) -> MemoryPlan:
-    """The memory plan of ``config`` (see the module docstring)."""
+def _backward_key(cfg: RunConfig, stacked: int) -> tuple:
+    """What the backward's trace depends on: the meta model (the model's settings, the compute dtype, the LoRA), its
+    input's shape (batch, resolution, frames) and checkpointing. The phases traced before it on the same meta model
+    (the rollout forward, the VAE decode) leave no state that depends on their batch sizes (Qwen-Image keeps its
+    rotary tables by resolution), so a smaller rollout chunk keeps the key."""
+    return (cfg.model.model_dump_json(), cfg.lora.model_dump_json(), cfg.train.mixed_precision,
+            cfg.train.gradient_checkpointing, cfg.sampling.resolution, cfg.sampling.num_frames, stacked)
+
+
+def plan_memory(config: RunConfig, backward_traces: dict[tuple, int] | None = None) -> MemoryPlan:
+    """The memory plan of ``config`` (see the module docstring); ``backward_traces``: an earlier plan's
+    :attr:`MemoryPlan.backward_traces`, to reuse and extend."""
     cfg = config
     forward_process = ALGORITHMS[cfg.train.algorithm] if cfg.train.algorithm != "grpo" else None
     dtype = DTYPES[cfg.model.dtype]
@@ -288,7 +301,8 @@ def plan_memory(config: RunConfig) -> MemoryPlan:
     model = _meta_model(cfg, compute)
     pipe, transformer = model.pipe, model.transformer
     element = torch.tensor([], dtype=dtype).element_size()
-    plan = MemoryPlan(cfg.model.name, model.family, cfg.sampling.resolution)
+    plan = MemoryPlan(cfg.model.name, model.family, cfg.sampling.resolution,
+                      backward_traces={} if backward_traces is None else backward_traces)
 
     # ----- resident weights
     frozen_bytes = _transformer_bytes(transformer, cfg.model.quantize,
@@ -400,11 +414,14 @@ def plan_memory(config: RunConfig) -> MemoryPlan:
             (velocity * torch.zeros_like(velocity)).sum().backward()
 
     plan.phase_parts["backward"] = trajectory + cond_bytes + images + lora_count * 4 + rows_held
-    if cfg.model.quantize == "int8":  # the peak's moment moves with the depth: no extrapolation (seconds more)
-        plan.phases["backward"] = _traced(backward, weights)
-    else:
-        plan.phases["backward"] = _traced_in_depth(backward, weights, transformer, backward=True) + \
-            (_dequantized_weight(transformer) if cfg.model.quantize == "nf4" else 0)
+    key = _backward_key(cfg, stacked)
+    if key not in plan.backward_traces:
+        if cfg.model.quantize == "int8":  # the peak's moment moves with the depth: no extrapolation (seconds more)
+            plan.backward_traces[key] = _traced(backward, weights)
+        else:
+            plan.backward_traces[key] = _traced_in_depth(backward, weights, transformer, backward=True) + \
+                (_dequantized_weight(transformer) if cfg.model.quantize == "nf4" else 0)
+    plan.phases["backward"] = plan.backward_traces[key]
     return plan
 
 
@@ -500,14 +517,17 @@ def fits(plan: MemoryPlan, gpu_gb: float) -> bool:
     return plan.total + CUDA_CONTEXT_GB * GB <= gpu_gb * GB
 
 
-def cheapest_fit(config: RunConfig, budget_gb: float) -> tuple[list[str], MemoryPlan] | None:
+def cheapest_fit(config: RunConfig, budget_gb: float,
+                 backward_traces: dict[tuple, int] | None = None) -> tuple[list[str], MemoryPlan] | None:
     """The first changes of :func:`_memory_savers`, applied in turn, after which the plan fits ``budget_gb``: the
-    ``--set`` overrides and the plan; None when even all of them do not fit."""
+    ``--set`` overrides and the plan; None when even all of them do not fit. The plans share their backward traces
+    (and ``backward_traces``, the plan of ``config``'s): most changes leave the backward alone."""
     changes: dict[str, object] = {}
+    traces = {} if backward_traces is None else backward_traces
     for key, value in _memory_savers(config):
         config = _changed(config, key, value)
         changes[key] = value
-        plan = plan_memory(config)
+        plan = plan_memory(config, traces)
         if fits(plan, budget_gb):
             return [f"{k}={json.dumps(v)}" for k, v in changes.items()], plan
     return None
@@ -526,7 +546,7 @@ def check_fits(plan: MemoryPlan, config: RunConfig, budget_gb: float | None) -> 
     planned = f"planned peak {plan.total / GB:.1f} GB + {CUDA_CONTEXT_GB:g} GB CUDA context"
     if fits(plan, budget_gb):
         return f"fits: {planned} of {budget_gb:.1f} GB"
-    fix = cheapest_fit(config, budget_gb)
+    fix = cheapest_fit(config, budget_gb, plan.backward_traces)
     if fix is None:
         return (f"does not fit: {planned}, the GPU has {budget_gb:.1f} GB, and no setting change fits; use a larger "
                 "GPU or shard with presets/accelerate/fsdp.yaml")
