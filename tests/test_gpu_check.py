@@ -276,7 +276,7 @@ def test_the_measured_recipe_keeps_what_memory_depends_on(preset):
 
 
 def test_a_reduced_check_runs_each_kind_of_real_size_step_and_writes_its_tables(tmp_path):
-    names = ("tiny-sd3", "bench-sd35-medium", "memory-sd35-medium-pickscore-16gb")
+    names = ("tiny-sd3", "bench-sd35-medium", "memory-sd35-medium-pickscore-nft-24gb")
     no_caps = [arg for name in names for arg in ("--cap", f"{name}=1200")]  # a loaded CPU: no time limit here
     done = run_gpu_check("--reduced", "--out", str(tmp_path), "--budget", "3600", "--only", ",".join(names), *no_caps)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -299,7 +299,7 @@ def test_a_reduced_check_runs_each_kind_of_real_size_step_and_writes_its_tables(
     assert exact["grad_cosine"] == pytest.approx(1)
     assert jagg["train_s"] > 0 and jagg["iteration_speedup"] > 0
 
-    memory = rows[("memory-sd35-medium-pickscore-16gb", None)]  # an int8 base's recipe: test_memory.py
+    memory = rows[("memory-sd35-medium-pickscore-nft-24gb", None)]  # a forward process's; an int8 base's: test_memory.py
     assert memory["status"] == "ok", memory
     assert 0.98 <= memory["planned_over_measured"] <= 1.02, memory
     assert memory["preset_planned_gb"] > 5 * memory["planned_setup_gb"]  # the preset at 512 px with the real encoders
@@ -307,7 +307,7 @@ def test_a_reduced_check_runs_each_kind_of_real_size_step_and_writes_its_tables(
     table = (tmp_path / "gpu_check.md").read_text()
     assert "| tiny-sd3 | int8 | ok |" in table and "JAGG W=5 cached joint" in table
     assert "| random:sd35-medium@1 | none | 64 | JAGG W=5 cached joint | ok |" in table
-    assert "| sd35-medium-pickscore-16gb | ok |" in table
+    assert "| sd35-medium-pickscore-nft-24gb | ok |" in table
     assert table in done.stdout and "0 step(s) not ok" in done.stdout
 
 
