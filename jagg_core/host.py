@@ -1,5 +1,5 @@
-"""The host's room for a run: the memory this process may still take, its container's limit included, and a
-folder's free disk.
+"""The host: its CPU's name, and its room for a run: the memory this process may still take, its container's limit
+included, and a folder's free disk.
 
 A container (a Hugging Face Space, Docker with ``--memory``) sees the whole machine's memory in ``/proc/meminfo``
 but is killed at its control group's limit, so the memory available is the smaller of the two:
@@ -20,6 +20,25 @@ import psutil
 #: the control group's limit and usage files: cgroup v2, then v1
 CGROUP_FILES = ((Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")),
                 (Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"), Path("/sys/fs/cgroup/memory/memory.usage_in_bytes")))
+
+
+#: Linux's description of the CPUs
+CPUINFO = Path("/proc/cpuinfo")
+
+
+def cpu_name(cpuinfo: Path = CPUINFO) -> str:
+    """The CPU's model name (``AMD EPYC 7B13 64-Core Processor``) from ``/proc/cpuinfo``; ``CPU`` where it names none
+    (another system, many ARM machines). A run records it: a run reproduces to the digit on one kind of CPU, not across
+    kinds, whose math libraries round a few operations apart."""
+    try:
+        lines = cpuinfo.read_text().splitlines()
+    except OSError:
+        return "CPU"
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and value.strip():
+            return " ".join(value.split())
+    return "CPU"
 
 
 def available_memory() -> int:

@@ -34,6 +34,7 @@ from .config import RunConfig, term_names
 from .doctor import Probe, audit_check, checklist, gradient_check, range_check, ratio_check, report_lines, rewards_check
 from .errors import UserError
 from .grpo import group_advantages
+from .host import cpu_name
 from .hubclient import resolve_lora
 from .images import captioned_grid, sample_pictures, still_frames, to_pil
 from .judges import BestAdapter, EvalScores, HackingAlarm, build_judges, load_judges
@@ -190,9 +191,10 @@ class Trainer:
         return judges
 
     def _hardware(self) -> str:
-        """What the run trains on, for the model card: the GPU's name, or the CPU's thread count."""
+        """What the run trains on, for the model card: the GPU's name, or the CPU's and its thread count."""
         device = self.accelerator.device
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+        name = (torch.cuda.get_device_name(device) if device.type == "cuda"
+                else f"{cpu_name()} ({torch.get_num_threads()} threads)")
         processes = self.accelerator.num_processes
         return f"{processes} x {name}" if processes > 1 else name
 

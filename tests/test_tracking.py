@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from app import live
 from jagg_core import metrics
+from jagg_core.host import cpu_name
 from jagg_core.hub import write_model_card
 from jagg_core.rundir import TRAINING_STATE_FILE, RunDirectory
 from jagg_core.stopping import STOP, StopRequested
@@ -79,7 +80,7 @@ def test_the_page_and_the_card_say_where_and_how_the_run_was_tracked_and_schedul
     card = write_model_card(run_dir, "alice/tracked").text
     assert "| | iteration | held-out reward | jpeg_compressibility |" in card
     assert "`cosine` learning-rate schedule with 1 warm-up steps" in card and "EMA of the weights (decay 0.5)" in card
-    assert "of rollouts, updates and evals on CPU" in card
+    assert f"of rollouts, updates and evals on {cpu_name()} ({torch.get_num_threads()} threads)" in card
 
 
 def test_the_learning_rate_follows_the_schedule(tracked):

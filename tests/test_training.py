@@ -14,6 +14,7 @@ from jagg_core import metrics
 from jagg_core.models import build_tiny_pipeline
 from jagg_core.rundir import RunDirectory
 from jagg_core.errors import UserError
+from jagg_core.host import cpu_name
 from jagg_core.trainer import MAX_NON_FINITE_STREAK, Trainer
 
 from conftest import ROOT, tiny_config
@@ -128,8 +129,18 @@ def test_exact_and_jagg_runs_write_their_backward_statistics(tmp_path, offline):
     assert jagg[metrics.JAGG_WINDOWS] == 3 and jagg[metrics.BACKWARD_PASSES] == 4  # K + 1 knots for K = 3
     assert 0.0 < jagg[metrics.JAGG_LINEARITY_MEAN] <= 1.0
     config = json.loads((tmp_path / "jagg" / "run_info.json").read_text())
-    assert config == {"family": "sd3", "base_model": "tiny-sd3", "hardware": f"CPU ({torch.get_num_threads()} threads)",
-                      "processes": 1}
+    assert config == {"family": "sd3", "base_model": "tiny-sd3",
+                      "hardware": f"{cpu_name()} ({torch.get_num_threads()} threads)", "processes": 1}
+
+
+def test_a_run_names_the_cpu_it_trains_on_as_linux_describes_it(tmp_path):
+    """A run reproduces to the digit on one kind of CPU, not across kinds: its run_info.json and model card name it."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC  7B13 64-Core Processor\n\n"
+                       "processor\t: 1\nmodel name\t: AMD EPYC 7B13 64-Core Processor\n")
+    assert cpu_name(cpuinfo) == "AMD EPYC 7B13 64-Core Processor"
+    cpuinfo.write_text("processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd\n")  # many ARM machines
+    assert cpu_name(cpuinfo) == "CPU" and cpu_name(tmp_path / "absent") == "CPU"
 
 
 #: a fresh process's first vector-math call on two threads (24,576 float64 sines, in chunks of 2,048), against the same
