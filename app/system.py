@@ -7,7 +7,7 @@ from __future__ import annotations
 import psutil
 
 from jagg_core.gpus import gpu_free_gb, gpu_rows
-from jagg_core.host import available_memory, total_memory
+from jagg_core.host import available_memory, cpu_name, total_memory
 
 #: a GPU is free for a new run when at least this share of its memory is free and it is this idle (percent busy)
 FREE_MEMORY_SHARE = 0.9
@@ -15,7 +15,8 @@ IDLE_PERCENT = 10
 
 
 def hardware_words() -> str:
-    """One line per GPU (``**GPU 0:** NVIDIA L4 · 21.3 / 22.5 GiB free · 12% busy``), else the CPU's."""
+    """One line per GPU (``**GPU 0:** NVIDIA L4 · 21.3 / 22.5 GiB free · 12% busy``), else the CPU's, with its name
+    where Linux gives one (a run reproduces to the digit on one kind of CPU)."""
     lines = []
     for index, (name, free, total, usage) in enumerate(gpu_rows()):
         try:
@@ -25,7 +26,8 @@ def hardware_words() -> str:
         lines.append(f"**GPU {index}:** {name} · {memory} · {usage}% busy")
     if lines:
         return "  \n".join(lines)
-    return (f"**No CUDA GPU:** runs train on the CPU ({psutil.cpu_count(logical=False) or 1} cores, "
+    name = "" if cpu_name() == "CPU" else f"{cpu_name()}, "
+    return (f"**No CUDA GPU:** runs train on the CPU ({name}{psutil.cpu_count(logical=False) or 1} cores, "
             f"{psutil.cpu_percent():.0f}% busy, {available_memory() / 2**30:.1f} / {total_memory() / 2**30:.1f} GiB "
             "memory free)")
 

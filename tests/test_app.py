@@ -490,6 +490,16 @@ echo "NVIDIA L4, 22000, 23034, 0"
 """
 
 
+def test_without_a_gpu_the_machine_line_names_the_cpu(monkeypatch):
+    from app import system
+    monkeypatch.setattr(system, "gpu_rows", lambda: [])
+    monkeypatch.setattr(system, "cpu_name", lambda: "AMD EPYC 7B13 64-Core Processor")
+    assert re.fullmatch(r"\*\*No CUDA GPU:\*\* runs train on the CPU \(AMD EPYC 7B13 64-Core Processor, \d+ cores, "
+                        r"\d+% busy, [\d.]+ / [\d.]+ GiB memory free\)", system.hardware_words()), system.hardware_words()
+    monkeypatch.setattr(system, "cpu_name", lambda: "CPU")  # Linux names none
+    assert re.match(r"\*\*No CUDA GPU:\*\* runs train on the CPU \(\d+ cores, ", system.hardware_words())
+
+
 def test_the_page_reads_the_gpus_from_nvidia_smi_and_plans_and_places_runs_against_their_free_memory(tmp_path, studio,
                                                                                                    monkeypatch):
     """The machine line, the default processes (the free GPUs), Plan memory's verdict and Start's placement all come
