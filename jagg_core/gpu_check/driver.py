@@ -127,10 +127,7 @@ def run_check(out: Path, options: CheckOptions, budget_s: float = DEFAULT_BUDGET
 
     steps = all_steps(options)
     cap = {step.name: (caps or {}).get(step.name, step.cap(options)) for step in steps}
-    unknown = sorted(set(only or ()) - {step.name for step in steps})
-    if unknown:
-        from ..errors import UserError
-        raise UserError(f"unknown step(s) {', '.join(unknown)}; steps: {', '.join(s.name for s in steps)}")
+    check_step_names(only, steps)
     out.mkdir(parents=True, exist_ok=True)
     ledger = read_ledger([ledger_folder or out, out], options)
     settings = CurrentSettings(steps, options)
@@ -272,6 +269,14 @@ def _cap(text: str) -> tuple[str, float]:
     return name, float(seconds)
 
 
+def check_step_names(only: list[str] | None, steps: list[Step]) -> None:
+    """Refuse, in one line naming the steps, the names in ``only`` that are no step's."""
+    unknown = sorted(set(only or ()) - {step.name for step in steps})
+    if unknown:
+        from ..errors import UserError
+        raise UserError(f"unknown step(s) {', '.join(unknown)}; steps: {', '.join(s.name for s in steps)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     from . import __doc__ as overview
     parser = argparse.ArgumentParser(prog="python -m jagg_core.gpu_check", description=overview.split("\n\n")[0])
@@ -300,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     options = CheckOptions(reduced=args.reduced, threads=args.threads)
     from ..errors import UserError, exit_on_user_error
+    with exit_on_user_error(parser.prog):  # before the libraries load (seconds): a typo is answered at once
+        if args.parallel is not None and args.parallel < 1:
+            raise UserError(f"--parallel must be at least 1, not {args.parallel}")
+        check_step_names(args.only.split(",") if args.only else None, all_steps(options))
     from ..quiet import quiet_libraries
     quiet_libraries()
     if args.step:
@@ -310,8 +319,6 @@ def main(argv: list[str] | None = None) -> int:
         print(format_tables(ledger, steps, options, CurrentSettings(steps, options)), end="")
         return 0
     with exit_on_user_error(parser.prog):
-        if args.parallel is not None and args.parallel < 1:
-            raise UserError(f"--parallel must be at least 1, not {args.parallel}")
         rows = run_check(out, options, args.budget, args.only.split(",") if args.only else None, args.ledger,
                          dict(args.cap), log=lambda line: print(line, file=sys.stderr, flush=True),
                          parallel=args.parallel, archive=args.archive)
