@@ -26,8 +26,9 @@ def hardware_words() -> str:
         lines.append(f"**GPU {index}:** {name} · {memory} · {usage}% busy")
     if lines:
         return "  \n".join(lines)
-    name = "" if cpu_name() == "CPU" else f"{cpu_name()}, "
-    return (f"**No CUDA GPU:** runs train on the CPU ({name}{psutil.cpu_count(logical=False) or 1} cores, "
+    name = cpu_name()
+    named = "" if name == "CPU" else f"{name}, "
+    return (f"**No CUDA GPU:** runs train on the CPU ({named}{psutil.cpu_count(logical=False) or 1} cores, "
             f"{psutil.cpu_percent():.0f}% busy, {available_memory() / 2**30:.1f} / {total_memory() / 2**30:.1f} GiB "
             "memory free)")
 
