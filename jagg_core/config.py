@@ -78,13 +78,13 @@ class ModelConfig(_Section):
                                       "centre-cropped and resized to before the model encodes it (the pipelines use "
                                       "about 1024); a multiple of 16")
     cudnn_attention: bool = Field(False, description="let torch choose cuDNN's attention kernel on a CUDA GPU; off: "
-                                  "flash, memory-efficient or math attention. Off by default: it is "
-                                  "a suspect of a crash of FLUX.1-dev on an H200 (pytorch issues 167101, 171532 at "
-                                  "sequence lengths not a multiple of 128)")
+                                  "flash, memory-efficient or math attention. Off by default: it made "
+                                  "FLUX.1-dev's backward fail on an H200 (cuDNN 9.19, torch 2.11; the GPU check's "
+                                  "triage, README), where torch's other kernels ran it")
     bf16_reduced_precision_reduction: bool = Field(
         False, description="let cuBLAS reduce bf16 matmuls in bf16 (split-K; torch's default); off: in float32. Off "
-        "by default: it is a suspect of a crash of FLUX.1-dev on an H200 (pytorch issues 192061, 170676, thin matmuls "
-        "such as a rank-4 LoRA's)")
+        "by default: float32 sums are the more exact; the GPU check's triage cleared it of FLUX.1-dev's crash on an "
+        "H200, and what turning it on gains is not measured")
 
     @model_validator(mode="before")
     @classmethod

@@ -1,12 +1,14 @@
 """Which kernels torch may choose: on a GPU, for a model's attention and its bf16 matmuls (``model.cudnn_attention``,
 ``model.bf16_reduced_precision_reduction``); on a CPU, that its math library gives the same bits on every call.
 
-Both are the suspects of the FLUX.1-dev crash on an H200 (``CUBLAS_STATUS_EXECUTION_FAILED``, then an illegal
+Both were the suspects of the FLUX.1-dev crash on an H200 (``CUBLAS_STATUS_EXECUTION_FAILED``, then an illegal
 memory access; docs/gpu, issue #29): the cuDNN scaled-dot-product attention kernel on Hopper at sequence lengths
 that are not a multiple of 128 (FLUX at 512 px: 1,024 latent patches + 77 text tokens = 1,101), and cuBLAS's
-split-K kernels that reduce thin bf16 matmuls (a rank-4 LoRA's) in bf16. Until the GPU check's triage
-(:mod:`jagg_core.gpu_check.triage`) has told them apart, both default to the safe side: attention runs on the flash,
-memory-efficient or math kernels, and bf16 matmuls reduce in float32. The switches are process-wide torch flags; a
+split-K kernels that reduce thin bf16 matmuls (a rank-4 LoRA's) in bf16. The GPU check's triage
+(:mod:`jagg_core.gpu_check.triage`, 2026-12-04) named cuDNN attention: FLUX's path fails with it (cuDNN 9.19,
+torch 2.11) and runs without it, whatever the bf16 reductions. Both stay on the safe side by default: attention
+runs on the flash, memory-efficient or math kernels, and bf16 matmuls reduce in float32 (cleared of the crash, the
+more exact sums; what bf16 reductions would gain is not measured). The switches are process-wide torch flags; a
 CPU ignores them.
 
 On a CPU, :func:`settle_cpu_math` runs as :func:`~jagg_core.models.load_flow_model` begins: before any model

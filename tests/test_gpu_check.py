@@ -126,16 +126,24 @@ def test_a_step_measured_ok_under_todays_settings_is_done_and_under_others_is_st
     assert "| tiny-flux | 60 | ok, stale: int8: model.cudnn_attention true -> false | 2026-12-01 |" in table
 
 
-def test_the_committed_ledger_marks_what_the_first_check_measured_with_its_date():
+def test_the_committed_ledger_marks_what_each_check_measured_with_its_date_and_names_the_flux_crashs_cause():
     ledger = read_ledger([ROOT / "docs" / "gpu"], CheckOptions())
     assert ledger["bench-sd35-medium"].status == "ok" and ledger["bench-sd35-medium"].date.startswith("2026-11-30")
-    assert ledger["bench-flux-dev"].status == "failed" and ledger["memory-flux-kontext-clipdir-24gb"].status == "failed"
+    assert ledger["bench-flux-dev"].status == "ok" and ledger["bench-flux-dev"].date.startswith("2026-12-04")
+    assert ledger["memory-flux-kontext-clipdir-24gb"].status == "failed"
     assert {"memory-sd35-medium-pickscore-16gb", "memory-zimage-turbo-pickscore-24gb", "tiny-qwen"} <= set(ledger)
     assert "memory-qwen-image-pickscore-24gb" not in ledger  # skipped for the budget: never measured
     table = format_tables(ledger, all_steps(CheckOptions()), CheckOptions(), today())
     assert "| bench-sd35-medium | 240 | ok, stale: measured before the check kept its settings | 2026-11-30 | 65 |" \
         in table
-    assert "| triage-lora-rank4 | 20 | never measured | - | - |" in table
+    assert "| triage-lora-rank4 | 20 | ok | 2026-12-04 | 11 |" in table
+    assert "- The cause is cuDNN SDPA attention: the FLUX path fails as it crashed and with no-bf16-split-k" in table
+    # the tables leave out torch's request for better error messages; the record keeps it
+    crashed = "| triage-flux-path-as-crashed | failed: RuntimeError: Expected mha_graph.execute(handle, variant_pack, " \
+              "workspace_ptr.get()).is_good() to be true, but got false. | - | - | - |"
+    assert crashed in table and "Could this error message be improved" not in table
+    assert "Could this error message be improved" in ledger["triage-flux-path-as-crashed"].rows[0]["reason"]
+    assert "| triage-flux-path-no-cudnn-sdpa | ok | - | - | JAGG W=5 cached joint, model.cudnn_attention=false" in table
 
 
 def test_a_crash_and_a_hang_leave_their_rows_and_the_next_step_still_runs(tmp_path):
@@ -215,8 +223,18 @@ def test_the_triage_runs_on_a_cpu_at_toy_size_side_by_side_and_skips_the_kernels
     ({"triage-lora-rank4": "failed", "triage-lora-rank16": "ok"},
      "fail at rank 4 only (cuBLAS split-K): keep bf16 reductions in float32 (the product's default "
      "model.bf16_reduced_precision_reduction=false)"),
-    ({"triage-flux-path-as-crashed": "crashed", "triage-flux-path-no-cudnn-sdpa": "ok",
-      "triage-flux-path-no-bf16-split-k": "crashed"}, "passes with no-cudnn-sdpa: that setting's key keeps its safe"),
+    ({"triage-flux-path-as-crashed": "crashed", "triage-flux-path-no-cudnn-sdpa": "ok"},
+     "passes with no-cudnn-sdpa: that setting's key keeps its safe"),
+    ({"triage-flux-path-as-crashed": "failed", "triage-flux-path-no-cudnn-sdpa": "ok",
+      "triage-flux-path-no-bf16-split-k": "failed"},
+     "The cause is cuDNN SDPA attention: the FLUX path fails as it crashed and with no-bf16-split-k, and passes with "
+     "no-cudnn-sdpa; model.cudnn_attention=false stays the product's default, and cuBLAS bf16 split-K is cleared."),
+    ({"triage-flux-path-as-crashed": "failed", "triage-flux-path-no-cudnn-sdpa": "failed",
+      "triage-flux-path-no-bf16-split-k": "ok", "triage-lora-rank4": "ok", "triage-lora-rank16": "ok"},
+     "cuBLAS bf16 split-K alone (lora-rank4, lora-rank16) passes at the crashed shapes: the failure needs the "
+     "model's own inputs"),
+    ({"triage-flux-path-as-crashed": "failed", "triage-flux-path-no-cudnn-sdpa": "ok", "bench-flux-dev": "ok"},
+     "FLUX.1-dev at real size runs under the product's defaults (bench-flux-dev ok)."),
     ({"triage-flux-path-as-crashed": "failed", "triage-flux-path-no-cudnn-sdpa": "failed"}, "neither suspect"),
     ({"triage-flux-path-as-crashed": "ok"}, "needs the real depth"),
 ])

@@ -184,8 +184,17 @@ def _f(value, spec: str = ".2f") -> str:
     return cell(value, spec)
 
 
+#: what torch appends to many of its errors; the tables leave it out (the records keep the whole message)
+TORCH_BOILERPLATE = re.compile(r"\s*\(Could this error message be improved\?.*?\)")
+
+
+def _with_reason(status: str, reason: str | None) -> str:
+    """``status: reason`` for a row not ok, less :data:`TORCH_BOILERPLATE`."""
+    return status + (f": {TORCH_BOILERPLATE.sub('', reason)}" if reason and status != "ok" else "")
+
+
 def _status(row: dict) -> str:
-    return row["status"] + (f": {row['reason']}" if row.get("reason") and row["status"] != "ok" else "")
+    return _with_reason(row["status"], row.get("reason"))
 
 
 def _backward(row: dict) -> str:
@@ -252,7 +261,7 @@ def _outcome(outcome: Outcome | None, settings: dict[str, dict | None], name: st
     if changes := stale_changes(outcome, settings, name):
         return f"ok, stale: {describe_changes(changes)}"
     reasons = [row["reason"] for row in outcome.rows if row["status"] == outcome.status and row.get("reason")]
-    return outcome.status + (f": {reasons[0]}" if reasons and outcome.status != "ok" else "")
+    return _with_reason(outcome.status, reasons[0] if reasons else None)
 
 
 def _shape(row: dict) -> str:
@@ -260,7 +269,7 @@ def _shape(row: dict) -> str:
         return f"rank {row['rank']}, {row['rows']} x {row['width']}, {row['dtype']}"
     if "tokens" in row:
         return f"{row['samples']} x {row['heads']} heads x {row['tokens']} tokens x {row['head_dim']}, {row['dtype']}"
-    return row.get("setting", "-")
+    return f"{_backward(row)}, {row['setting']}" if "setting" in row else "-"
 
 
 # ----- the command ----------------------------------------------------------------------------------------

@@ -54,6 +54,13 @@ FLUX_PATH_SETTINGS = {
     "no-cudnn-sdpa": ("model.cudnn_attention=false", "model.bf16_reduced_precision_reduction=true"),
     "no-bf16-split-k": ("model.cudnn_attention=true", "model.bf16_reduced_precision_reduction=false"),
 }
+#: the suspect each FLUX path setting turns off: its name, the product's key, and its isolated cases
+SUSPECTS = {
+    "no-cudnn-sdpa": ("cuDNN SDPA attention", "model.cudnn_attention",
+                      [f"sdpa-cudnn-{tokens}" for tokens in TRIAGE_TOKENS]),
+    "no-bf16-split-k": ("cuBLAS bf16 split-K", "model.bf16_reduced_precision_reduction",
+                        [f"lora-rank{rank}" for rank in LORA_RANKS]),
+}
 #: what torch raises when the chosen backend has no kernel for the inputs (a device that lacks it)
 NO_KERNEL = ("No available kernel", "No viable backend")
 #: an isolated kernel's case: a process start, torch and CUDA up (four processes at once), a kernel and its float32
@@ -211,7 +218,16 @@ def triage_verdict(statuses: dict[str, str]) -> list[str]:
                      "factors' matmuls in float32" + (", or raise the minimum rank to 16" if ok("lora-rank16") else "")
                      + ".")
     fixes = [s for s in FLUX_PATH_SETTINGS if s != "as-crashed" and ok(f"flux-path-{s}")]
-    if failed("flux-path-as-crashed") and fixes:
+    cleared = [s for s in FLUX_PATH_SETTINGS if s != "as-crashed" and failed(f"flux-path-{s}")]
+    if failed("flux-path-as-crashed") and len(fixes) == 1 and cleared:
+        suspect, key, alone = SUSPECTS[fixes[0]]
+        lines.append(f"The cause is {suspect}: the FLUX path fails as it crashed and with {cleared[0]}, and "
+                     f"passes with {fixes[0]}; {key}=false stays the product's default, and "
+                     f"{SUSPECTS[cleared[0]][0]} is cleared.")
+        if all(ok(case) for case in alone):
+            lines.append(f"{suspect} alone ({', '.join(alone)}) passes at the crashed shapes: the failure needs the "
+                         "model's own inputs, so the key stays off for every model rather than for some lengths.")
+    elif failed("flux-path-as-crashed") and fixes:
         lines.append(f"The FLUX path fails as it crashed and passes with {' and with '.join(fixes)}: that "
                      "setting's key keeps its safe default (the product's defaults turn both suspects off).")
     elif failed("flux-path-as-crashed"):
@@ -220,4 +236,6 @@ def triage_verdict(statuses: dict[str, str]) -> list[str]:
     elif ok("flux-path-as-crashed"):
         lines.append("The FLUX path passes at reduced depth: the crash needs the real depth (memory, or a kernel "
                      "chosen for its shapes); the real-size bench-flux-dev decides.")
+    if statuses.get("bench-flux-dev") == "ok" and failed("flux-path-as-crashed"):
+        lines.append("FLUX.1-dev at real size runs under the product's defaults (bench-flux-dev ok).")
     return lines or ["No case failed so far."]
