@@ -6,14 +6,15 @@ its own under its own time cap, and keeps every outcome in the repo until the ta
     python -m jagg_core.gpu_check --reduced              # the same at toy size on any machine, with a simulated
                                                          # crash and hang (ledger and outputs in gpu_check/)
 
-The ledger (:mod:`.ledger`) is ``docs/gpu/*.json``; the order puts the device first, then the triage's cases not yet ok,
-the other steps last failed, then those never measured, then those measured ok under other settings than the product's
-today (:mod:`.settings`); a step starts only while its cap fits in what is left of ``--budget``. Each step
-(:mod:`.steps`, :mod:`.triage`) is a process of its own (:class:`.driver.StepProcess`): a CUDA error is its ``failed``
-row, a dead process a ``crashed`` row, one past its cap is killed (with its children) and ``timed out``; the next step
-starts in a fresh process with a fresh CUDA context. The steps whose figures are not seconds (the isolated triage cases,
-the memory peaks of unquantized presets, the tiny runs) run side by side, up to ``--parallel`` (4 on a GPU, 1 on a CPU)
-at once within 85% of the GPU's memory, each in its own process and CUDA context; the timed ones run alone. The steps:
+The ledger (:mod:`.ledger`) is ``docs/gpu/*.json``; the order puts the device first, then the triage's cases not yet
+answered (a failure is an answer), the other steps last failed, then those never measured, then those measured ok under
+other settings than the product's today (:mod:`.settings`); a step starts only while its cap fits in what is left of
+``--budget``. Each step (:mod:`.steps`, :mod:`.triage`) is a process of its own (:class:`.driver.StepProcess`): a CUDA
+error is its ``failed`` row, a dead process a ``crashed`` row, one past its cap is killed (with its children) and
+``timed out``; the next step starts in a fresh process with a fresh CUDA context. The steps whose figures are not
+seconds (the isolated triage cases, the memory peaks of unquantized presets, the tiny runs) run side by side, up to
+``--parallel`` (4 on a GPU, 1 on a CPU) at once within 85% of the GPU's memory, each in its own process and CUDA
+context; the timed ones run alone. The steps:
 
 1. ``device``: the GPU, its memory, CUDA, cuDNN and library versions.
 2. ``triage-*``: the FLUX.1-dev crash taken apart (:mod:`.triage`): attention alone under each SDPA backend,

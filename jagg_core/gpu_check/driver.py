@@ -138,7 +138,7 @@ def run_check(out: Path, options: CheckOptions, budget_s: float = DEFAULT_BUDGET
     tables()
     start, rows, not_started = time.perf_counter(), [], []
     while queue:
-        left = budget_s - (time.perf_counter() - start)
+        left = max(0.0, budget_s - (time.perf_counter() - start))
         too_long = [s for s in queue if cap[s.name] > left]  # the time left only shrinks: never started
         not_started += [f"{s.name} ({cap[s.name]:g} s > {left:.0f} s)" for s in too_long]
         queue = [s for s in queue if s not in too_long]

@@ -7,7 +7,9 @@ last outcome is that of its rows in the newest file that has it (:func:`step_sta
 budget was spent do not count (the step was not run). Files of the other size (``--reduced`` or not) are ignored.
 
 :func:`plan_order` then puts first what is not yet known: the device (seconds; it says which machine this is),
-the triage's cases not yet ok (they diagnose the failures), the other steps whose last outcome was not ``ok``
+the triage's cases not yet run or cut short by their cap (they diagnose the failures; a case that failed or
+crashed is a finding, as much as one that passed, and runs again only when asked for by name, e.g. under another
+torch or cuDNN), the other steps whose last outcome was not ``ok``
 (each a failure a user can meet: whether its fix holds is known first; those whose process or CUDA context died
 before the others, the failures the triage is about), then the steps never measured, then those measured ok under
 other settings than the product's today (:mod:`.settings`: a default, a preset or a kernel key changed since; or
@@ -25,6 +27,9 @@ from .common import NOT_OK, CheckOptions, Step
 from .settings import changed_settings, describe_changes
 
 BUDGET_SKIP = "budget"
+#: a triage case's outcomes that answer its question (its kernel ran and passed, raised, or killed the process);
+#: ``timed out`` answers nothing
+TRIAGE_FINDINGS = ("ok", "failed", "crashed")
 
 
 @dataclass(frozen=True)
@@ -83,8 +88,8 @@ def read_ledger(folders: list[Path], options: CheckOptions) -> dict[str, Outcome
 
 def plan_order(steps: list[Step], ledger: dict[str, Outcome], settings: dict[str, dict | None],
                only: list[str] | None = None) -> list[Step]:
-    """The steps to run, in order: ``only`` as given, else the device, the triage's cases not yet ok, the other
-    last failed, the never measured, the stale (see the module docstring); ``settings``: each step's today
+    """The steps to run, in order: ``only`` as given, else the device, the triage's cases not yet answered, the
+    other last failed, the never measured, the stale (see the module docstring); ``settings``: each step's today
     (:func:`~.settings.step_settings`)."""
     if only:
         return [next(step for step in steps if step.name == name) for name in only]
@@ -98,9 +103,15 @@ def plan_order(steps: list[Step], ledger: dict[str, Outcome], settings: dict[str
             return 4
         return 1 if cuda_failure(ledger[step.name]) else 2
 
-    pending = [step for step in steps if step.name != "device" and
-               (step.name not in ledger or ledger[step.name].status != "ok"
-                or stale_changes(ledger[step.name], settings, step.name))]
+    def done(step: Step) -> bool:
+        last = ledger.get(step.name)
+        if last is None:
+            return False
+        if step.table == "triage" and last.status in TRIAGE_FINDINGS:
+            return True
+        return last.status == "ok" and not stale_changes(last, settings, step.name)
+
+    pending = [step for step in steps if step.name != "device" and not done(step)]
     return [step for step in steps if step.name == "device"] + sorted(pending, key=group)  # stable: registration
 
 
