@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -327,6 +328,9 @@ def test_a_reduced_check_runs_each_kind_of_real_size_step_and_writes_its_tables(
     assert jagg["window"] == 5 and jagg["joint"] and 0 < jagg["grad_cosine"] < 0.9999
     assert exact["grad_cosine"] == pytest.approx(1)
     assert jagg["train_s"] > 0 and jagg["iteration_speedup"] > 0
+    log = (tmp_path / "bench-sd35-medium.log").read_text()  # where the step's time went, for the next lease's caps
+    assert re.search(r"\[bench\] random:sd35-medium@1: set up and first rollout in \d+\.\d s", log)
+    assert re.search(r"1 warm-up and 2 timed repeat\(s\) of 2 variants in \d+\.\d s", log)
 
     memory = rows[("memory-sd35-medium-pickscore-nft-24gb", None)]  # a forward process's; an int8 base's: test_memory.py
     assert memory["status"] == "ok", memory

@@ -32,7 +32,7 @@ def run_bench(options: BenchOptions, threads: int = 2, log=print) -> list[dict]:
     for index, model in enumerate(options.models if options.train_phase else []):
         variants = options.grid(index)
         log(f"[bench] {model}: train phase, {len(variants)} variants x {options.repeats} repeats")
-        rows += bench_train_phase(model, variants, options, threads)
+        rows += bench_train_phase(model, variants, options, threads, log)
     if options.iterations and options.seeds:
         for model in options.models:
             setups = iteration_setups(bench_config(model, options.overrides))

@@ -27,10 +27,11 @@ def memory_basis(device: torch.device) -> str:
 ROLLOUT = "rollout"
 
 
-def peak_memory(work: Workload, variants: list[Variant]) -> dict[str, dict[str, float]]:
+def peak_memory(work: Workload, variants: list[Variant], warm_up: bool = True) -> dict[str, dict[str, float]]:
     """Base and peak memory (MB = 2^20 bytes) of a rollout (key :data:`ROLLOUT`) and of each variant's backward
-    (key: its label), after one exact backward as warm-up."""
-    work.backward(EXACT)
+    (key: its label), after one exact backward as warm-up (``warm_up=False``: the workload has run one)."""
+    if warm_up:
+        work.backward(EXACT)
     figures = {}
     for key, run in [(ROLLOUT, work.rollout), *((v.label, lambda v=v: work.backward(v)) for v in variants)]:
         with PeakMemory(work.device) as meter:
@@ -40,10 +41,11 @@ def peak_memory(work: Workload, variants: list[Variant]) -> dict[str, dict[str, 
 
 
 def measure_memory(work: Workload, variants: list[Variant], threads: int) -> dict[str, dict[str, float]]:
-    """:func:`peak_memory` of ``work``: in this process on a GPU; on a CPU in a fresh subprocess with
-    :data:`MALLOC_ENV` that rebuilds the same workload (same model, seeds and rollout)."""
+    """:func:`peak_memory` of ``work``, which has run every variant (:func:`~.workload.time_variants`): in this
+    process on a GPU, warm already; on a CPU in a fresh subprocess with :data:`MALLOC_ENV` that rebuilds the same
+    workload (same model, seeds and rollout)."""
     if work.device.type == "cuda":
-        return peak_memory(work, variants)
+        return peak_memory(work, variants, warm_up=False)
     with tempfile.TemporaryDirectory() as tmp:
         spec = Path(tmp) / "spec.json"
         spec.write_text(json.dumps({"model": work.model_name, "overrides": work.overrides,

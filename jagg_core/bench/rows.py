@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 import tempfile
+import time
 
 from ..audit import gradient_agreement
 from .memory import ROLLOUT, measure_memory, memory_basis
@@ -45,10 +46,20 @@ def train_phase_rows(work: Workload, variants: list[Variant], seconds, gradients
     return rows
 
 
-def bench_train_phase(model: str, variants: list[Variant], options: BenchOptions, threads: int) -> list[dict]:
-    """Train-phase rows of ``model``: timings and gradients here, peak memory per :func:`measure_memory`."""
+def bench_train_phase(model: str, variants: list[Variant], options: BenchOptions, threads: int,
+                      log=lambda line: None) -> list[dict]:
+    """Train-phase rows of ``model``: timings and gradients here, peak memory per :func:`measure_memory`; ``log``
+    gets the seconds of each phase (set-up, timing, memory: where a GPU check step's time went)."""
     with tempfile.TemporaryDirectory() as run_dir:
+        start = time.perf_counter()
         work = Workload(model, run_dir, options.overrides)
+        log(f"[bench] {model}: set up and first rollout in {time.perf_counter() - start:.1f} s")
+        start = time.perf_counter()
         seconds, gradients, plans, rollouts = time_variants(work, variants, options.repeats, options.warmup)
+        log(f"[bench] {model}: {options.warmup} warm-up and {options.repeats} timed repeat(s) of "
+            f"{len(variants)} variants in {time.perf_counter() - start:.1f} s")
+        start = time.perf_counter()
         memory = measure_memory(work, variants, threads) if options.memory else {}
+        if options.memory:
+            log(f"[bench] {model}: peak memory in {time.perf_counter() - start:.1f} s")
         return train_phase_rows(work, variants, seconds, gradients, plans, rollouts, memory)

@@ -9,6 +9,7 @@ import math
 import os
 import re
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -182,7 +183,8 @@ def bench_rows(arch: str, options: CheckOptions, layers: int | None = None, quan
     bench = BenchOptions(models=[model], overrides=tuple(overrides), repeats=repeats, warmup=warmup,
                          memory=device.type == "cuda", iterations=0)
     jagg = Variant("cached", window=BENCH_WINDOW, joint=True)
-    rows = bench_train_phase(model, [EXACT, jagg], bench, options.threads)
+    rows = bench_train_phase(model, [EXACT, jagg], bench, options.threads,
+                             log=lambda line: print(line, file=sys.stderr, flush=True))  # into STEP.log
     resolution = next(int(o.split("=")[1]) for o in overrides if o.startswith("sampling.resolution="))
     return [{"status": "ok", "arch": arch, "resolution": resolution, "quantize": quantize or "none", **row}
             for row in rows if not jagg_only or row["mode"] != "exact"]
