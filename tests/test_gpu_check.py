@@ -47,7 +47,8 @@ def test_the_check_has_a_step_for_each_figure_the_issue_asks_for():
     triage = [n for n in names if n.startswith("triage-")]
     backends = ("cudnn", "flash", "efficient", "math")
     assert {f"triage-sdpa-{b}-{t}" for b in backends for t in (1101, 1152)} <= set(triage)
-    assert {"triage-lora-rank4", "triage-lora-rank16", "triage-flux-path-as-crashed"} <= set(triage)
+    assert {"triage-lora-rank4", "triage-lora-rank16", "triage-flux-path-as-crashed",
+            "triage-sdpa-cudnn-1101-permuted", "triage-sdpa-cudnn-1152-permuted"} <= set(triage)
     assert set(memory_presets()) == {"sd35-medium-pickscore-16gb", "flux-dev-pickscore-24gb",
                                      "qwen-image-pickscore-24gb", "flux2-klein-pickscore-24gb",
                                      "zimage-turbo-pickscore-24gb", "wan21-t2v-1.3b-pickscore-24gb",
@@ -65,7 +66,7 @@ def test_the_check_has_a_step_for_each_figure_the_issue_asks_for():
     while queue:
         batches.append(next_batch(queue, 4, 0.85 * 139))
         queue = [s for s in queue if s not in batches[-1]]
-    assert len(isolated) == 10 and sum(max(s.cap_s for s in b) for b in batches) <= 180  # apart within 3 minutes
+    assert len(isolated) == 12 and sum(max(s.cap_s for s in b) for b in batches) <= 180  # apart within 3 minutes
     timed = [s for s in steps if s.table in ("device", "bench", "quantize") or s.name.startswith("triage-flux-path")]
     assert all(s.shares_gb is None for s in timed)  # their seconds are figures, or the crash may be memory: alone
     alone = {s.name for s in steps if s.table == "memory" and s.shares_gb is None}
@@ -154,8 +155,9 @@ def test_the_committed_ledger_marks_what_each_check_measured_with_its_date_and_n
     assert "| triage-flux-path-no-cudnn-sdpa | ok | - | - | JAGG W=5 cached joint, model.cudnn_attention=false" in table
     # the triage has answered: the next check starts with what is not yet measured, not with the FLUX path's failures
     order = [step.name for step in plan_order(all_steps(CheckOptions()), ledger, today())]
-    assert order[:3] == ["device", "memory-flux-kontext-clipdir-24gb", "memory-qwen-image-edit-clipdir-24gb"]
-    assert not any(name.startswith("triage-") for name in order) and "bench-flux-dev" not in order
+    assert order[:4] == ["device", "triage-sdpa-cudnn-1101-permuted", "triage-sdpa-cudnn-1152-permuted",
+                         "memory-flux-kontext-clipdir-24gb"]
+    assert len([name for name in order if name.startswith("triage-")]) == 2 and "bench-flux-dev" not in order
 
 
 def test_a_crash_and_a_hang_leave_their_rows_and_the_next_step_still_runs(tmp_path):
@@ -227,8 +229,24 @@ def test_the_triage_runs_on_a_cpu_at_toy_size_side_by_side_and_skips_the_kernels
     assert lora["status"] == "ok" and lora["rank"] == 4 and lora["grad_down_err"] < 1e-3
 
 
+
+def test_the_permuted_attention_case_computes_attention_on_diffusers_layout_and_a_cpu_answers_nothing(tmp_path):
+    from jagg_core.gpu_check.triage import attention_case
+    for permuted in (False, True):  # the same math on views and on copies (float32 on a CPU)
+        row, = attention_case("math", 1152, REDUCED, permuted=permuted)
+        assert row["status"] == "ok" and row["out_err"] < 1e-5 and row["grad_err"] < 1e-5, row
+        assert row["layout"] == ("permuted" if permuted else "contiguous") and row["tokens"] == 1152 // 16
+    skipped, = attention_case("cudnn", 1101, REDUCED, permuted=True)
+    assert skipped["status"] == "skipped" and skipped["step"] == "triage-sdpa-cudnn-1101-permuted"
+    write_record(tmp_path, "cpu", "2026-12-05", [skipped], reduced=True)
+    ledger = read_ledger([tmp_path], REDUCED)
+    table = format_tables(ledger, all_steps(REDUCED), REDUCED, today(REDUCED))
+    assert "- The triage has not answered yet" in table and "passes on diffusers' permuted layout" not in table
+    assert "| triage-sdpa-cudnn-1101-permuted | skipped: no cudnn kernel" in table and ", permuted views |" in table
+
+
 @pytest.mark.parametrize("outcome, says", [
-    ({}, "has not run yet"),
+    ({}, "has not answered yet"),
     ({"triage-sdpa-cudnn-1101": "crashed", "triage-sdpa-cudnn-1152": "ok", "triage-lora-rank4": "ok"},
      "cuDNN SDPA fails only at lengths not a multiple of 128: keep cuDNN attention out on this device (the "
      "product's default model.cudnn_attention=false)"),
@@ -247,6 +265,12 @@ def test_the_triage_runs_on_a_cpu_at_toy_size_side_by_side_and_skips_the_kernels
      "model's own inputs"),
     ({"triage-flux-path-as-crashed": "failed", "triage-flux-path-no-cudnn-sdpa": "ok", "bench-flux-dev": "ok"},
      "FLUX.1-dev at real size runs under the product's defaults (bench-flux-dev ok)."),
+    ({"triage-sdpa-cudnn-1101": "ok", "triage-sdpa-cudnn-1152": "ok", "triage-sdpa-cudnn-1101-permuted": "failed",
+      "triage-sdpa-cudnn-1152-permuted": "crashed"},
+     "cuDNN attention fails on the layout diffusers hands to SDPA (permuted views; sdpa-cudnn-1101-permuted, "
+     "sdpa-cudnn-1152-permuted), and passes on contiguous tensors of the same shapes: the layout is the trigger"),
+    ({"triage-sdpa-cudnn-1101-permuted": "ok", "triage-sdpa-cudnn-1152-permuted": "ok"},
+     "cuDNN attention passes on diffusers' permuted layout too: the trigger is elsewhere"),
     ({"triage-flux-path-as-crashed": "failed", "triage-flux-path-no-cudnn-sdpa": "failed"}, "neither suspect"),
     ({"triage-flux-path-as-crashed": "ok"}, "needs the real depth"),
 ])
@@ -361,7 +385,7 @@ def test_an_unknown_step_or_a_parallel_below_one_is_one_line(tmp_path):
 def test_the_tables_read_without_a_gpu_or_a_ledger():
     text = format_tables({}, all_steps(CheckOptions()), CheckOptions(), today())
     assert text.startswith("GPU check (real size). Last device: device not checked.")
-    assert "| device | 30 | never measured | - | - |" in text and "The triage has not run yet." in text
+    assert "| device | 30 | never measured | - | - |" in text and "The triage has not answered yet" in text
 
 
 def test_the_script_runs_the_check_into_its_folder_and_its_archive_and_the_next_call_resumes(tmp_path):

@@ -223,7 +223,8 @@ def format_tables(ledger: dict[str, Outcome], steps: list[Step], options: CheckO
                               _f(ledger[s.name].seconds, ".0f") if s.name in ledger else "-"] for s in steps])]
     rows = {table: [row for s in steps if s.table == table and s.name in ledger for row in ledger[s.name].rows]
             for table in {s.table for s in steps}}
-    statuses = {name: outcome.status for name, outcome in ledger.items()}
+    statuses = {name: "skipped" if all(row["status"] == "skipped" for row in outcome.rows) else outcome.status
+                for name, outcome in ledger.items()}  # a kernel this device lacks answers nothing
     parts.append("Triage of the FLUX.1-dev crash:\n\n" + "\n".join(f"- {line}" for line in triage_verdict(statuses)))
     if rows.get("triage"):
         parts.append(markdown_table(["triage case", "status", "out err", "grad err", "shape"],
@@ -268,7 +269,8 @@ def _shape(row: dict) -> str:
     if "rank" in row:
         return f"rank {row['rank']}, {row['rows']} x {row['width']}, {row['dtype']}"
     if "tokens" in row:
-        return f"{row['samples']} x {row['heads']} heads x {row['tokens']} tokens x {row['head_dim']}, {row['dtype']}"
+        return (f"{row['samples']} x {row['heads']} heads x {row['tokens']} tokens x {row['head_dim']}, {row['dtype']}"
+                + (", permuted views" if row.get("layout") == "permuted" else ""))
     return f"{_backward(row)}, {row['setting']}" if "setting" in row else "-"
 
 

@@ -14,7 +14,11 @@ LoRA linear. The suspects:
 * then the project's own FLUX path (:func:`jagg_core.bench.bench_train_phase`, the bench's exact and JAGG W = 5
   backward) at the real width and :data:`FLUX_PATH_LAYERS` blocks, as it crashed and without each suspect, each
   set by the product's keys ``model.cudnn_attention`` and ``model.bf16_reduced_precision_reduction``
-  (:data:`FLUX_PATH_SETTINGS`), whose defaults turn both suspects off until the triage says which it was.
+  (:data:`FLUX_PATH_SETTINGS`), whose defaults turn both suspects off;
+* on an H200 (2026-12-04) the path failed with cuDNN attention and ran without it, while the contiguous attention
+  cases all passed: the ``triage-sdpa-cudnn-TOKENS-permuted`` cases run cuDNN attention alone on the layout
+  diffusers hands to SDPA (permuted views of ``samples x tokens x heads x head_dim`` tensors), to tell whether that
+  layout is the trigger.
 
 Each case is a step of its own: its own process, ``CUDA_LAUNCH_BLOCKING=1`` (the error surfaces at the kernel that
 made it), a 20 s cap (60 s for the FLUX path); an error from the kernel is its row and the next case starts with
@@ -61,10 +65,12 @@ SUSPECTS = {
     "no-bf16-split-k": ("cuBLAS bf16 split-K", "model.bf16_reduced_precision_reduction",
                         [f"lora-rank{rank}" for rank in LORA_RANKS]),
 }
+#: the cuDNN attention cases in diffusers' layout (:func:`attention_case` with ``permuted``)
+PERMUTED_CASES = [f"sdpa-cudnn-{tokens}-permuted" for tokens in TRIAGE_TOKENS]
 #: what torch raises when the chosen backend has no kernel for the inputs (a device that lacks it)
 NO_KERNEL = ("No available kernel", "No viable backend")
 #: an isolated kernel's case: a process start, torch and CUDA up (four processes at once), a kernel and its float32
-#: reference; the 10 of them, four at a time, tell the suspects apart within 60 s (200 s one at a time)
+#: reference; the 12 of them, four at a time, tell the suspects apart within 60 s (240 s one at a time)
 ISOLATED_CAP_S = 20
 #: an isolated case's GPU memory (its float32 reference at 16 x 24 x 1,152 x 128 is 0.23 GB a tensor): they share
 #: the GPU; the FLUX path runs alone (its crash may come from the memory it takes)
@@ -77,6 +83,9 @@ def triage_steps() -> list[Step]:
     sdpa = [Step(f"triage-sdpa-{backend}-{tokens}", "triage", functools.partial(attention_case, backend, tokens),
                  cap_s=ISOLATED_CAP_S, reduced_cap_s=60, env=LAUNCH_BLOCKING, shares_gb=ISOLATED_GB)
             for tokens in TRIAGE_TOKENS for backend in SDPA_BACKENDS]
+    sdpa += [Step(f"triage-sdpa-cudnn-{tokens}-permuted", "triage",
+                  functools.partial(attention_case, "cudnn", tokens, permuted=True), cap_s=ISOLATED_CAP_S,
+                  reduced_cap_s=60, env=LAUNCH_BLOCKING, shares_gb=ISOLATED_GB) for tokens in TRIAGE_TOKENS]
     lora = [Step(f"triage-lora-rank{rank}", "triage", functools.partial(lora_case, rank), cap_s=ISOLATED_CAP_S,
                  reduced_cap_s=60, env=LAUNCH_BLOCKING, shares_gb=ISOLATED_GB) for rank in LORA_RANKS]
     path = [Step(f"triage-flux-path-{setting}", "triage", functools.partial(flux_path_case, setting), cap_s=60,
@@ -108,30 +117,39 @@ def _judge(row: dict, errors: dict[str, float], dtype) -> dict:
     return row
 
 
-def attention_case(backend: str, tokens: int, options: CheckOptions) -> list[dict]:
+def attention_case(backend: str, tokens: int, options: CheckOptions, permuted: bool = False) -> list[dict]:
     """FLUX's attention alone (self-attention of ``samples x heads x tokens x head_dim``, forward and backward)
-    under one SDPA backend, against the float32 MATH backend on the same inputs."""
+    under one SDPA backend, against the float32 MATH backend on the same inputs. ``permuted``: in the layout
+    diffusers hands to SDPA (its native attention backend): query, key, value and the output's gradient are
+    ``samples x tokens x heads x head_dim`` tensors seen through ``permute(0, 2, 1, 3)``, not contiguous; the
+    cuDNN attention that failed in FLUX's path passed on contiguous tensors."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
     device = torch_device()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shape = _shape(options, tokens)
-    row = {"step": f"triage-sdpa-{backend}-{tokens}", "status": "ok", "backend": backend,
-           "device_type": device.type, "dtype": str(dtype).removeprefix("torch."), **shape}
+    row = {"step": f"triage-sdpa-{backend}-{tokens}" + ("-permuted" if permuted else ""), "status": "ok",
+           "backend": backend, "layout": "permuted" if permuted else "contiguous", "device_type": device.type,
+           "dtype": str(dtype).removeprefix("torch."), **shape}
     generator = torch.Generator(device).manual_seed(0)
-    size = (shape["samples"], shape["heads"], shape["tokens"], shape["head_dim"])
+    size = (shape["samples"], shape["tokens"], shape["heads"], shape["head_dim"])
     inputs = [torch.randn(size, device=device, generator=generator) for _ in range(3)]
     grad_out = torch.randn(size, device=device, generator=generator)
 
+    def heads_first(tensor):
+        """samples x heads x tokens x head_dim: a view (diffusers' layout) or a contiguous copy."""
+        view = tensor.permute(0, 2, 1, 3)
+        return view if permuted else view.contiguous()
+
     def attention(kernel: str, tensors_dtype):
-        query, key, value = (t.to(tensors_dtype).requires_grad_() for t in inputs)
+        leaves = [t.to(tensors_dtype).requires_grad_() for t in inputs]
         with sdpa_kernel(getattr(SDPBackend, kernel)):
-            out = F.scaled_dot_product_attention(query, key, value)
-            out.backward(grad_out.to(tensors_dtype))
+            out = F.scaled_dot_product_attention(*(heads_first(leaf) for leaf in leaves))
+            out.backward(heads_first(grad_out.to(tensors_dtype)))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        return out.detach(), query.grad
+        return out.detach(), leaves[0].grad
 
     try:
         out, grad = attention(SDPA_BACKENDS[backend], dtype)
@@ -196,10 +214,10 @@ def triage_verdict(statuses: dict[str, str]) -> list[str]:
     def ok(case):
         return statuses.get(f"triage-{case}") == "ok"
 
-    cases = [f"sdpa-{b}-{t}" for t in TRIAGE_TOKENS for b in SDPA_BACKENDS]
+    cases = [f"sdpa-{b}-{t}" for t in TRIAGE_TOKENS for b in SDPA_BACKENDS] + PERMUTED_CASES
     cases += [f"lora-rank{r}" for r in LORA_RANKS] + [f"flux-path-{s}" for s in FLUX_PATH_SETTINGS]
     if not any(ok(c) or failed(c) for c in cases):
-        return ["The triage has not run yet."]
+        return ["The triage has not answered yet: not run, or its kernels are not on this device."]
     lines = []
     short, aligned = TRIAGE_TOKENS
     if failed(f"sdpa-cudnn-{short}"):
@@ -219,12 +237,13 @@ def triage_verdict(statuses: dict[str, str]) -> list[str]:
                      + ".")
     fixes = [s for s in FLUX_PATH_SETTINGS if s != "as-crashed" and ok(f"flux-path-{s}")]
     cleared = [s for s in FLUX_PATH_SETTINGS if s != "as-crashed" and failed(f"flux-path-{s}")]
+    permuted_failed = [case for case in PERMUTED_CASES if failed(case)]
     if failed("flux-path-as-crashed") and len(fixes) == 1 and cleared:
         suspect, key, alone = SUSPECTS[fixes[0]]
         lines.append(f"The cause is {suspect}: the FLUX path fails as it crashed and with {cleared[0]}, and "
                      f"passes with {fixes[0]}; {key}=false stays the product's default, and "
                      f"{SUSPECTS[cleared[0]][0]} is cleared.")
-        if all(ok(case) for case in alone):
+        if all(ok(case) for case in alone) and not permuted_failed:
             lines.append(f"{suspect} alone ({', '.join(alone)}) passes at the crashed shapes: the failure needs the "
                          "model's own inputs, so the key stays off for every model rather than for some lengths.")
     elif failed("flux-path-as-crashed") and fixes:
@@ -236,6 +255,14 @@ def triage_verdict(statuses: dict[str, str]) -> list[str]:
     elif ok("flux-path-as-crashed"):
         lines.append("The FLUX path passes at reduced depth: the crash needs the real depth (memory, or a kernel "
                      "chosen for its shapes); the real-size bench-flux-dev decides.")
+    if permuted_failed:
+        lines.append(f"cuDNN attention fails on the layout diffusers hands to SDPA (permuted views; "
+                     f"{', '.join(permuted_failed)})" + (", and passes on contiguous tensors of the same shapes: "
+                     "the layout is the trigger" if all(ok(f"sdpa-cudnn-{t}") for t in TRIAGE_TOKENS) else "")
+                     + "; a report for pytorch/cuDNN can be made from that case alone.")
+    elif all(ok(case) for case in PERMUTED_CASES):
+        lines.append("cuDNN attention passes on diffusers' permuted layout too: the trigger is elsewhere in the "
+                     "model's path (next: gradient checkpointing's recompute, the joint pass's batch).")
     if statuses.get("bench-flux-dev") == "ok" and failed("flux-path-as-crashed"):
         lines.append("FLUX.1-dev at real size runs under the product's defaults (bench-flux-dev ok).")
     return lines or ["No case failed so far."]
