@@ -53,10 +53,10 @@ def process_choices() -> tuple[int, int]:
     return 1, psutil.cpu_count(logical=False) or 1
 
 
-def placement_for(config, processes: int):
+def placement_for(config, processes: int, plan=None):
     """How a run of ``config`` uses ``processes`` processes, and why, in words: data parallel when the memory plan
-    fits the smallest free memory of the GPUs, the transformer sharded (FSDP) when it does not; on a CPU always data
-    parallel."""
+    (``plan``, made here when not given) fits the smallest free memory of the GPUs, the transformer sharded (FSDP)
+    when it does not; on a CPU always data parallel."""
     from jagg_core.memory_plan import GB, fits, plan_memory  # torch: loaded on first use
 
     from .jobs import Placement
@@ -64,7 +64,7 @@ def placement_for(config, processes: int):
     free_gb = gpu_free_gb(processes) if processes > 1 else None
     if free_gb is None:
         return Placement(processes), ""
-    plan = plan_memory(config)
+    plan = plan or plan_memory(config)
     planned = plan.total / GB
     if fits(plan, free_gb):
         return Placement(processes), (f"data parallel: the plan ({planned:.1f} GB and a CUDA context) fits each GPU "

@@ -193,14 +193,19 @@ def _form(values) -> Form:
                 knobs={k.key: value for k, value in zip(KNOBS, values[len(FORM_FIELDS):])})
 
 
-def _memory_warning(config) -> str:
-    """On a GPU machine, a warning when the run's memory plan does not fit the free GPU memory (the run starts
+def _gpu_memory_plan(config):
+    """The memory plan of a run of ``config`` on this machine's GPUs; None without a GPU."""
+    from jagg_core.memory_plan import plan_memory  # torch: loaded on first use
+    return plan_memory(config) if gpu_free_gb() is not None else None
+
+
+def _memory_warning(config, plan) -> str:
+    """With ``plan`` (:func:`_gpu_memory_plan`), a warning when it does not fit the free GPU memory (the run starts
     anyway: the plan is an estimate); nothing without a GPU."""
-    from jagg_core.memory_plan import check_fits, plan_memory  # torch: loaded on first use
-    free = gpu_free_gb()
-    if free is None:
+    from jagg_core.memory_plan import check_fits
+    if plan is None:
         return ""
-    verdict = check_fits(plan_memory(config), config, free)
+    verdict = check_fits(plan, config, gpu_free_gb())
     return f" **Warning: {verdict}.**" if verdict.startswith("does not fit") else ""
 
 def _processes(value) -> int:
@@ -278,8 +283,9 @@ class Studio:
         run_dir = self.jobs.new_run_dir(form.name or form.preset)
         try:
             config, download = checked_config(form, run_dir)
-            warning = _memory_warning(config) if training is None else ""
-            placement, why = placement_for(config, processes)
+            plan = _gpu_memory_plan(config) if training is None or processes > 1 else None  # one plan for both
+            warning = _memory_warning(config, plan) if training is None else ""
+            placement, why = placement_for(config, processes, plan)
             RunDirectory(run_dir).write_config(config.to_yaml())
             if training is not None:
                 queue_placement(run_dir, placement)

@@ -517,8 +517,13 @@ def test_the_page_reads_the_gpus_from_nvidia_smi_and_plans_and_places_runs_again
     assert process_choices() == (1, 2)
     verdict = studio.plan(*_studio_values()).splitlines()[0]
     assert re.fullmatch(r"\*\*fits: planned peak \d+\.\d GB \+ 0\.55 GB CUDA context of 8\.6 GB\*\*", verdict), verdict
+    import jagg_core.memory_plan
+    plans = []
+    monkeypatch.setattr(jagg_core.memory_plan, "plan_memory",
+                        lambda config, real=jagg_core.memory_plan.plan_memory: plans.append(real(config)) or plans[-1])
     message, _ = studio.start(*_studio_values(), 2)
     assert studio.launched[-1][2] == Placement(2) and "fits each GPU (8.6 GB free)" in message, message
+    assert len(plans) == 1  # Start plans once, for its warning and for the placement
 
 
 def test_the_compare_section_overlays_tabulates_and_shows_the_grids_of_the_chosen_runs(tmp_path, studio):
