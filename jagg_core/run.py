@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from .config import DEFAULT_PRESET, RunConfig, list_presets, load_config
-from .errors import UserError, exit_on_user_error
+from .errors import UserError, exit_on_user_error, fixable_gpu_failure
 from .preflight import check_model, check_references
 from .run_queue import RunQueue, runs_dir
 from .rundir import RunDirectory
@@ -191,8 +191,11 @@ def train(config: RunConfig, run_dir: Path, resume: bool, doctor_only: bool = Fa
                             f"with --resume --output-dir {run_dir}") from None
         raise
     except BaseException as err:
+        fixable = fixable_gpu_failure(err, run_dir, config.model.cudnn_attention)
         if is_main:
-            _record_end(run, "failed", f"{type(err).__name__}: {err}")
+            _record_end(run, "failed", fixable or f"{type(err).__name__}: {err}")
+        if fixable:
+            raise UserError(fixable) from None
         raise
     finally:
         if trainer is not None:

@@ -31,9 +31,13 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
 #: Runs ``jagg_core.run`` with one fault: ``HOOK:N`` kills the process (SIGKILL) right after the metrics row of
 #: iteration N is appended, or inside the checkpoint of iteration N before it is renamed into place; ``disk-full:N``
-#: makes that checkpoint's write fail with ENOSPC; ``startup-kill`` and ``startup-term`` send SIGKILL / SIGTERM while
-#: the model loads, before the run has a status.
-INJECT = """
+#: makes that checkpoint's write fail with ENOSPC; ``gpu-oom:N`` makes iteration N's rollout raise torch's CUDA
+#: out-of-memory error; ``startup-kill`` and ``startup-term`` send SIGKILL / SIGTERM while the model loads, before the
+#: run has a status.
+#: torch's message when a CUDA allocation fails (on a 24 GB card)
+OUT_OF_MEMORY = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 23.57 GiB of which "
+                 "1.06 GiB is free. Including non-PyTorch memory, this process has 22.50 GiB memory in use.")
+INJECT = f"OUT_OF_MEMORY = {OUT_OF_MEMORY!r}" + """
 import os, signal, sys
 from jagg_core import rundir
 hook, _, at = sys.argv[1].partition(":")
@@ -67,6 +71,15 @@ elif hook == "in-checkpoint":
                 die()
         return write(self, iteration, half, keep)
     rundir.RunDirectory.write_checkpoint = patched
+elif hook == "gpu-oom":
+    import torch
+    import jagg_core.trainer as trainer
+    rollout = trainer.Trainer.rollout
+    def patched(self, iteration):
+        if iteration == at:
+            raise torch.OutOfMemoryError(OUT_OF_MEMORY)
+        return rollout(self, iteration)
+    trainer.Trainer.rollout = patched
 else:
     import jagg_core.trainer as trainer
     load = trainer.load_flow_model
@@ -156,6 +169,41 @@ def test_a_full_disk_fails_in_one_line_cleans_up_and_resumes_to_the_unkilled_ada
     assert [row[metrics.ITERATION] for row in RunDirectory(run_dir).read_metrics()] == [0, 1, 2, 3]
     expected, got = adapter(unkilled), adapter(run_dir)
     assert all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+def test_out_of_gpu_memory_fails_in_one_line_naming_the_plan_that_says_what_fits_and_the_resume(tmp_path):
+    run_dir = tmp_path / "run"
+    failed = run(run_dir, hook="gpu-oom:2")
+    assert failed.returncode == 2 and "Traceback" not in failed.stderr, failed.stderr[-3000:]
+    line = failed.stderr.strip().splitlines()[-1]
+    assert line.startswith("jagg_core.run: error: out of GPU memory (CUDA out of memory. Tried to allocate 2.00 GiB. "
+                           "GPU 0 has a total capacity of 23.57 GiB of which 1.06 GiB is free); "), line
+    plan_command = f"python -m jagg_core.run --resume --output-dir {run_dir} --plan"
+    assert f"`{plan_command}` shows the run's planned peak" in line and "--set KEY=VALUE" in line
+    status = RunDirectory(run_dir).read_status()
+    assert status["state"] == "failed" and status["message"] == line.removeprefix("jagg_core.run: error: ")
+    assert RunDirectory(run_dir).checkpoint_iterations() == [1]  # iteration 1's adapter is kept to resume from
+    planned = run(run_dir, "--resume", "--plan")  # the command the line names works on the failed run
+    assert planned.returncode == 0 and "planned peak" in planned.stdout, planned.stderr[-3000:]
+
+
+@pytest.mark.parametrize("error, cudnn_attention, says", [
+    (RuntimeError("Expected mha_graph.execute(handle, variant_pack, workspace_ptr.get()).is_good() to be true, but "
+                  "got false.  (Could this error message be improved?  If so, please report an enhancement request "
+                  "to PyTorch.)"), True,
+     "a GPU kernel failed with cuDNN attention on (Expected mha_graph.execute(handle, variant_pack, "
+     "workspace_ptr.get()).is_good() to be true, but got false.); model.cudnn_attention: true made FLUX.1-dev's "
+     "backward fail on an H200, and its default is false: resume with `python -m jagg_core.run --resume "
+     "--output-dir runs/r --set model.cudnn_attention=false`"),
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), True, "with cuDNN attention on"),
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), False, None),  # not the config's doing
+    (RuntimeError("mat1 and mat2 shapes cannot be multiplied"), True, None),
+    (ValueError("CUDA error"), True, None),
+])
+def test_a_gpu_failure_the_config_can_fix_is_one_line_and_others_keep_their_traceback(error, cudnn_attention, says):
+    from jagg_core.errors import fixable_gpu_failure
+    line = fixable_gpu_failure(error, Path("runs/r"), cudnn_attention)
+    assert line is None if says is None else says in line, line
 
 
 def test_sigterm_during_start_up_ends_stopped_with_exit_143(tmp_path):

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from ..errors import without_torch_boilerplate
 from ..report import cell, markdown_table
 from .common import GB, NOT_OK, CheckOptions, Step, one_line
 from .ledger import Outcome, describe_order, plan_order, read_ledger, stale_changes, step_status
@@ -184,13 +185,9 @@ def _f(value, spec: str = ".2f") -> str:
     return cell(value, spec)
 
 
-#: what torch appends to many of its errors; the tables leave it out (the records keep the whole message)
-TORCH_BOILERPLATE = re.compile(r"\s*\(Could this error message be improved\?.*?\)")
-
-
 def _with_reason(status: str, reason: str | None) -> str:
-    """``status: reason`` for a row not ok, less :data:`TORCH_BOILERPLATE`."""
-    return status + (f": {TORCH_BOILERPLATE.sub('', reason)}" if reason and status != "ok" else "")
+    """``status: reason`` for a row not ok, less torch's request for better messages (the records keep it)."""
+    return status + (f": {without_torch_boilerplate(reason)}" if reason and status != "ok" else "")
 
 
 def _status(row: dict) -> str:
