@@ -193,19 +193,13 @@ def _form(values) -> Form:
                 knobs={k.key: value for k, value in zip(KNOBS, values[len(FORM_FIELDS):])})
 
 
-def _gpu_memory_plan(config):
-    """The memory plan of a run of ``config`` on this machine's GPUs; None without a GPU."""
-    from jagg_core.memory_plan import plan_memory  # torch: loaded on first use
-    return plan_memory(config) if gpu_free_gb() is not None else None
-
-
-def _memory_warning(config, plan) -> str:
-    """With ``plan`` (:func:`_gpu_memory_plan`), a warning when it does not fit the free GPU memory (the run starts
-    anyway: the plan is an estimate); nothing without a GPU."""
-    from jagg_core.memory_plan import check_fits
-    if plan is None:
+def _memory_warning(config, plan, free_gb: float | None) -> str:
+    """A warning when the run's memory ``plan`` does not fit ``free_gb`` of GPU memory (the run starts anyway: the
+    plan is an estimate); nothing without a GPU or a plan."""
+    from jagg_core.memory_plan import check_fits  # torch: loaded on first use
+    if plan is None or free_gb is None:
         return ""
-    verdict = check_fits(plan, config, gpu_free_gb())
+    verdict = check_fits(plan, config, free_gb)
     return f" **Warning: {verdict}.**" if verdict.startswith("does not fit") else ""
 
 def _processes(value) -> int:
@@ -283,8 +277,12 @@ class Studio:
         run_dir = self.jobs.new_run_dir(form.name or form.preset)
         try:
             config, download = checked_config(form, run_dir)
-            plan = _gpu_memory_plan(config) if training is None or processes > 1 else None  # one plan for both
-            warning = _memory_warning(config, plan) if training is None else ""
+            free_gb = gpu_free_gb()
+            plan = None
+            if free_gb is not None and (training is None or processes > 1):  # one plan: the warning, the placement
+                from jagg_core.memory_plan import plan_memory  # torch: loaded on first use
+                plan = plan_memory(config)
+            warning = _memory_warning(config, plan, free_gb) if training is None else ""
             placement, why = placement_for(config, processes, plan)
             RunDirectory(run_dir).write_config(config.to_yaml())
             if training is not None:
