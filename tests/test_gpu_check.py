@@ -18,6 +18,8 @@ from jagg_core.config import load_config
 from jagg_core.models.base import ENCODE_BATCH
 from jagg_core.gpu_check import (CheckOptions, all_steps, format_tables, memory_presets, memory_recipe, next_batch,
                                  plan_order, read_ledger, run_check, step_names, triage_verdict)
+from jagg_core.errors import UserError
+from jagg_core.gpu_check.driver import README_END, README_START, write_readme
 from jagg_core.gpu_check.ledger import describe_order
 from jagg_core.gpu_check.settings import CurrentSettings
 from jagg_core.gpu_check.triage import FLUX_PATH_SETTINGS
@@ -158,6 +160,28 @@ def test_the_committed_ledger_marks_what_each_check_measured_with_its_date_and_n
     assert order[:4] == ["device", "triage-sdpa-cudnn-1101-permuted", "triage-sdpa-cudnn-1152-permuted",
                          "memory-flux-kontext-clipdir-24gb"]
     assert len([name for name in order if name.startswith("triage-")]) == 2 and "bench-flux-dev" not in order
+    # what a user reads is the ledger: docs/gpu/gpu_check.md and the README's copy are its tables today
+    assert (ROOT / "docs" / "gpu" / "gpu_check.md").read_text() == table
+    assert f"{README_START}\n\n{table}\n{README_END}\n" in (ROOT / "README.md").read_text()
+
+
+def test_the_table_command_puts_the_tables_into_a_readme_between_its_markers_and_nothing_else(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# A\n\ntext before\n\n{README_START}\nold tables\n\n{README_END}\n\ntext after\n")
+    done = run_gpu_check("--table", "--out", str(tmp_path / "empty"), "--readme", str(readme))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("GPU check (real size). Last device: device not checked.")
+    expected = f"# A\n\ntext before\n\n{README_START}\n\n{done.stdout}\n{README_END}\n\ntext after\n"
+    assert readme.read_text() == expected
+    write_readme(readme, done.stdout)
+    assert readme.read_text() == expected  # again: the same file
+    readme.write_text("# A README without the markers\n")
+    with pytest.raises(UserError, match="has no line .* followed later by a line"):
+        write_readme(readme, done.stdout)
+    assert readme.read_text() == "# A README without the markers\n"
+    done = run_gpu_check("--readme", str(readme))
+    assert done.returncode == 2 and "Traceback" not in done.stderr and "--readme goes with --table" in done.stderr
+
 
 
 def test_a_crash_and_a_hang_leave_their_rows_and_the_next_step_still_runs(tmp_path):

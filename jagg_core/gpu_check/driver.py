@@ -33,6 +33,9 @@ DEFAULT_PARALLEL, GPU_ROOM = 4, 0.85
 #: the ledger and outputs of a real-size check, and of a ``--reduced`` one (git-ignored)
 DEFAULT_OUT, REDUCED_OUT = Path("docs/gpu"), Path("gpu_check")
 TABLE_FILE = "gpu_check.md"
+#: the lines around the README's copy of the tables (HTML comments: Markdown shows neither), see :func:`write_readme`
+README_START = "<!-- the GPU check's tables: python -m jagg_core.gpu_check --table --readme README.md -->"
+README_END = "<!-- end of the GPU check's tables -->"
 
 
 def now() -> str:
@@ -303,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cap", type=_cap, action="append", default=[], metavar="STEP=SECONDS",
                         help="another cap for one step (repeatable)")
     parser.add_argument("--table", action="store_true", help=f"print the ledger's tables ({TABLE_FILE}) and exit")
+    parser.add_argument("--readme", type=Path, metavar="FILE",
+                        help="with --table: also put the tables into FILE between its lines "
+                        f"'{README_START}' and '{README_END}'")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads of the steps (default 2)")
     parser.add_argument("--parallel", type=int,
                         help="most steps side by side, of those that share the GPU (kernel errors, memory peaks, "
@@ -316,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     with exit_on_user_error(parser.prog):  # before the libraries load (seconds): a typo is answered at once
         if args.parallel is not None and args.parallel < 1:
             raise UserError(f"--parallel must be at least 1, not {args.parallel}")
+        if args.readme and not args.table:
+            raise UserError("--readme goes with --table: python -m jagg_core.gpu_check --table --readme README.md")
         check_step_names(args.only.split(",") if args.only else None, all_steps(options))
     from ..quiet import quiet_libraries
     quiet_libraries()
@@ -324,7 +332,11 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or (REDUCED_OUT if args.reduced else DEFAULT_OUT)
     if args.table:
         ledger, steps = read_ledger([args.ledger or out, out], options), all_steps(options)
-        print(format_tables(ledger, steps, options, CurrentSettings(steps, options)), end="")
+        tables = format_tables(ledger, steps, options, CurrentSettings(steps, options))
+        if args.readme:
+            with exit_on_user_error(parser.prog):
+                write_readme(args.readme, tables)
+        print(tables, end="")
         return 0
     with exit_on_user_error(parser.prog):
         rows = run_check(out, options, args.budget, args.only.split(",") if args.only else None, args.ledger,
@@ -335,6 +347,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(rows)} rows this run, {len(not_ok)} step(s) not ok{': ' + ', '.join(not_ok) if not_ok else ''}; "
               f"{out / TABLE_FILE}")
         return 1 if not_ok else 0
+
+
+def write_readme(readme: Path, tables: str) -> None:
+    """Replace what stands between ``readme``'s :data:`README_START` and :data:`README_END` lines with ``tables``
+    (after a lease, the README's GPU section is then the ledger's tables, as ``docs/gpu/gpu_check.md`` is), written
+    whole (a temporary file, then renamed)."""
+    from ..errors import UserError
+    text = readme.read_text()
+    start, end = text.find(README_START + "\n"), text.find("\n" + README_END)
+    if start < 0 or end < start:
+        raise UserError(f"{readme} has no line {README_START!r} followed later by a line {README_END!r}: put both "
+                        "where the GPU check's tables belong")
+    body = start + len(README_START) + 1
+    part = readme.with_name(readme.name + ".part")
+    part.write_text(text[:body] + "\n" + tables.strip("\n") + "\n" + text[end:])
+    os.replace(part, readme)
 
 
 def _run_one_step(name: str, result: Path, options: CheckOptions) -> int:
