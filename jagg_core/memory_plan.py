@@ -70,7 +70,9 @@ QUANTIZED_BYTES = {"nf4": 0.5 + 1 / 64 + 4 / (64 * 256), "int8": 1.0}
 #: the largest single accelerator on sale (GB); a plan above it cannot run on one
 LARGEST_GPU_GB = 192
 #: GPU memory a run's own CUDA context takes, outside torch's allocator and so outside the plan (GB): what the GPU
-#: check read on an H200 (150.11 GB in all, 149.56 GB free once its process had made its context; docs/gpu)
+#: check read on an H200 (150.11 GB in all, 149.56 GB free once its process had made its context; docs/gpu). The
+#: device step now also reads it with cuBLAS, cuDNN and attention loaded (``cuda_context_gb``); a test holds this
+#: figure to at least that one
 CUDA_CONTEXT_GB = 0.55
 #: the phase in which the prompts are encoded, before training
 SETUP_PHASE = "set-up"

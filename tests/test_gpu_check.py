@@ -22,6 +22,7 @@ from jagg_core.errors import UserError
 from jagg_core.gpu_check.driver import README_END, README_START, write_readme
 from jagg_core.gpu_check.ledger import describe_order
 from jagg_core.gpu_check.settings import CurrentSettings
+from jagg_core.memory_plan import CUDA_CONTEXT_GB
 from jagg_core.gpu_check.triage import FLUX_PATH_SETTINGS
 
 OFFLINE = {"HF_HUB_OFFLINE": "1"}
@@ -160,6 +161,9 @@ def test_the_committed_ledger_marks_what_each_check_measured_with_its_date_and_n
     assert order[:4] == ["device", "triage-sdpa-cudnn-1101-permuted", "triage-sdpa-cudnn-1152-permuted",
                          "memory-flux-kontext-clipdir-24gb"]
     assert len([name for name in order if name.startswith("triage-")]) == 2 and "bench-flux-dev" not in order
+    # a plan's "fits" adds CUDA_CONTEXT_GB to its peak: at least what the last device step measured, when it did
+    context = ledger["device"].rows[0].get("cuda_context_gb")
+    assert context is None or CUDA_CONTEXT_GB >= round(context, 2), f"CUDA_CONTEXT_GB: the GPU measured {context:.2f}"
     # what a user reads is the ledger: docs/gpu/gpu_check.md and the README's copy are its tables today
     assert (ROOT / "docs" / "gpu" / "gpu_check.md").read_text() == table
     assert f"{README_START}\n\n{table}\n{README_END}\n" in (ROOT / "README.md").read_text()
@@ -410,6 +414,27 @@ def test_the_tables_read_without_a_gpu_or_a_ledger():
     text = format_tables({}, all_steps(CheckOptions()), CheckOptions(), today())
     assert text.startswith("GPU check (real size). Last device: device not checked.")
     assert "| device | 30 | never measured | - | - |" in text and "The triage has not answered yet" in text
+
+
+def test_the_tables_show_the_cuda_context_and_the_allocators_reserved_peak_a_gpu_measured(tmp_path):
+    """What a plan's "fits" leaves out of its peak: the memory outside torch's allocator (the device step, with
+    cuBLAS, cuDNN and attention loaded) and the allocator's cached blocks and fragments (a memory step's reserved
+    peak). Rows measured before either was kept show "-"."""
+    write_record(tmp_path, "device", "2026-12-05T10:00:00+00:00", [
+        {"step": "device", "status": "ok", "versions": {"torch": "2.13.0"}, "gpu": "NVIDIA H200",
+         "cuda_context_gb": 0.8123}])
+    memory = {"step": "memory-sd35-medium-pickscore-16gb", "status": "ok", "preset": "sd35-medium-pickscore-16gb",
+              "planned_setup_gb": 5.2, "measured_setup_gb": 5.3, "planned_gb": 6.1, "measured_gb": 6.3,
+              "planned_over_measured": 0.97, "preset_planned_gb": 11.3}
+    write_record(tmp_path, "memory-sd35-medium-pickscore-16gb", "2026-12-05", [{**memory, "measured_reserved_gb": 7.25}])
+    write_record(tmp_path, "memory-zimage-turbo-pickscore-24gb", "2026-12-05", [
+        {**memory, "step": "memory-zimage-turbo-pickscore-24gb", "preset": "zimage-turbo-pickscore-24gb"}])
+    text = format_tables(read_ledger([tmp_path], CheckOptions()), all_steps(CheckOptions()), CheckOptions(), today())
+    assert text.startswith("GPU check (real size). Last device: NVIDIA H200; torch 2.13.0, checked 2026-12-05; CUDA "
+                           "context with cuBLAS, cuDNN and attention loaded: 0.81 GB.")
+    assert "| training planned / measured GB | planned / measured | training reserved GB | preset's plan GB |" in text
+    assert "| sd35-medium-pickscore-16gb | ok | 5.20 / 5.30 | 6.10 / 6.30 | 0.97 | 7.25 | 11.30 |" in text
+    assert "| zimage-turbo-pickscore-24gb | ok | 5.20 / 5.30 | 6.10 / 6.30 | 0.97 | - | 11.30 |" in text
 
 
 def test_the_script_runs_the_check_into_its_folder_and_its_archive_and_the_next_call_resumes(tmp_path):

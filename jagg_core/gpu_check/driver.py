@@ -216,6 +216,8 @@ def format_tables(ledger: dict[str, Outcome], steps: list[Step], options: CheckO
     device = ledger["device"].rows[0] if "device" in ledger else {}
     machine = (f"{device.get('gpu', 'no GPU')}; torch {device['versions']['torch']}, "
                f"checked {ledger['device'].date[:10]}" if device.get("versions") else "device not checked")
+    if device.get("cuda_context_gb") is not None:
+        machine += f"; CUDA context with cuBLAS, cuDNN and attention loaded: {device['cuda_context_gb']:.2f} GB"
     parts = [f"GPU check ({size}). Last device: {machine}.",
              markdown_table(["step", "cap s", "last outcome", "date", "s"],
                             [[s.name, _f(s.cap(options), ".0f"), _outcome(ledger.get(s.name), settings, s.name),
@@ -242,11 +244,11 @@ def format_tables(ledger: dict[str, Outcome], steps: list[Step], options: CheckO
     if rows.get("memory"):
         parts.append(markdown_table(
             ["preset recipe (random weights)", "status", "set-up planned / measured GB",
-             "training planned / measured GB", "planned / measured", "preset's plan GB"],
+             "training planned / measured GB", "planned / measured", "training reserved GB", "preset's plan GB"],
             [[r.get("preset", r["step"]), _status(r),
               f"{_f(r.get('planned_setup_gb'))} / {_f(r.get('measured_setup_gb'))}",
               f"{_f(r.get('planned_gb'))} / {_f(r.get('measured_gb'))}", _f(r.get("planned_over_measured")),
-              _f(r.get("preset_planned_gb"))] for r in rows["memory"]]))
+              _f(r.get("measured_reserved_gb")), _f(r.get("preset_planned_gb"))] for r in rows["memory"]]))
     if rows.get("tiny"):
         parts.append(markdown_table(
             ["model", "base (bf16, 8-bit AdamW)", "status", "loss", "reward", "eval reward", "s", "peak GB"],

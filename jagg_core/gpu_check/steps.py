@@ -100,12 +100,36 @@ def step_device(options: CheckOptions) -> list[dict]:
         row.update(gpu=torch.cuda.get_device_name(), gpu_total_gb=total / GB, gpu_free_gb=free / GB,
                    capability=".".join(map(str, torch.cuda.get_device_capability())),
                    cuda_version=torch.version.cuda, cudnn_version=torch.backends.cudnn.version(),
-                   bf16=torch.cuda.is_bf16_supported())
+                   bf16=torch.cuda.is_bf16_supported(), cuda_context_gb=_cuda_context_gb())
     elif options.reduced:
         row.update(reason="no GPU (--reduced runs on the CPU)")
     else:
         row.update(status="failed", reason="CUDA is not visible: torch.cuda.is_available() is False")
     return [row]
+
+
+def _cuda_context_gb() -> float:
+    """GB this process holds on the GPU outside torch's allocator once the libraries a run calls are loaded (the CUDA
+    context, cuBLAS's and cuDNN's handles and workspaces, the attention kernels): the device's used memory less the
+    allocator's reserved bytes, after a bf16 matmul, an attention and a convolution, each forward and backward, under
+    the product's default kernel settings. What :data:`~jagg_core.memory_plan.CUDA_CONTEXT_GB` stands for; the
+    device step runs alone, so the device's used memory is this process's."""
+    import torch
+
+    from ..config import ModelConfig
+    from ..kernels import apply_kernel_settings
+    apply_kernel_settings(ModelConfig())
+    functional = torch.nn.functional
+    x = torch.randn(4, 256, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    image = torch.randn(1, 8, 32, 32, device="cuda", requires_grad=True)
+    kernel = torch.randn(8, 8, 3, 3, device="cuda", requires_grad=True)
+    heads = x.view(1, 4, 256, 256)[..., :128]
+    loss = (x @ x).float().sum() + functional.scaled_dot_product_attention(heads, heads, heads).float().sum() + \
+        functional.conv2d(image, kernel, padding=1).sum()
+    loss.backward()
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    return (total - free - torch.cuda.memory_reserved()) / GB
 
 
 def _version(name: str) -> str | None:
@@ -290,6 +314,9 @@ def step_memory(preset: str, options: CheckOptions) -> list[dict]:
             trainer.setup()
         row["measured_setup_gb"] = cuda_peak_gb(setup)
         row["measured_gb"] = measured_peak(trainer) / GB
+        if device.type == "cuda":  # what the allocator held for it: the peak, its cached blocks and fragments
+            import torch
+            row["measured_reserved_gb"] = torch.cuda.max_memory_reserved(device) / GB
         trainer.close()
     row["planned_over_measured"] = row["planned_gb"] / row["measured_gb"]
     row["basis"] = basis(device, cpu="tensors")
