@@ -437,6 +437,23 @@ def test_the_tables_show_the_cuda_context_and_the_allocators_reserved_peak_a_gpu
     assert "| zimage-turbo-pickscore-24gb | ok | 5.20 / 5.30 | 6.10 / 6.30 | 0.97 | - | 11.30 |" in text
 
 
+def test_a_failed_context_measurement_leaves_the_device_step_ok_so_the_check_goes_on(monkeypatch):
+    """The device step gates the whole check (no GPU: stop): its context figure failing must not fail it."""
+    import torch
+    from jagg_core.gpu_check import steps
+    for name, value in {"is_available": True, "mem_get_info": (140e9, 150e9), "get_device_name": "NVIDIA H200",
+                        "get_device_capability": (9, 0), "is_bf16_supported": True}.items():
+        monkeypatch.setattr(torch.cuda, name, lambda *args, value=value: value)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91900)
+
+    def fails():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    monkeypatch.setattr(steps, "_cuda_context_gb", fails)
+    [row] = steps.step_device(CheckOptions())
+    assert row["status"] == "ok" and row["gpu"] == "NVIDIA H200" and "cuda_context_gb" not in row
+    assert row["cuda_context_error"] == "RuntimeError: CUDA error: an illegal memory access was encountered"
+
+
 def test_the_script_runs_the_check_into_its_folder_and_its_archive_and_the_next_call_resumes(tmp_path):
     """A lent GPU machine returns at most 8 files: the check's files also travel as one archive. The next call
     shows its order: the device (every call), the triage but its step measured, the crashed step, then the never

@@ -100,7 +100,11 @@ def step_device(options: CheckOptions) -> list[dict]:
         row.update(gpu=torch.cuda.get_device_name(), gpu_total_gb=total / GB, gpu_free_gb=free / GB,
                    capability=".".join(map(str, torch.cuda.get_device_capability())),
                    cuda_version=torch.version.cuda, cudnn_version=torch.backends.cudnn.version(),
-                   bf16=torch.cuda.is_bf16_supported(), cuda_context_gb=_cuda_context_gb())
+                   bf16=torch.cuda.is_bf16_supported())
+        try:
+            row["cuda_context_gb"] = _cuda_context_gb()
+        except Exception as err:  # a figure, not the device's health: the check must go on to its other steps
+            row["cuda_context_error"] = one_line(err)
     elif options.reduced:
         row.update(reason="no GPU (--reduced runs on the CPU)")
     else:
