@@ -7,9 +7,11 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 
 import pytest
 
@@ -229,7 +231,9 @@ def test_a_real_size_check_without_a_gpu_stops_after_the_device_step(tmp_path):
     lines = []
     rows = run_check(tmp_path, CheckOptions(), only=["device", "tiny-sd3"], log=lines.append)
     assert rows == [{"step": "device", "status": "failed", "cuda": False, "versions": rows[0]["versions"],
+                     "tmp_free_gb": rows[0]["tmp_free_gb"],
                      "reason": "CUDA is not visible: torch.cuda.is_available() is False"}]
+    assert rows[0]["tmp_free_gb"] == pytest.approx(shutil.disk_usage(tempfile.gettempdir()).free / 1e9, rel=0.05)
     assert "stopping" in lines[-1] and not (tmp_path / "tiny-sd3.json").exists()
 
 
@@ -422,7 +426,7 @@ def test_the_tables_show_the_cuda_context_and_the_allocators_reserved_peak_a_gpu
     peak). Rows measured before either was kept show "-"."""
     write_record(tmp_path, "device", "2026-12-05T10:00:00+00:00", [
         {"step": "device", "status": "ok", "versions": {"torch": "2.13.0"}, "gpu": "NVIDIA H200",
-         "cuda_context_gb": 0.8123}])
+         "cuda_context_gb": 0.8123, "tmp_free_gb": 57.4}])
     memory = {"step": "memory-sd35-medium-pickscore-16gb", "status": "ok", "preset": "sd35-medium-pickscore-16gb",
               "planned_setup_gb": 5.2, "measured_setup_gb": 5.3, "planned_gb": 6.1, "measured_gb": 6.3,
               "planned_over_measured": 0.97, "preset_planned_gb": 11.3}
@@ -431,7 +435,8 @@ def test_the_tables_show_the_cuda_context_and_the_allocators_reserved_peak_a_gpu
         {**memory, "step": "memory-zimage-turbo-pickscore-24gb", "preset": "zimage-turbo-pickscore-24gb"}])
     text = format_tables(read_ledger([tmp_path], CheckOptions()), all_steps(CheckOptions()), CheckOptions(), today())
     assert text.startswith("GPU check (real size). Last device: NVIDIA H200; torch 2.13.0, checked 2026-12-05; CUDA "
-                           "context with cuBLAS, cuDNN and attention loaded: 0.81 GB.")
+                           "context with cuBLAS, cuDNN and attention loaded: 0.81 GB; 57 GB free in its temporary "
+                           "folder.")
     assert "| training planned / measured GB | planned / measured | training reserved GB | preset's plan GB |" in text
     assert "| sd35-medium-pickscore-16gb | ok | 5.20 / 5.30 | 6.10 / 6.30 | 0.97 | 7.25 | 11.30 |" in text
     assert "| zimage-turbo-pickscore-24gb | ok | 5.20 / 5.30 | 6.10 / 6.30 | 0.97 | - | 11.30 |" in text

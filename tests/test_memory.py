@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -274,6 +275,23 @@ def test_the_plan_traces_a_short_stack_and_counts_the_same_bytes_as_every_block(
     monkeypatch.setattr(memory_plan, "_uniform_stacks", lambda transformer: {})
     every_block = plan_memory(config)
     assert short.phases == every_block.phases and short.total == every_block.total
+
+
+def test_quantizing_a_model_built_in_memory_without_room_to_save_it_is_refused_before_it_writes(
+        tmp_path, offline, monkeypatch):
+    """A model built in memory is quantized through diffusers' loader: saved to a temporary folder, loaded back. A
+    disk without room for the weights (a random Qwen-Image's 41 GB) is one line before anything is written."""
+    from jagg_core.models import quantize
+    folders = []
+    monkeypatch.setattr(quantize, "free_disk", lambda folder: folders.append(Path(folder)) or 1000)
+    saved = []
+    from diffusers import ModelMixin
+    monkeypatch.setattr(ModelMixin, "save_pretrained", lambda *args, **kwargs: saved.append(args))
+    trainer = Trainer(tiny_config(model__quantize="int8", train__iterations=1), tmp_path)
+    with pytest.raises(UserError, match=r"^model.quantize=int8 on a model built in memory saves its transformer "
+                                        r"\(\d+\.\d MB\) to .+ first, which has 0.0 MB free: set TMPDIR to a folder"):
+        trainer.setup()
+    assert len(folders) == 1 and not folders[0].exists() and not saved
 
 
 def test_an_int8_base_plans_the_dequantized_weights_its_backward_keeps(tmp_path, offline):

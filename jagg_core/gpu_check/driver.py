@@ -218,6 +218,8 @@ def format_tables(ledger: dict[str, Outcome], steps: list[Step], options: CheckO
                f"checked {ledger['device'].date[:10]}" if device.get("versions") else "device not checked")
     if device.get("cuda_context_gb") is not None:
         machine += f"; CUDA context with cuBLAS, cuDNN and attention loaded: {device['cuda_context_gb']:.2f} GB"
+    if device.get("tmp_free_gb") is not None:
+        machine += f"; {device['tmp_free_gb']:.0f} GB free in its temporary folder"
     parts = [f"GPU check ({size}). Last device: {machine}.",
              markdown_table(["step", "cap s", "last outcome", "date", "s"],
                             [[s.name, _f(s.cap(options), ".0f"), _outcome(ledger.get(s.name), settings, s.name),

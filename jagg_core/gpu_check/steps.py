@@ -91,10 +91,14 @@ def step_names(options: CheckOptions = CheckOptions()) -> list[str]:
 
 
 def step_device(options: CheckOptions) -> list[dict]:
-    """Whether CUDA is visible, the GPU and its memory, and the library versions."""
+    """Whether CUDA is visible, the GPU and its memory, the library versions, and the temporary folder's free disk
+    (a quantized recipe of a model built in memory is saved there first: a random Qwen-Image's 41 GB)."""
     import torch
+
+    from ..host import free_disk
     row = {"step": "device", "status": "ok", "cuda": torch.cuda.is_available(),
-           "versions": {name: _version(name) for name in LIBRARIES}}
+           "versions": {name: _version(name) for name in LIBRARIES},
+           "tmp_free_gb": free_disk(Path(tempfile.gettempdir())) / GB}
     if row["cuda"]:
         free, total = torch.cuda.mem_get_info()
         row.update(gpu=torch.cuda.get_device_name(), gpu_total_gb=total / GB, gpu_free_gb=free / GB,

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import importlib.util
 import tempfile
+from pathlib import Path
 
 import torch
 
+from ..download import amount
 from ..errors import UserError
+from ..host import free_disk
 
 QUANTIZATIONS = ("nf4", "int8")
 
@@ -62,11 +65,18 @@ def pipeline_quantization(kind: str):
 
 
 def quantize_in_memory(pipe, kind: str, device: torch.device, dtype: torch.dtype) -> None:
-    """Replace ``pipe.transformer`` (built in memory) by its quantized reload, on ``device``."""
+    """Replace ``pipe.transformer`` (built in memory) by its quantized reload, on ``device``; refused in one line,
+    before anything is written, when the temporary folder's disk cannot hold the transformer's weights (a random
+    Qwen-Image is 41 GB in bf16)."""
     if kind == "none":
         return
     transformer = pipe.transformer
     with tempfile.TemporaryDirectory() as folder:
+        weights = sum(t.numel() * t.element_size() for t in [*transformer.parameters(), *transformer.buffers()])
+        if weights > (free := free_disk(folder)):
+            raise UserError(f"model.quantize={kind} on a model built in memory saves its transformer "
+                            f"({amount(weights)}) to {Path(folder).parent} first, which has {amount(free)} free: set "
+                            "TMPDIR to a folder on a disk with room")
         transformer.save_pretrained(folder)
         kwargs = {"device_map": str(device)} if device.type == "cuda" else {}
         pipe.transformer = type(transformer).from_pretrained(
