@@ -1,9 +1,11 @@
-"""Silence the libraries' import-time chatter so a user sees our lines, not theirs."""
+"""Silence the libraries' import-time chatter so a user sees our lines, not theirs; our progress lines go to
+stderr at once."""
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 import warnings
 
 
@@ -21,3 +23,9 @@ def quiet_libraries() -> None:
     transformers.utils.logging.disable_progress_bar()  # "Loading weights"
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", message=".*torchvision.*")
+
+
+def log_to_stderr(line: str) -> None:
+    """One of our progress lines on stderr, flushed at once (the bench's phases, the GPU check's order and steps:
+    a step's log keeps them in order with the libraries' output)."""
+    print(line, file=sys.stderr, flush=True)

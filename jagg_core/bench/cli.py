@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import torch
 
 from ..archs import arch_names
 from ..errors import UserError, exit_on_user_error
-from ..quiet import quiet_libraries
+from ..quiet import log_to_stderr, quiet_libraries
 from .archs import ARCH_RESOLUTION, arch_model, arch_options, arch_overrides
 from .fidelity import fidelity_rows
 from .iterations import bench_iterations, iteration_setups
@@ -174,7 +173,7 @@ def run_and_report(options: BenchOptions, args: argparse.Namespace) -> None:
     """Run the bench, write ``--json``/``--table``/``--plot``, print the tables and the machine's load."""
     load_before = os.getloadavg()[0]
     start = time.perf_counter()
-    rows = run_bench(options, threads=args.threads, log=lambda line: print(line, file=sys.stderr, flush=True))
+    rows = run_bench(options, threads=args.threads, log=log_to_stderr)
     table = write_outputs(rows, args.json, args.table, args.plot)
     print(table)
     print(f"{time.perf_counter() - start:.0f} s on {rows[0]['device'] if rows else 'cpu'}, "

@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.readme and not args.table:
             raise UserError("--readme goes with --table: python -m jagg_core.gpu_check --table --readme README.md")
         check_step_names(args.only.split(",") if args.only else None, all_steps(options))
-    from ..quiet import quiet_libraries
+    from ..quiet import log_to_stderr, quiet_libraries
     quiet_libraries()
     if args.step:
         return _run_one_step(args.step, Path(args.result), options)
@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with exit_on_user_error(parser.prog):
         rows = run_check(out, options, args.budget, args.only.split(",") if args.only else None, args.ledger,
-                         dict(args.cap), log=lambda line: print(line, file=sys.stderr, flush=True),
+                         dict(args.cap), log=log_to_stderr,
                          parallel=args.parallel, archive=args.archive)
         print((out / TABLE_FILE).read_text(), end="")
         not_ok = sorted({r["step"] for r in rows if r["status"] in NOT_OK})

@@ -9,7 +9,6 @@ import math
 import os
 import re
 import signal
-import sys
 import tempfile
 import time
 import traceback
@@ -209,14 +208,14 @@ def bench_rows(arch: str, options: CheckOptions, layers: int | None = None, quan
     :data:`BENCH_WINDOW` cached joint on one rollout batch; ``jagg_only`` keeps JAGG's row (exact still runs: the
     speed-ups and cosine are against it)."""
     from ..bench import EXACT, BenchOptions, Variant, arch_model, bench_train_phase
+    from ..quiet import log_to_stderr
     device = torch_device()
     model = arch_model(arch, random_weights=True, layers=layers)
     overrides = bench_overrides(options, quantize, overrides)
     bench = BenchOptions(models=[model], overrides=tuple(overrides), repeats=repeats, warmup=warmup,
                          memory=device.type == "cuda", iterations=0)
     jagg = Variant("cached", window=BENCH_WINDOW, joint=True)
-    rows = bench_train_phase(model, [EXACT, jagg], bench, options.threads,
-                             log=lambda line: print(line, file=sys.stderr, flush=True))  # into STEP.log
+    rows = bench_train_phase(model, [EXACT, jagg], bench, options.threads, log=log_to_stderr)  # into STEP.log
     resolution = next(int(o.split("=")[1]) for o in overrides if o.startswith("sampling.resolution="))
     return [{"status": "ok", "arch": arch, "resolution": resolution, "quantize": quantize or "none", **row}
             for row in rows if not jagg_only or row["mode"] != "exact"]
