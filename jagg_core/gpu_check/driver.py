@@ -356,17 +356,16 @@ def main(argv: list[str] | None = None) -> int:
 def write_readme(readme: Path, tables: str) -> None:
     """Replace what stands between ``readme``'s :data:`README_START` and :data:`README_END` lines with ``tables``
     (after a lease, the README's GPU section is then the ledger's tables, as ``docs/gpu/gpu_check.md`` is), written
-    whole (a temporary file, then renamed)."""
+    whole (:func:`~jagg_core.rundir.atomic_write_text`)."""
     from ..errors import UserError
+    from ..rundir import atomic_write_text
     text = readme.read_text()
     start, end = text.find(README_START + "\n"), text.find("\n" + README_END)
     if start < 0 or end < start:
         raise UserError(f"{readme} has no line {README_START!r} followed later by a line {README_END!r}: put both "
                         "where the GPU check's tables belong")
     body = start + len(README_START) + 1
-    part = readme.with_name(readme.name + ".part")
-    part.write_text(text[:body] + "\n" + tables.strip("\n") + "\n" + text[end:])
-    os.replace(part, readme)
+    atomic_write_text(readme, text[:body] + "\n" + tables.strip("\n") + "\n" + text[end:])
 
 
 def _run_one_step(name: str, result: Path, options: CheckOptions) -> int:
