@@ -12,7 +12,8 @@ Stable API endpoints (``gradio_client``):
     /load_preset  preset -> the form's fields
     /export   the set-up form's fields -> (the run config YAML file, the equivalent ``python -m jagg_core.run`` command)
     /delete   run name -> (message, run name)  deletes a run that is not training
-    /generate run, adapter, prompt, seed -> (image, message)  the base model beside the adapter for one's own prompt
+    /generate run, adapter, prompt, seed[, input image] -> (image, message)  the base model beside the adapter for
+              one's own prompt (an image-editing run's: an instruction and the image it applies to)
     /queue_up, /queue_down, /queue_remove  queued run -> (message, queue words, queued runs)  reorder or empty the
               queue (Start while a run trains queues the new run)
 
@@ -365,10 +366,11 @@ class Studio:
         names = self._run_names()
         return f"Deleted `{run_dir.name}`.", gr.update(choices=names, value=names[0] if names else None)
 
-    def generate(self, run: str, checkpoint: str, prompt: str, seed: float | None,
+    def generate(self, run: str, checkpoint: str, prompt: str, seed: float | None, image: str | None = None,
                  profile: gr.OAuthProfile | None = None) -> tuple[str | None, str]:
         """The base model's and the adapter's sample of ``prompt``, side by side, made by ``python -m
-        jagg_core.generate`` in its own process (the app holds no model)."""
+        jagg_core.generate`` in its own process (the app holds no model); ``image``: an image-editing run's input
+        image (an upload), shown first."""
         if refused := _refusal(profile):
             return None, f"**Not generated:** {refused}"
         run_dir = self._run_dir(run)
@@ -381,12 +383,16 @@ class Studio:
                    "--seed", str(int(seed or 0))]
         if live.adapter_name(checkpoint):
             command += ["--checkpoint", checkpoint]
+        if image:
+            command += ["--image", image]
         result = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL)
         if result.returncode != 0 or not out.is_file():
             errors = [line for line in result.stderr.splitlines() if line.startswith("jagg_core.generate: error:")]
             why = errors[-1].split("error:", 1)[1].strip() if errors else f"exit code {result.returncode}"
             return None, f"**Not generated:** {why}"
-        return str(out), f"`{run_dir.name}`, {checkpoint or LATEST_ADAPTER}: the base model (left) and the adapter"
+        shown = "the input image, the base model's edit and the adapter's" if image else \
+            "the base model (left) and the adapter"
+        return str(out), f"`{run_dir.name}`, {checkpoint or LATEST_ADAPTER}: {shown}"
 
     def stop(self, profile: gr.OAuthProfile | None = None) -> str:
         """Stop the active job (SIGTERM to its process group, SIGKILL after a grace period)."""
@@ -792,11 +798,14 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                 push_result = gr.Markdown(elem_id="push-result")
 
                 gr.Markdown("## 4 · Try it\nA prompt of your own, with the adapter chosen above, beside the base model "
-                            "(same seed, the run's sampler and size).")
+                            "(same seed, the run's sampler and size); for an image-editing model, an instruction and "
+                            "the image it applies to.")
                 with gr.Row():
                     try_prompt = gr.Textbox(label="Prompt", placeholder="a red circle on a blue background, top left",
                                             scale=3, elem_id="try-prompt")
                     try_seed = gr.Number(0, label="Seed", precision=0, scale=1, elem_id="try-seed")
+                try_input = gr.Image(label="Input image (image-editing models)", type="filepath", sources=["upload"],
+                                     height=200, elem_id="try-input")
                 generate = gr.Button("Generate", elem_id="generate-btn")
                 try_message = gr.Markdown(elem_id="try-message")
                 try_image = gr.Image(label="Base model | adapter", show_label=False, type="filepath",
@@ -821,7 +830,8 @@ def build_app(root: Path | None = None) -> gr.Blocks:
         stop.click(studio.stop, None, form_message, api_name="stop")
         resume.click(studio.resume, [run_select, processes], [form_message, run_select], api_name="resume")
         push.click(studio.push, [run_select, checkpoint, repo_id, visibility, token], push_result, api_name="push")
-        generate.click(studio.generate, [run_select, checkpoint, try_prompt, try_seed], [try_image, try_message],
+        generate.click(studio.generate, [run_select, checkpoint, try_prompt, try_seed, try_input],
+                       [try_image, try_message],
                        api_name="generate")
         queue_outputs = [queue_message, queue_list, queue_select]
         queue_up.click(studio.queue_up, queue_select, queue_outputs, api_name="queue_up")

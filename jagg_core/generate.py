@@ -3,10 +3,13 @@ fixed-seed ODE sampler and sizes)::
 
     python -m jagg_core.generate RUN "a red circle on a blue background" --out pair.png [--seed 0]
     python -m jagg_core.generate RUN "a red circle" --out pair.png --checkpoint best   # or iter_N; default: latest
+    python -m jagg_core.generate RUN "make it blue" --image in.png --out pair.png     # an image-editing run
 
 It writes one picture: the base model on the left, the adapter on the right, the same noise (of a video model, the
-videos' middle frames). The page's "Try the
-adapter" panel runs this in its own process, so the app never holds a model.
+videos' middle frames). An image-editing model (FLUX.1 Kontext, Qwen-Image-Edit) takes the prompt as the
+instruction applied to ``--image``, which is prepared as the run's own input images are (centre-cropped to a square,
+``model.condition_resolution``) and shown first, at the output's size. The page's "Try it" panel runs this in its own
+process, so the app never holds a model.
 """
 
 from __future__ import annotations
@@ -16,45 +19,68 @@ import sys
 from pathlib import Path
 
 from .adapters import choose_adapter
+from .edit_prompts import EditPrompt, checked_image_bytes
 from .errors import UserError, exit_on_user_error
 from .rundir import RunDirectory
 
 PROG = "jagg_core.generate"
 
 
-def generate(run_dir: Path, prompt: str, checkpoint: str | None = None, seed: int = 0):
+def input_image_bytes(image: Path) -> bytes:
+    """The bytes of the input image file ``image``; a missing or unreadable file is a :class:`UserError`."""
+    try:
+        data = image.read_bytes()
+    except OSError as err:
+        raise UserError(f"cannot read the input image {image}: {err.strerror or err}") from None
+    return checked_image_bytes(data, f"the input image {image}")
+
+
+def generate(run_dir: Path, prompt: str, checkpoint: str | None = None, seed: int = 0, image: Path | None = None):
     """A PIL image of ``prompt``: the base model's sample beside the adapter's (the latest, ``best`` or ``iter_N``:
-    :func:`~jagg_core.adapters.choose_adapter`), from the same noise."""
+    :func:`~jagg_core.adapters.choose_adapter`), from the same noise; for an image-editing run, ``prompt`` is the
+    instruction applied to ``image``, shown first."""
     from .config import validate_config
     from .quiet import quiet_libraries
     quiet_libraries()
     import torch
 
     from .images import captioned_grid, still_frames, to_pil
+    from .edit_prompts import image_tensor
     from .models import load_flow_model
+    from .models.editing import EditingFlowModel
     from .sampler import initial_noise, ode_sample
 
     config = validate_config(RunDirectory(run_dir).read_config())
     adapter = choose_adapter(run_dir, checkpoint)
     if not prompt.strip():
         raise UserError("type a prompt")
+    row = EditPrompt(prompt, input_image_bytes(image), image.name) if image is not None else prompt
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = load_flow_model(config.model, device, seed=config.train.seed, num_frames=config.sampling.num_frames)
-    model.encode_and_cache([prompt])
+    editing = isinstance(model, EditingFlowModel)
+    if editing and image is None:
+        raise UserError(f"the run's model ({model.family}) edits images: give the image the instruction applies to "
+                        "(--image PATH; on the page, Input image)")
+    if image is not None and not editing:
+        raise UserError(f"the run's model ({model.family}) generates from the prompt alone; leave out the input image")
+    model.encode_and_cache([row])
     model.release_text_encoders()
     model.add_lora(config.lora)
     steps, size = config.sampling.eval_num_steps or config.sampling.num_steps, config.sampling.resolution
     sigmas = model.sigmas(steps, size)
     z0 = initial_noise(model, 1, size, torch.Generator().manual_seed(seed))
-    cond = model.conditioning([prompt])
+    cond = model.conditioning([row])
     with torch.no_grad():
         model.transformer.disable_adapters()
         base = model.decode(ode_sample(model, cond, sigmas, z0))
         model.transformer.enable_adapters()
         model.load_lora(adapter.file)
         tuned = model.decode(ode_sample(model, cond, sigmas, z0))
-    return captioned_grid(to_pil(still_frames(torch.cat([base, tuned]))), ["base model", adapter.label],
-                          title=prompt[:80], columns=2, cell=max(256, size))
+    panels, captions = [still_frames(base).cpu(), still_frames(tuned).cpu()], ["base model", adapter.label]
+    if editing:
+        panels, captions = [image_tensor([row.image(size)]), *panels], ["input image", *captions]
+    return captioned_grid(to_pil(torch.cat(panels)), captions, title=prompt[:80], columns=len(panels),
+                          cell=max(256, size))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,9 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", metavar="best|iter_N",
                         help="the best adapter (RUN/best) or a checkpoint's (default: the latest adapter)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--image", type=Path, metavar="PATH",
+                        help="an image-editing run's input image, to which the prompt's instruction applies")
     args = parser.parse_args(argv)
     with exit_on_user_error(PROG):
-        generate(Path(args.run_dir), args.prompt, args.checkpoint, args.seed).save(args.out)
+        generate(Path(args.run_dir), args.prompt, args.checkpoint, args.seed, args.image).save(args.out)
         print(args.out)
     return 0
 

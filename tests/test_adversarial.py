@@ -354,6 +354,7 @@ def test_access_is_open_locally_and_owner_only_on_a_space(monkeypatch):
 
 
 def test_strangers_on_a_space_can_watch_but_not_control(tmp_path):
+    import requests
     from gradio_client import Client
     from test_app import serve_app
 
@@ -376,6 +377,13 @@ def test_strangers_on_a_space_can_watch_but_not_control(tmp_path):
         assert deleted.startswith("**Not deleted:** only the Space's owner")
         _, generated = client.predict("any", "latest adapter", "a cat", 0, api_name="/generate")
         assert generated.startswith("**Not generated:** only the Space's owner")
+        # an input image named by its path on the server, not uploaded (gradio_client would upload it: raw HTTP)
+        image = {"path": str(ROOT / "presets" / "prompts" / "edits" / "red_circle.png"),
+                 "meta": {"_type": "gradio.FileData"}}
+        call = requests.post(f"{url}gradio_api/call/generate",
+                             json={"data": ["any", "latest adapter", "a cat", 0, image]})
+        events = requests.get(f"{url}gradio_api/call/generate/{call.json()['event_id']}", timeout=60).text
+        assert events.startswith("event: error"), events  # refused before any handler (the owner's too)
         assert client.predict("", api_name="/status")["state"] == "none"  # watching works
 
 

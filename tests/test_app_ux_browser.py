@@ -5,7 +5,8 @@ Before the run: a wrong model id and a field's bad value are refused before anyt
 label; the set-up exports as YAML and as a command line that ``--dry-run`` resolves to the same config. During it:
 the status says what is happening from the start (loading the model, the base eval's n/N), and a reloaded page
 shows the active run's settings. After it: a captioned eval grid per eval, on disk and in the timeline, a read-only
-progress bar, the log at its end, the adapter downloaded, a prompt of one's own generated with it, Publish's checks in the order a user can fix them,
+progress bar, the log at its end, the adapter downloaded, a prompt of one's own generated with it (an input image
+is refused: the run's model is not an editing one), Publish's checks in the order a user can fix them,
 the machine's GPU or CPU, and a run deleted. Copies of the run given judges (as a trainer with ``eval.judges`` writes
 them) show the judges' curves, also after switching between runs with other judges, the reward-hacking alarm, the
 first-iteration check, and offer their best adapter to download and try; two of them compare side by side. It saves ``docs/screenshot-finished.png``
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from PIL import Image
 
 from jagg_core.rundir import LORA_FILE, RunDirectory
 from tests.fake_hub_server import FakeHub
@@ -199,11 +201,18 @@ def test_the_download_button_serves_the_adapter(studio, tmp_path):
     assert saved.read_bytes() == run.lora_file.read_bytes()
 
 
-def test_a_prompt_of_ones_own_is_generated_with_the_adapter(studio):
+def test_a_prompt_of_ones_own_is_generated_with_the_adapter_and_an_input_image_is_for_editing_runs(studio):
     from playwright.sync_api import expect
 
-    page, _ = studio
+    page, runs = studio
     _fill(page, "try-prompt", "a purple triangle on a white background, bottom right")
+    upload = runs.parent / "input.png"
+    Image.new("RGB", (32, 32), (200, 30, 30)).save(upload)
+    page.locator("#try-input input[type=file]").set_input_files(str(upload))  # an input image: for editing runs
+    page.locator("#generate-btn").click()
+    expect(page.locator("#try-message")).to_contain_text("Not generated: the run's model (sd3) generates from the "
+                                                         "prompt alone; leave out the input image")
+    page.locator("#try-input button[aria-label='Remove Image']").click()
     page.locator("#generate-btn").click()
     expect(page.locator("#try-message")).to_contain_text("the base model (left) and the adapter")
     expect(page.locator("#try-image img")).to_be_visible()

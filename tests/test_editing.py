@@ -361,3 +361,61 @@ def test_the_page_takes_an_image_folder_inside_the_prompt_dirs(image_folder, tmp
         build_config(form, tmp_path)
     monkeypatch.setenv("JAGG_PROMPT_DIRS", str(image_folder))
     assert build_config(form, tmp_path).prompts.source == str(image_folder)
+
+
+# ----- Try it: one's own instruction and input image ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def edit_run(tmp_path_factory):
+    """A run folder (in a runs folder of its own) of tiny FLUX.1 Kontext trained for one iteration."""
+    runs = tmp_path_factory.mktemp("runs")
+    config = tiny_config("tiny-flux-kontext", prompts__source=EDIT_SET, model__condition_resolution=16,
+                         model__max_sequence_length=TEXT, train__iterations=1, sampling__resolution=RES)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        trainer = Trainer(config, runs / "kontext-20250101-000000")
+        trainer.setup()
+        trainer.fit()
+    return runs / "kontext-20250101-000000"
+
+
+def cells(picture: Image.Image, count: int) -> list[np.ndarray]:
+    """The ``count`` square images of a one-row captioned grid (under its title), as arrays."""
+    cell = picture.width // count
+    top = 22  # the grid's title band
+    return [np.asarray(picture.crop((i * cell, top, (i + 1) * cell, top + cell))) for i in range(count)]
+
+
+def test_try_it_edits_ones_own_image_with_the_base_model_and_the_adapter(edit_run, tmp_path, offline):
+    """``generate`` on an editing run: the input image (prepared as the run's own inputs), the base model's edit and
+    the adapter's; the edit depends on the image. Without an image, or with an unreadable one, it is one line."""
+    from jagg_core.generate import generate
+
+    red, blue = tmp_path / "red.png", tmp_path / "blue.png"
+    png(red, (200, 30, 30))
+    png(blue, (30, 30, 200))
+    edits = {path: generate(edit_run, "make it green", image=path) for path in (red, blue)}
+    for path, colour in ((red, (200, 30, 30)), (blue, (30, 30, 200))):
+        shown, base, adapted = cells(edits[path], 3)
+        assert (shown == colour).all()  # centre-cropped and resized: one colour throughout
+        assert base.shape == adapted.shape == shown.shape
+    assert not np.array_equal(cells(edits[red], 3)[1], cells(edits[blue], 3)[1])  # the model saw the image
+    with pytest.raises(UserError, match=r"the run's model \(flux-kontext\) edits images: give the image the "
+                                        r"instruction applies to \(--image PATH"):
+        generate(edit_run, "make it green")
+    (tmp_path / "bad.png").write_text("not an image")
+    with pytest.raises(UserError, match="the input image .*bad.png is not a readable image"):
+        generate(edit_run, "make it green", image=tmp_path / "bad.png")
+
+
+def test_try_it_on_the_page_sends_the_uploaded_image_and_refuses_none_for_an_editing_run(edit_run, tmp_path):
+    """The page's Try it runs ``python -m jagg_core.generate ... --image UPLOAD`` for an editing run."""
+    from app.ui import Studio
+
+    studio = Studio(edit_run.parent)
+    upload = tmp_path / "upload.png"
+    png(upload, (30, 200, 30))
+    image, message = studio.generate(edit_run.name, "latest adapter", "make it red", 0, str(upload))
+    assert message.endswith(": the input image, the base model's edit and the adapter's"), message
+    assert (cells(Image.open(image), 3)[0] == (30, 200, 30)).all()
+    image, message = studio.generate(edit_run.name, "latest adapter", "make it red", 0, None)
+    assert image is None and message.startswith("**Not generated:** the run's model (flux-kontext) edits images")
