@@ -23,10 +23,12 @@ from jagg_core.config import (ALGORITHM_LABELS, DEFAULT_PRESET, RunConfig, apply
                               list_presets, preset_path, reset_other_algorithms, validate_config, yaml_value)
 from jagg_core.download import DownloadPlan
 from jagg_core.errors import UserError
-from jagg_core.prompts import FILE_SUFFIXES, builtin_prompt_sets, load_prompts
+from jagg_core.prompts import ARCHIVE_SUFFIX, FILE_SUFFIXES, builtin_prompt_sets, load_prompts, unpack_image_folder
 from jagg_core.preflight import check_references
 
 PROMPTS_BUILTIN, PROMPTS_UPLOAD, PROMPTS_TEXT = "Built-in set", "Upload a file", "Write my own"
+#: where a run keeps the image folder uploaded as a .zip (an editing model's prompt set)
+UPLOADED_IMAGE_FOLDER = "prompt_images"
 #: folders (``os.pathsep``-separated) whose prompt files and image folders the page may name as a prompt set; none by
 #: default
 PROMPT_DIRS_ENV = "JAGG_PROMPT_DIRS"
@@ -299,13 +301,17 @@ def _prompt_source(form: Form, run_dir: Path) -> str:
         return source
     if form.prompt_mode == PROMPTS_UPLOAD:
         if not form.prompt_file:
-            raise UserError("upload a prompt file (.txt one per line, .csv or .jsonl with a 'prompt' column)")
+            raise UserError("upload a prompt file (.txt one per line, .csv or .jsonl with a 'prompt' column; for an "
+                            "image-editing model a .zip of images with prompts.csv)")
         from gradio.utils import get_upload_folder
         if not _inside(Path(form.prompt_file), Path(get_upload_folder())):
             raise UserError("the prompt file must be a file uploaded through the page")
         suffix = Path(form.prompt_file).suffix.lower()
+        if suffix == ARCHIVE_SUFFIX:  # an image folder: an editing model's prompt set
+            return str(unpack_image_folder(Path(form.prompt_file), run_dir / UPLOADED_IMAGE_FOLDER))
         if suffix not in FILE_SUFFIXES:
-            raise UserError(f"the prompt file must be {', '.join(FILE_SUFFIXES)}, got '{Path(form.prompt_file).name}'")
+            raise UserError(f"the prompt file must be {', '.join((*FILE_SUFFIXES, ARCHIVE_SUFFIX))}, got "
+                            f"'{Path(form.prompt_file).name}'")
         target = run_dir / f"prompts{suffix}"
         shutil.copyfile(form.prompt_file, target)
         return str(target)

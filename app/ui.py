@@ -42,7 +42,7 @@ from jagg_core import hub
 from jagg_core.adapters import LATEST_LABEL as LATEST_ADAPTER
 from jagg_core.config import DEFAULT_PRESET, list_presets, validate_config
 from jagg_core.errors import UserError
-from jagg_core.prompts import builtin_prompt_sets
+from jagg_core.prompts import ARCHIVE_SUFFIX, FILE_SUFFIXES, builtin_prompt_sets
 from jagg_core.rewards import available_rewards
 from jagg_core.rundir import RunDirectory
 
@@ -685,8 +685,9 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                                          label="Prompt set", elem_id="prompt-set",
                                          info="built-in, or type hf://DATASET[:COLUMN], or for an editing model "
                                               "an image folder with prompts.csv (file, prompt) in $JAGG_PROMPT_DIRS")
-                prompt_file = gr.File(label="Prompt file (.txt one per line, .csv/.jsonl with a 'prompt' column)",
-                                      file_types=[".txt", ".csv", ".jsonl"], type="filepath", visible=False,
+                prompt_file = gr.File(label="Prompt file (.txt one per line, .csv/.jsonl with a 'prompt' column; for "
+                                            "an editing model, a .zip of images with prompts.csv: file, prompt)",
+                                      file_types=[*FILE_SUFFIXES, ARCHIVE_SUFFIX], type="filepath", visible=False,
                                       elem_id="prompt-file")
                 prompt_text = gr.Textbox("", lines=8, max_lines=16, label="Prompts, one per line", visible=False,
                                          elem_id="prompt-text")

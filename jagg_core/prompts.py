@@ -25,7 +25,8 @@ import csv
 import io
 import json
 import random
-from pathlib import Path
+import zipfile
+from pathlib import Path, PurePosixPath
 
 from .edit_prompts import EditPrompt, checked_image_bytes, png_bytes
 from .errors import UserError
@@ -36,6 +37,10 @@ MAX_FILE_BYTES = 50 * 1024 * 1024
 FILE_SUFFIXES = (".txt", ".csv", ".jsonl")
 #: the file of an image folder that maps each image to its instruction (the first one present is read)
 MAPPING_FILES = ("prompts.csv", "prompts.jsonl")
+#: an image folder uploaded as one file (the page's upload of an editing prompt set)
+ARCHIVE_SUFFIX = ".zip"
+#: the most an uploaded image folder may hold once unpacked
+MAX_ARCHIVE_BYTES = 2 * 1024 ** 3
 
 
 def builtin_prompt_sets() -> list[str]:
@@ -166,6 +171,34 @@ def _load_image_folder(folder: Path) -> list:
         data = checked_image_bytes(image.read_bytes(), f"{where}: image '{name}'")
         rows.append(EditPrompt(" ".join(instruction.split()), data, name.strip()))
     return rows
+
+
+def unpack_image_folder(archive: Path, folder: Path) -> Path:
+    """An image folder uploaded as a ``.zip`` (its mapping file at the top, or in the one folder at the top),
+    unpacked into ``folder``: the folder that holds the mapping file. Refused in one line before anything is written:
+    not a zip, a member whose path leaves the folder (absolute, ``..``), more than :data:`MAX_PROMPTS` files or
+    :data:`MAX_ARCHIVE_BYTES` unpacked; after, a zip without a mapping file where it belongs."""
+    name = archive.name
+    try:
+        with zipfile.ZipFile(archive) as zipped:
+            members = [member for member in zipped.infolist() if not member.is_dir()]
+            for member in members:
+                path = PurePosixPath(member.filename.replace("\\", "/"))
+                if path.is_absolute() or ".." in path.parts:
+                    raise UserError(f"'{name}' holds '{member.filename[:80]}', a path outside its folder")
+            if len(members) > MAX_PROMPTS or sum(m.file_size for m in members) > MAX_ARCHIVE_BYTES:
+                raise UserError(f"'{name}' holds {len(members)} files, {sum(m.file_size for m in members)} bytes "
+                                f"unpacked; the limits are {MAX_PROMPTS} files and {MAX_ARCHIVE_BYTES} bytes")
+            zipped.extractall(folder, members)
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, EOFError) as err:
+        raise UserError(f"'{name}' is not a readable .zip ({err})") from None
+    subfolders = [path for path in folder.iterdir() if path.is_dir()] if folder.is_dir() else []
+    tops = [folder, *subfolders] if len(subfolders) == 1 else [folder]  # zipped from inside the folder, or of it
+    found = next((top for top in tops if _mapping_file(top)), None)
+    if found is None:
+        raise UserError(f"'{name}' needs a {' or '.join(MAPPING_FILES)} (columns/keys: file, prompt) at its top or "
+                        "in its one top folder, beside the images it names")
+    return found
 
 
 def _load_hub(spec: str, source: str) -> list:

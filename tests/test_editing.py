@@ -419,3 +419,78 @@ def test_try_it_on_the_page_sends_the_uploaded_image_and_refuses_none_for_an_edi
     assert (cells(Image.open(image), 3)[0] == (30, 200, 30)).all()
     image, message = studio.generate(edit_run.name, "latest adapter", "make it red", 0, None)
     assert image is None and message.startswith("**Not generated:** the run's model (flux-kontext) edits images")
+
+
+# ----- an editing prompt set uploaded through the page: a .zip of the image folder ------------------------------------
+def zipped(path, files: dict[str, bytes]):
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, data in files.items():
+            archive.writestr(name, data)
+    return path
+
+
+def upload_form(upload, **changes):
+    from app.form import PROMPTS_UPLOAD, Form, preset_form
+
+    base = preset_form("tiny-sd3")
+    return Form(**{**base.__dict__, "model": "tiny-flux-kontext", "prompt_mode": PROMPTS_UPLOAD,
+                   "prompt_file": str(upload), **changes})
+
+
+@pytest.mark.parametrize("top", ["", "my-set/"])  # zipped from inside the folder, or the folder itself
+def test_an_uploaded_zip_of_an_image_folder_is_the_runs_editing_prompt_set(top, tmp_path, monkeypatch):
+    from app.form import UPLOADED_IMAGE_FOLDER, build_config
+
+    monkeypatch.setenv("GRADIO_TEMP_DIR", str(tmp_path / "uploads"))
+    red, blue = io.BytesIO(), io.BytesIO()
+    Image.new("RGB", (8, 8), (200, 30, 30)).save(red, format="PNG")
+    Image.new("RGB", (8, 8), (30, 30, 200)).save(blue, format="PNG")
+    (tmp_path / "uploads").mkdir()
+    upload = zipped(tmp_path / "uploads" / "set.zip", {
+        f"{top}prompts.csv": b"file,prompt\nred.png,make it blue\nimages/blue.png,make it red\nred.png,add a hat\n",
+        f"{top}red.png": red.getvalue(), f"{top}images/blue.png": blue.getvalue()})
+    run_dir = tmp_path / "run"
+    config = build_config(upload_form(upload, knobs={**upload_form(upload).knobs, "prompts.eval_count": 1}), run_dir)
+    assert config.prompts.source == str(run_dir / UPLOADED_IMAGE_FOLDER / top.rstrip("/"))
+    loaded = load_prompts(config.prompts.source)  # the run keeps its own copy: it resumes without the upload
+    assert [(row.instruction, row.label) for row in loaded] == [("make it blue", "red.png"),
+                                                                ("make it red", "images/blue.png"),
+                                                                ("add a hat", "red.png")]
+    assert loaded[1].image_bytes == blue.getvalue()
+
+
+@pytest.mark.parametrize("files, message", [
+    ({"../evil.png": b"x", "prompts.csv": b"file,prompt\n"}, "holds '../evil.png', a path outside its folder"),
+    ({"/etc/evil.png": b"x"}, "holds '/etc/evil.png', a path outside its folder"),
+    ({"a.png": b"x", "b/prompts.csv": b"file,prompt\n", "c/prompts.csv": b"file,prompt\n"},
+     "needs a prompts.csv or prompts.jsonl .* at its top or in its one top folder"),
+    (None, "is not a readable .zip"),
+])
+def test_a_bad_uploaded_zip_is_one_line_and_nothing_leaves_the_run_folder(files, message, tmp_path, monkeypatch):
+    from app.form import build_config
+
+    monkeypatch.setenv("GRADIO_TEMP_DIR", str(tmp_path / "uploads"))
+    (tmp_path / "uploads").mkdir()
+    upload = tmp_path / "uploads" / "set.zip"
+    if files is None:
+        upload.write_bytes(b"PK not a zip")
+    else:
+        zipped(upload, files)
+    with pytest.raises(UserError, match=message):
+        build_config(upload_form(upload), tmp_path / "run")
+    assert not [path for path in tmp_path.rglob("evil.png")]
+
+
+def test_an_uploaded_zip_over_the_limits_is_refused_before_it_is_unpacked(tmp_path, monkeypatch):
+    from app.form import build_config
+    from jagg_core import prompts
+
+    monkeypatch.setenv("GRADIO_TEMP_DIR", str(tmp_path / "uploads"))
+    (tmp_path / "uploads").mkdir()
+    monkeypatch.setattr(prompts, "MAX_ARCHIVE_BYTES", 1000)
+    upload = zipped(tmp_path / "uploads" / "set.zip", {"prompts.csv": b"file,prompt\n", "big.png": bytes(2000)})
+    with pytest.raises(UserError, match="holds 2 files, 2012 bytes unpacked; the limits are 100000 files and 1000"):
+        build_config(upload_form(upload), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
