@@ -41,6 +41,8 @@ MAPPING_FILES = ("prompts.csv", "prompts.jsonl")
 ARCHIVE_SUFFIX = ".zip"
 #: the most an uploaded image folder may hold once unpacked
 MAX_ARCHIVE_BYTES = 2 * 1024 ** 3
+#: the folder macOS adds to the zips it makes (left out when one is unpacked)
+MACOS_METADATA = "__MACOSX/"
 
 
 def builtin_prompt_sets() -> list[str]:
@@ -181,7 +183,8 @@ def unpack_image_folder(archive: Path, folder: Path) -> Path:
     name = archive.name
     try:
         with zipfile.ZipFile(archive) as zipped:
-            members = [member for member in zipped.infolist() if not member.is_dir()]
+            members = [member for member in zipped.infolist()  # not macOS Finder's resource forks
+                       if not member.is_dir() and not member.filename.startswith(MACOS_METADATA)]
             for member in members:
                 path = PurePosixPath(member.filename.replace("\\", "/"))
                 if path.is_absolute() or ".." in path.parts:

@@ -438,7 +438,7 @@ def upload_form(upload, **changes):
                    "prompt_file": str(upload), **changes})
 
 
-@pytest.mark.parametrize("top", ["", "my-set/"])  # zipped from inside the folder, or the folder itself
+@pytest.mark.parametrize("top", ["", "my-set/"])  # zipped from inside the folder, or the folder itself (by macOS)
 def test_an_uploaded_zip_of_an_image_folder_is_the_runs_editing_prompt_set(top, tmp_path, monkeypatch):
     from app.form import UPLOADED_IMAGE_FOLDER, build_config
 
@@ -449,7 +449,8 @@ def test_an_uploaded_zip_of_an_image_folder_is_the_runs_editing_prompt_set(top, 
     (tmp_path / "uploads").mkdir()
     upload = zipped(tmp_path / "uploads" / "set.zip", {
         f"{top}prompts.csv": b"file,prompt\nred.png,make it blue\nimages/blue.png,make it red\nred.png,add a hat\n",
-        f"{top}red.png": red.getvalue(), f"{top}images/blue.png": blue.getvalue()})
+        f"{top}red.png": red.getvalue(), f"{top}images/blue.png": blue.getvalue(),
+        f"__MACOSX/{top}._red.png": b"Finder's resource fork"})
     run_dir = tmp_path / "run"
     config = build_config(upload_form(upload, knobs={**upload_form(upload).knobs, "prompts.eval_count": 1}), run_dir)
     assert config.prompts.source == str(run_dir / UPLOADED_IMAGE_FOLDER / top.rstrip("/"))
