@@ -31,6 +31,7 @@ class DeclaredFamily:
     tiny_models: tuple[str, ...]
     archs: dict[str, str]
     depth_key: str
+    edits_images: bool
 
 
 def _declaration(path: Path) -> ast.Call | None:
@@ -44,11 +45,12 @@ def _declaration(path: Path) -> ast.Call | None:
 
 def _read(path: Path, call: ast.Call) -> DeclaredFamily:
     fields = {keyword.arg: keyword.value for keyword in call.keywords}
-    literal = {name: ast.literal_eval(fields[name]) for name in ("label", "pipeline", "archs", "depth_key")
-               if name in fields}
+    literal = {name: ast.literal_eval(fields[name]) for name in ("label", "pipeline", "archs", "depth_key",
+                                                                 "edits_images") if name in fields}
     return DeclaredFamily(module=path.stem, label=literal["label"], pipeline=literal["pipeline"],
                           tiny_models=tuple(ast.literal_eval(key) for key in fields["tiny_builders"].keys),
-                          archs=literal.get("archs", {}), depth_key=literal.get("depth_key", DEFAULT_DEPTH_KEY))
+                          archs=literal.get("archs", {}), depth_key=literal.get("depth_key", DEFAULT_DEPTH_KEY),
+                          edits_images=literal.get("edits_images", False))
 
 
 @cache

@@ -13,6 +13,8 @@ from pathlib import Path
 
 from .config import ModelConfig, RunConfig
 from .download import DownloadPlan, check_cached, check_disk_room, plan_download
+from .errors import UserError
+from .family_names import DeclaredFamily, declared_families
 
 
 def check_references(config: RunConfig, disk: bool = True) -> DownloadPlan | None:
@@ -29,8 +31,42 @@ def check_references(config: RunConfig, disk: bool = True) -> DownloadPlan | Non
     check_reward_specs(config.rewards)
     check_judges(config)
     check_trackers(config.train.report_to)
-    run_prompts(config.prompts)
+    train, held_out = run_prompts(config.prompts)
+    check_prompt_kind(model_family(config.model), [*train, *held_out])
     return plan
+
+
+def model_family(model: ModelConfig) -> DeclaredFamily | None:
+    """The declared family of ``model.name``, without torch: a real arch's (a preset's Hub id, ``random:<arch>``), a
+    tiny model's, else the one whose pipeline is the ``_class_name`` of the model's ``model_index.json`` (a folder,
+    or the Hub's, from its cache when offline); None when that index cannot be read (:func:`check_model` says why)."""
+    from .archs import arch_for_model
+    from .model_index import model_source, read_model_index, tiny_models
+    families = declared_families()
+    if (arch := arch_for_model(model.name)) is not None:
+        return next(family for family in families if arch in family.archs)
+    if model.name in tiny_models():
+        return next(family for family in families if model.name in family.tiny_models)
+    try:
+        pipeline = read_model_index(model_source(model.name), model.revision)["_class_name"]
+    except UserError:
+        return None
+    return next((family for family in families if family.pipeline == pipeline), None)
+
+
+def check_prompt_kind(family: DeclaredFamily | None, prompts: list[str]) -> None:
+    """An image-editing family's prompts are editing rows (an instruction and an input image), and only its are:
+    else a training would fail once the model is loaded, or train a text-to-image model on the rows' texts."""
+    from .edit_prompts import EditPrompt, edit_rows
+    if family is None:
+        return
+    if family.edits_images:
+        edit_rows(prompts, family.label)
+    elif any(isinstance(prompt, EditPrompt) for prompt in prompts):
+        editors = ", ".join(f.label for f in declared_families() if f.edits_images)
+        raise UserError(f"prompts.source holds image-editing rows (an instruction and an input image), but the "
+                        f"{family.label} model generates from text alone; choose a text prompt set, or an "
+                        f"image-editing model.name ({editors})")
 
 
 def check_model(model: ModelConfig, disk: bool = True) -> DownloadPlan | None:

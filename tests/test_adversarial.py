@@ -248,6 +248,12 @@ def test_a_run_held_by_a_live_trainer_is_refused_and_shown_running(tmp_path):
      ["--set", "model.name={d}/model", "--output-dir", "{d}/run"], "is not a diffusers model_index.json"),
     (lambda d: (d / "bad.safetensors").write_bytes(b"garbage"),
      ["--set", "lora.init_lora={d}/bad.safetensors", "--output-dir", "{d}/run"], "is not a readable diffusers LoRA"),
+    (None, ["--set", "prompts.source=edits", "--output-dir", "{d}/run"],  # before a text-to-image run on their texts
+     "prompts.source holds image-editing rows (an instruction and an input image), but the SD3/SD3.5 model "
+     "generates from text alone; choose a text prompt set, or an image-editing model.name (FLUX.1 Kontext, "
+     "Qwen-Image-Edit)"),
+    (None, ["--set", "model.name=tiny-flux-kontext", "--output-dir", "{d}/run"],  # before the model loads
+     "the FLUX.1 Kontext model edits images, but the prompt 'a gouache painting"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, setup, args, message):
     if setup:

@@ -133,6 +133,7 @@ def served(tmp_path_factory, fake_hub):
     ({"prompt_mode": PROMPTS_TEXT, "prompt_text": "a cat\na dog"}, "'Eval prompts' is 2 but"),
     ({"model": "nobody/no-such-model"}, "cannot load model 'nobody/no-such-model'"),
     ({"train_learning_rate": None}, "'Learning rate' needs a value"),
+    ({"model": "tiny-flux-kontext"}, "has no input image; give 'Prompt set' an image folder"),
 ])
 def test_invalid_input_is_refused_with_the_reason_and_nothing_starts(served, fields, reason):
     client, runs = served

@@ -327,6 +327,22 @@ def test_the_memory_plan_counts_the_input_image_and_meets_the_measured_peak(name
     assert plan_memory(tiny_config(name, model__condition_resolution=16, **settings)).total < planned.total
 
 
+def test_the_family_and_so_the_kind_of_prompts_a_model_takes_is_known_before_it_loads(tmp_path, offline):
+    """From a preset's Hub id or a random arch, a tiny name, or a folder's model_index.json; an index that cannot be
+    read (a Hub model offline and not cached) leaves the check to the model's own."""
+    from jagg_core.preflight import model_family
+
+    folder = tmp_path / "my-kontext"
+    folder.mkdir()
+    (folder / "model_index.json").write_text('{"_class_name": "FluxKontextPipeline"}')
+    names = ["black-forest-labs/FLUX.1-Kontext-dev", "random:qwen-image-edit@1", "tiny-qwen-edit", str(folder),
+             "stabilityai/stable-diffusion-3.5-medium", "tiny-sd3", "jagg-shapes", "nobody/uncached-model"]
+    families = [model_family(ModelConfig(name=name)) for name in names]
+    assert [family and (family.label, family.edits_images) for family in families] == [
+        ("FLUX.1 Kontext", True), ("Qwen-Image-Edit", True), ("Qwen-Image-Edit", True), ("FLUX.1 Kontext", True),
+        ("SD3/SD3.5", False), ("SD3/SD3.5", False), ("SD3/SD3.5", False), None]
+
+
 # ----- presets -----------------------------------------------------------------------------------------------------
 EDIT_PRESETS = [p for p in list_presets() if p.startswith(("flux-kontext-", "qwen-image-edit-"))]
 

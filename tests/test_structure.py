@@ -172,6 +172,7 @@ def test_the_derived_tables_agree_with_the_declarations():
     from jagg_core.family_names import DeclaredFamily, declared_families
     from jagg_core.model_index import tiny_models
     from jagg_core.models import FAMILIES, TINY_BUILDERS
+    from jagg_core.models.editing import EditingFlowModel
     from jagg_core.models.registry import DECLARATIONS
 
     families = declared_families()
@@ -179,7 +180,9 @@ def test_the_derived_tables_agree_with_the_declarations():
     for declared in families:  # the torch-free reading of each file is its declaration
         family = DECLARATIONS[declared.module]
         assert declared == DeclaredFamily(declared.module, family.label, family.pipeline,
-                                          tuple(family.tiny_builders), family.archs, family.depth_key)
+                                          tuple(family.tiny_builders), family.archs, family.depth_key,
+                                          family.edits_images)
+        assert family.edits_images == issubclass(family.model, EditingFlowModel)
         assert FAMILIES[family.pipeline] is family.model
         for arch in family.archs:  # an arch's shipped pipeline is its family's, its depth under the declared key
             index = json.loads((ARCHS_DIR / arch / "model_index.json").read_text())

@@ -30,3 +30,5 @@ class Family:
     archs: dict[str, str] = field(default_factory=dict)
     #: the key of the block count in the transformer's config (what ``random:<arch>@<layers>`` sets)
     depth_key: str = DEFAULT_DEPTH_KEY
+    #: an image-editing family: prompted by an instruction and an input image (:mod:`jagg_core.edit_prompts`)
+    edits_images: bool = False
