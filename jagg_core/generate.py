@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from .adapters import choose_adapter
-from .edit_prompts import EditPrompt, checked_image_bytes
+from .edit_prompts import EditPrompt, checked_image_bytes, image_tensor
 from .errors import UserError, exit_on_user_error
 from .rundir import RunDirectory
 
@@ -45,7 +45,6 @@ def generate(run_dir: Path, prompt: str, checkpoint: str | None = None, seed: in
     import torch
 
     from .images import captioned_grid, still_frames, to_pil
-    from .edit_prompts import image_tensor
     from .models import load_flow_model
     from .models.editing import EditingFlowModel
     from .sampler import initial_noise, ode_sample
