@@ -21,6 +21,7 @@ from pathlib import Path
 from .adapters import choose_adapter
 from .edit_prompts import EditPrompt, checked_image_bytes, image_tensor
 from .errors import UserError, exit_on_user_error
+from .preflight import model_family
 from .rundir import RunDirectory
 
 PROG = "jagg_core.generate"
@@ -46,7 +47,6 @@ def generate(run_dir: Path, prompt: str, checkpoint: str | None = None, seed: in
 
     from .images import captioned_grid, still_frames, to_pil
     from .models import load_flow_model
-    from .models.editing import EditingFlowModel
     from .sampler import initial_noise, ode_sample
 
     config = validate_config(RunDirectory(run_dir).read_config())
@@ -54,14 +54,15 @@ def generate(run_dir: Path, prompt: str, checkpoint: str | None = None, seed: in
     if not prompt.strip():
         raise UserError("type a prompt")
     row = EditPrompt(prompt, input_image_bytes(image), image.name) if image is not None else prompt
+    family = model_family(config.model)  # before the model loads (None: the load says why it cannot)
+    editing = family is not None and family.edits_images
+    if editing and image is None:
+        raise UserError(f"the run's model ({family.label}) edits images: give the image the instruction applies to "
+                        "(--image PATH; on the page, Input image)")
+    if image is not None and family is not None and not editing:
+        raise UserError(f"the run's model ({family.label}) generates from the prompt alone; leave out the input image")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = load_flow_model(config.model, device, seed=config.train.seed, num_frames=config.sampling.num_frames)
-    editing = isinstance(model, EditingFlowModel)
-    if editing and image is None:
-        raise UserError(f"the run's model ({model.family}) edits images: give the image the instruction applies to "
-                        "(--image PATH; on the page, Input image)")
-    if image is not None and not editing:
-        raise UserError(f"the run's model ({model.family}) generates from the prompt alone; leave out the input image")
     model.encode_and_cache([row])
     model.release_text_encoders()
     model.add_lora(config.lora)

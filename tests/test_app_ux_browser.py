@@ -210,7 +210,7 @@ def test_a_prompt_of_ones_own_is_generated_with_the_adapter_and_an_input_image_i
     Image.new("RGB", (32, 32), (200, 30, 30)).save(upload)
     page.locator("#try-input input[type=file]").set_input_files(str(upload))  # an input image: for editing runs
     page.locator("#generate-btn").click()
-    expect(page.locator("#try-message")).to_contain_text("Not generated: the run's model (sd3) generates from the "
+    expect(page.locator("#try-message")).to_contain_text("Not generated: the run's model (SD3/SD3.5) generates from the "
                                                          "prompt alone; leave out the input image")
     page.locator("#try-input button[aria-label='Remove Image']").click()
     page.locator("#generate-btn").click()

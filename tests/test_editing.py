@@ -415,7 +415,7 @@ def test_try_it_edits_ones_own_image_with_the_base_model_and_the_adapter(edit_ru
         assert (shown == colour).all()  # centre-cropped and resized: one colour throughout
         assert base.shape == adapted.shape == shown.shape
     assert not np.array_equal(cells(edits[red], 3)[1], cells(edits[blue], 3)[1])  # the model saw the image
-    with pytest.raises(UserError, match=r"the run's model \(flux-kontext\) edits images: give the image the "
+    with pytest.raises(UserError, match=r"the run's model \(FLUX.1 Kontext\) edits images: give the image the "
                                         r"instruction applies to \(--image PATH"):
         generate(edit_run, "make it green")
     (tmp_path / "bad.png").write_text("not an image")
