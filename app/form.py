@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import yaml
 
+from jagg_core.archs import HUB_IDS
 from jagg_core.config import (ALGORITHM_LABELS, DEFAULT_PRESET, RunConfig, apply_override, flat_keys, key_owner,
                               list_presets, preset_path, reset_other_algorithms, validate_config, yaml_value)
 from jagg_core.download import DownloadPlan
@@ -153,6 +154,8 @@ ADVANCED_KNOBS = (
     Knob("sampling.num_frames", "Video frames", "int"),
     Knob("sampling.fps", "Video fps", "int"),
     Knob("sampling.reward_frames", "Frames an image reward scores", "int"),
+    Knob("model.condition_resolution", "Input image size (editing)", "int"),
+    Knob("model.input_images", "Input images a prompt row (editing)", "int"),
     Knob("sampling.rollout_chunk", "Rollout chunk", "int", optional=True),
 )
 
@@ -203,13 +206,14 @@ def _get(data: dict, key: str) -> Any:
 
 
 def model_choices() -> list[str]:
-    """Base models to offer: every preset's model and the tiny test model (any Hub id or folder may be typed)."""
+    """Base models to offer: the tiny test model, every preset's model, then the Hub model of every shipped arch
+    (any Hub id or folder may be typed)."""
     names = ["tiny-sd3"]
     for preset in list_presets():
         name = (yaml.safe_load(preset_path(preset).read_text()).get("model") or {}).get("name")
         if name and name not in names:
             names.append(name)
-    return names
+    return [*names, *(repo for repo in HUB_IDS.values() if repo not in names)]
 
 
 def preset_config(preset: str) -> RunConfig:

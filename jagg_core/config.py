@@ -77,6 +77,9 @@ class ModelConfig(_Section):
                                       "Kontext, Qwen-Image-Edit): side of the square the prompt row's input image is "
                                       "centre-cropped and resized to before the model encodes it (the pipelines use "
                                       "about 1024); a multiple of 16")
+    input_images: int = Field(1, ge=1, le=3, description="image-editing models: input images of each prompt row, "
+                              "every row the same (Qwen-Image-Edit-2509/2511 take up to 3, 'Picture 1' first; FLUX.1 "
+                              "Kontext and Qwen-Image-Edit take 1)")
     cudnn_attention: bool = Field(False, description="let torch choose cuDNN's attention kernel on a CUDA GPU; off: "
                                   "flash, memory-efficient or math attention. Off by default: it made "
                                   "FLUX.1-dev's backward fail on an H200 (cuDNN 9.19, torch 2.11; the GPU check's "

@@ -1,11 +1,13 @@
-"""Image-editing prompt rows: an instruction and the input image it applies to.
+"""Image-editing prompt rows: an instruction and the input image(s) it applies to.
 
-An editing model (FLUX.1 Kontext, Qwen-Image-Edit) is prompted by rows of (instruction, input image). Each row is
-an :class:`EditPrompt`, a ``str`` whose text is ``"{instruction} [{label} {digest}]"`` (``label``: the image's
-file name or Hub row, ``digest``: the first 10 hex digits of the SHA-256 of its bytes), so the sampler, GRPO, the
-per-prompt conditioning cache, ``text_embeddings.safetensors``, the run's ``prompts.json`` and the eval grids'
-captions treat it as any prompt, while two rows with the same instruction on different images stay apart. The
-row keeps the image's encoded bytes; :meth:`EditPrompt.image` decodes it.
+An editing model (FLUX.1 Kontext, Qwen-Image-Edit) is prompted by rows of (instruction, input image); Qwen-Image-Edit
+-2509/2511 take up to three input images a row ('Picture 1', 'Picture 2', ...). Each row is an :class:`EditPrompt`,
+a ``str`` whose text is ``"{instruction} [{label} {digest}]"`` (``label``: the image's file name or Hub row, the
+names joined by ``+`` for several; ``digest``: the first 10 hex digits of the SHA-256 of the image's bytes, of its
+images' digests for several), so the sampler, GRPO, the per-prompt conditioning cache,
+``text_embeddings.safetensors``, the run's ``prompts.json`` and the eval grids' captions treat it as any prompt, while
+two rows with the same instruction on different images stay apart. The row keeps the images' encoded bytes;
+:meth:`EditPrompt.images` decodes them.
 
 Geometry: an input image is centre-cropped to a square and resized (bicubic) to the side asked for: the model's
 ``model.condition_resolution`` before its VAE (and, for Qwen-Image-Edit, its vision encoder) sees it, the output's
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import re
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -28,21 +31,48 @@ if TYPE_CHECKING:
 
 
 class EditPrompt(str):
-    """One editing prompt row (see the module docstring): ``instruction``, the image's bytes and its ``label``."""
+    """One editing prompt row (see the module docstring): ``instruction``, its input images' encoded bytes
+    (``images_bytes``, one or more, 'Picture 1' first) and its ``label`` (their file names joined by ``+``)."""
 
-    def __new__(cls, instruction: str, image_bytes: bytes, label: str):
-        digest = hashlib.sha256(image_bytes).hexdigest()[:10]
-        row = super().__new__(cls, f"{instruction} [{label} {digest}]")
-        row.instruction, row.image_bytes, row.label = instruction, image_bytes, label
+    def __new__(cls, instruction: str, images_bytes: bytes | tuple[bytes, ...], label: str):
+        images_bytes = (images_bytes,) if isinstance(images_bytes, bytes) else tuple(images_bytes)
+        row = super().__new__(cls, f"{instruction} [{label} {images_digest(images_bytes)}]")
+        row.instruction, row.images_bytes, row.label = instruction, images_bytes, label
         return row
 
     def __getnewargs__(self):  # copies and pickles rebuild the row, not a bare string
-        return self.instruction, self.image_bytes, self.label
+        return self.instruction, self.images_bytes, self.label
 
     def image(self, size: int) -> Image.Image:
-        """The input image, RGB, centre-cropped to a square and resized to ``size`` x ``size``."""
-        with Image.open(io.BytesIO(self.image_bytes)) as picture:
-            return ImageOps.fit(picture.convert("RGB"), (size, size), method=Image.Resampling.BICUBIC)
+        """The (first) input image, RGB, centre-cropped to a square and resized to ``size`` x ``size``."""
+        return square_image(self.images_bytes[0], size)
+
+    def images(self, size: int) -> list[Image.Image]:
+        """Every input image, as :meth:`image`."""
+        return [square_image(data, size) for data in self.images_bytes]
+
+
+def square_image(data: bytes, size: int) -> Image.Image:
+    """The encoded image ``data``, RGB, centre-cropped to a square and resized (bicubic) to ``size`` x ``size``."""
+    with Image.open(io.BytesIO(data)) as picture:
+        return ImageOps.fit(picture.convert("RGB"), (size, size), method=Image.Resampling.BICUBIC)
+
+
+def images_digest(images_bytes: tuple[bytes, ...]) -> str:
+    """The first 10 hex digits of the SHA-256 of the one image's bytes, or of its images' SHA-256 digests in order."""
+    if len(images_bytes) == 1:
+        return hashlib.sha256(images_bytes[0]).hexdigest()[:10]
+    return hashlib.sha256(b"".join(hashlib.sha256(data).digest() for data in images_bytes)).hexdigest()[:10]
+
+
+#: an :class:`EditPrompt`'s text: ``"{instruction} [{label} {digest}]"``
+ROW_TEXT = re.compile(r"(?P<instruction>.*) \[(?P<label>.*) (?P<digest>[0-9a-f]{10})\]", re.DOTALL)
+
+
+def instruction_of(text: str) -> str:
+    """The instruction of an editing row's text (as written in a run's files); any other text as it is."""
+    match = ROW_TEXT.fullmatch(text)
+    return match["instruction"] if match else text
 
 
 def checked_image_bytes(data: bytes, where: str) -> bytes:
@@ -62,14 +92,18 @@ def png_bytes(image: Image.Image) -> bytes:
     return buffer.getvalue()
 
 
-def edit_rows(prompts: list[str], family: str) -> list[EditPrompt]:
-    """``prompts`` as editing rows; a prompt without an input image is a :class:`UserError` (``family``: the
-    editing model that needs them)."""
+def edit_rows(prompts: list[str], family: str, input_images: int | None = None) -> list[EditPrompt]:
+    """``prompts`` as editing rows, each with ``input_images`` input images when given (``model.input_images``); a
+    prompt without an input image, or with another number of them, is a :class:`UserError` (``family``: the editing
+    model that needs them)."""
     for prompt in prompts:
         if not isinstance(prompt, EditPrompt):
             raise UserError(f"the {family} model edits images, but the prompt {str(prompt)[:80]!r} has no input image; "
                             "give prompts.source an image folder with prompts.csv/prompts.jsonl, or "
                             "hf://DATASET:TEXT_COLUMN,IMAGE_COLUMN")
+        if input_images is not None and len(prompt.images_bytes) != input_images:
+            raise UserError(f"the prompt {str(prompt)[:80]!r} has {len(prompt.images_bytes)} input image(s), but "
+                            f"model.input_images is {input_images}; every row must have model.input_images images")
     return list(prompts)
 
 

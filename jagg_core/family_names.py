@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from .errors import UserError
+
 MODELS_DIR = Path(__file__).resolve().parent / "models"
 #: the name a family file binds its declaration to
 DECLARATION = "FAMILY"
@@ -32,6 +34,15 @@ class DeclaredFamily:
     archs: dict[str, str]
     depth_key: str
     edits_images: bool
+    max_input_images: int
+    requires: tuple[str, ...]
+
+    def check_input_images(self, input_images: int) -> None:
+        """``model.input_images`` is at most the input images a prompt row of this family may have: else a
+        :class:`~jagg_core.errors.UserError`."""
+        if input_images > self.max_input_images:
+            raise UserError(f"model.input_images is {input_images}, but the {self.label} model takes "
+                            f"{self.max_input_images} input image(s) a prompt row")
 
 
 def _declaration(path: Path) -> ast.Call | None:
@@ -46,11 +57,13 @@ def _declaration(path: Path) -> ast.Call | None:
 def _read(path: Path, call: ast.Call) -> DeclaredFamily:
     fields = {keyword.arg: keyword.value for keyword in call.keywords}
     literal = {name: ast.literal_eval(fields[name]) for name in ("label", "pipeline", "archs", "depth_key",
-                                                                 "edits_images") if name in fields}
+                                                                 "edits_images", "max_input_images", "requires")
+               if name in fields}
     return DeclaredFamily(module=path.stem, label=literal["label"], pipeline=literal["pipeline"],
                           tiny_models=tuple(ast.literal_eval(key) for key in fields["tiny_builders"].keys),
                           archs=literal.get("archs", {}), depth_key=literal.get("depth_key", DEFAULT_DEPTH_KEY),
-                          edits_images=literal.get("edits_images", False))
+                          edits_images=literal.get("edits_images", False),
+                          max_input_images=literal.get("max_input_images", 1), requires=literal.get("requires", ()))
 
 
 @cache
@@ -58,6 +71,11 @@ def declared_families() -> tuple[DeclaredFamily, ...]:
     """Every declared family, in the order of their file names."""
     return tuple(_read(path, call) for path in sorted(MODELS_DIR.glob("*.py"))
                  if (call := _declaration(path)) is not None)
+
+
+def family_of_pipeline(pipeline: str) -> DeclaredFamily | None:
+    """The declared family whose pipeline class is named ``pipeline`` (a ``model_index.json``'s ``_class_name``)."""
+    return next((family for family in declared_families() if family.pipeline == pipeline), None)
 
 
 def tiny_model_names() -> list[str]:

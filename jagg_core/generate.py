@@ -4,11 +4,13 @@ fixed-seed ODE sampler and sizes)::
     python -m jagg_core.generate RUN "a red circle on a blue background" --out pair.png [--seed 0]
     python -m jagg_core.generate RUN "a red circle" --out pair.png --checkpoint best   # or iter_N; default: latest
     python -m jagg_core.generate RUN "make it blue" --image in.png --out pair.png     # an image-editing run
+    python -m jagg_core.generate RUN "put the cat on the sofa" --image cat.png --image sofa.png --out pair.png
 
 It writes one picture: the base model on the left, the adapter on the right, the same noise (of a video model, the
 videos' middle frames). An image-editing model (FLUX.1 Kontext, Qwen-Image-Edit) takes the prompt as the
-instruction applied to ``--image``, which is prepared as the run's own input images are (centre-cropped to a square,
-``model.condition_resolution``) and shown first, at the output's size. The page's "Try it" panel runs this in its own
+instruction applied to ``--image`` (given ``model.input_images`` times, 'Picture 1' first), prepared as the run's
+own input images are (centre-cropped to a square, ``model.condition_resolution``) and shown first, at the output's
+size. The page's "Try it" panel runs this in its own
 process, so the app never holds a model.
 """
 
@@ -36,10 +38,11 @@ def input_image_bytes(image: Path) -> bytes:
     return checked_image_bytes(data, f"the input image {image}")
 
 
-def generate(run_dir: Path, prompt: str, checkpoint: str | None = None, seed: int = 0, image: Path | None = None):
+def generate(run_dir: Path, prompt: str, checkpoint: str | None = None, seed: int = 0,
+             images: list[Path] | tuple[Path, ...] = ()):
     """A PIL image of ``prompt``: the base model's sample beside the adapter's (the latest, ``best`` or ``iter_N``:
     :func:`~jagg_core.adapters.choose_adapter`), from the same noise; for an image-editing run, ``prompt`` is the
-    instruction applied to ``image``, shown first."""
+    instruction applied to ``images``, shown first."""
     from .config import validate_config
     from .quiet import quiet_libraries
     quiet_libraries()
@@ -53,13 +56,17 @@ def generate(run_dir: Path, prompt: str, checkpoint: str | None = None, seed: in
     adapter = choose_adapter(run_dir, checkpoint)
     if not prompt.strip():
         raise UserError("type a prompt")
-    row = EditPrompt(prompt, input_image_bytes(image), image.name) if image is not None else prompt
+    row = EditPrompt(prompt, tuple(input_image_bytes(image) for image in images),
+                     "+".join(image.name for image in images)) if images else prompt
     family = model_family(config.model)  # before the model loads (None: the load says why it cannot)
     editing = family is not None and family.edits_images
-    if editing and image is None:
-        raise UserError(f"the run's model ({family.label}) edits images: give the image the instruction applies to "
-                        "(--image PATH; on the page, Input image)")
-    if image is not None and family is not None and not editing:
+    wanted = config.model.input_images
+    if editing and len(images) != wanted:
+        what, how = (("the image", "--image PATH; on the page, Input image") if wanted == 1 else
+                     (f"the {wanted} images", f"--image PATH {wanted} times, 'Picture 1' first; the page's Try it "
+                                              "takes one"))
+        raise UserError(f"the run's model ({family.label}) edits images: give {what} the instruction applies to ({how})")
+    if images and family is not None and not editing:
         raise UserError(f"the run's model ({family.label}) generates from the prompt alone; leave out the input image")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = load_flow_model(config.model, device, seed=config.train.seed, num_frames=config.sampling.num_frames)
@@ -78,8 +85,10 @@ def generate(run_dir: Path, prompt: str, checkpoint: str | None = None, seed: in
         tuned = model.decode(ode_sample(model, cond, sigmas, z0))
     panels, captions = [still_frames(base).cpu(), still_frames(tuned).cpu()], ["base model", adapter.label]
     if editing:
-        panels, captions = [image_tensor([row.image(size)]), *panels], ["input image", *captions]
-    return captioned_grid(to_pil(torch.cat(panels)), captions, title=prompt[:80], columns=len(panels),
+        inputs = row.images(size)
+        names = ["input image"] if len(inputs) == 1 else [f"picture {k}" for k in range(1, len(inputs) + 1)]
+        panels, captions = [image_tensor(inputs), *panels], [*names, *captions]
+    return captioned_grid(to_pil(torch.cat(panels)), captions, title=prompt[:80], columns=len(captions),
                           cell=max(256, size))
 
 
@@ -91,8 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", metavar="best|iter_N",
                         help="the best adapter (RUN/best) or a checkpoint's (default: the latest adapter)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--image", type=Path, metavar="PATH",
-                        help="an image-editing run's input image, to which the prompt's instruction applies")
+    parser.add_argument("--image", type=Path, metavar="PATH", action="append", default=[],
+                        help="an image-editing run's input image, to which the prompt's instruction applies "
+                             "(repeat for a run of several input images a row, 'Picture 1' first)")
     args = parser.parse_args(argv)
     with exit_on_user_error(PROG):
         generate(Path(args.run_dir), args.prompt, args.checkpoint, args.seed, args.image).save(args.out)

@@ -33,6 +33,9 @@ from huggingface_hub import ModelCard, ModelCardData
 
 from . import metrics
 from .adapters import BEST, Adapter, choose_adapter
+from .config import ModelConfig
+from .edit_prompts import instruction_of
+from .errors import UserError
 from .rundir import GRID_FILE as GRID_NAME
 from .rundir import LORA_FILE, ImageSet, RunDirectory, iteration_dirname
 
@@ -313,8 +316,25 @@ def _audit_words(rows: list[dict]) -> str:
             f"**{cosine:.3f}**, mean relative error {rel_err:.3f}")
 
 
-def _sample_call(prompt: str, sampling: dict, videos: bool) -> tuple[str, str]:
-    """The usage snippet's imports and sampling lines: an image, or a video written as an MP4 at the run's fps."""
+def _edits_images(config: dict) -> bool:
+    """Whether the run's base model edits images (its family's declaration, :func:`~jagg_core.preflight.model_family`;
+    false when the model cannot be looked up)."""
+    from .preflight import model_family
+    try:
+        family = model_family(ModelConfig.model_validate(config.get("model") or {}))
+    except (ValueError, UserError):
+        return False
+    return family is not None and family.edits_images
+
+
+def _sample_call(prompt: str, sampling: dict, videos: bool, input_images: int) -> tuple[str, str]:
+    """The usage snippet's imports and sampling lines: an image (an edit of ``input_images`` input images, 0 for a
+    text-to-image model), or a video written as an MP4 at the run's fps."""
+    if input_images:
+        images = 'load_image("input.png")' if input_images == 1 else \
+            "[" + ", ".join(f'load_image("picture{k}.png")' for k in range(1, input_images + 1)) + "]"
+        return ("from diffusers import DiffusionPipeline\nfrom diffusers.utils import load_image",
+                f"image = pipe(image={images}, prompt={json.dumps(instruction_of(prompt))}).images[0]")
     if not videos:
         return "from diffusers import DiffusionPipeline", f"image = pipe({json.dumps(prompt)}).images[0]"
     return ("from diffusers import DiffusionPipeline\nfrom diffusers.utils import export_to_video",
@@ -330,14 +350,15 @@ def build_model_card(snap: RunSnapshot, repo_id: str) -> ModelCard:
     algorithm = run_algorithm(snap.config)
     tags = ["lora", "diffusers", algorithm, *(["jagg"] if algorithm == "grpo" else []), *([family] if family else []),
             *reward_names]
-    widget = [{"text": prompt, "output": {"url": f"{SAMPLES_DIR}/{i:03d}.png"}}
-              for i, prompt in enumerate(snap.after.prompts[:WIDGET_SAMPLES])] if snap.after else None
+    editing = _edits_images(snap.config)
+    widget = [{"text": prompt, "output": {"url": f"{SAMPLES_DIR}/{i:03d}.png"}}  # an edit needs its input: none
+              for i, prompt in enumerate(snap.after.prompts[:WIDGET_SAMPLES])] if snap.after and not editing else None
     on_hub = bool(HUB_REPO_ID.match(base)) and not Path(base).exists()
     videos = bool(snap.after and snap.after.videos)
     data = ModelCardData(
         base_model=base if on_hub else None,
         library_name="diffusers",
-        pipeline_tag="text-to-video" if videos else "text-to-image",
+        pipeline_tag="text-to-video" if videos else "image-to-image" if editing else "text-to-image",
         tags=list(dict.fromkeys(tags)),
         widget=widget,
     )
@@ -365,7 +386,8 @@ def build_model_card(snap: RunSnapshot, repo_id: str) -> ModelCard:
         parts.append("## Eval videos\n\nThe adapter's held-out eval samples (fixed seeds):\n\n" + "\n\n".join(
             f'<video src="{SAMPLES_DIR}/{i:03d}.mp4" controls loop muted></video>\n\n*{text}*'
             for i, text in enumerate(snap.after.prompts[:len(snap.after.videos)])) + "\n")
-    imports, call = _sample_call(prompt, snap.config.get("sampling") or {}, videos)
+    input_images = ((snap.config.get("model") or {}).get("input_images") or 1) if editing else 0
+    imports, call = _sample_call(prompt, snap.config.get("sampling") or {}, videos, input_images)
     parts.append(f"""## Use it
 
 ```python

@@ -9,30 +9,33 @@ Hugging Face cache's disk (:mod:`jagg_core.download`).
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 from .config import ModelConfig, RunConfig
 from .download import DownloadPlan, check_cached, check_disk_room, plan_download
 from .errors import UserError
-from .family_names import DeclaredFamily, declared_families
+from .family_names import DeclaredFamily, declared_families, family_of_pipeline
 
 
 def check_references(config: RunConfig, disk: bool = True) -> DownloadPlan | None:
     """The base model, the rewards and judges (names, options, no judge equal to a training reward), the prompts and
-    the trackers' packages exist; raises :class:`~jagg_core.errors.UserError`. Returns the base model's
-    :class:`~jagg_core.download.DownloadPlan` (``.left``: bytes still to download), None when it is not a Hub
-    model or the Hub is offline. ``disk`` false (a memory plan, a dry run, an export): no refusal for the cache's disk
-    room, nor for a Hub model offline that the cache lacks."""
+    the trackers' packages exist, and the rewards and judges can read the prompts; raises
+    :class:`~jagg_core.errors.UserError`. Returns the base model's :class:`~jagg_core.download.DownloadPlan`
+    (``.left``: bytes still to download), None when it is not a Hub model or the Hub is offline. ``disk`` false (a
+    memory plan, a dry run, an export): no refusal for the cache's disk room, nor for a Hub model offline that the
+    cache lacks."""
     from .judges import check_judges
     from .prompts import run_prompts
-    from .rewards.catalog import check_reward_specs
+    from .rewards.catalog import check_prompts_readable, check_reward_specs
     from .tracking import check_trackers
     plan = check_model(config.model, disk)
     check_reward_specs(config.rewards)
     check_judges(config)
     check_trackers(config.train.report_to)
     train, held_out = run_prompts(config.prompts)
-    check_prompt_kind(model_family(config.model), [*train, *held_out])
+    check_prompt_kind(model_family(config.model), [*train, *held_out], config.model.input_images)
+    check_prompts_readable(config, train, held_out)
     return plan
 
 
@@ -51,17 +54,19 @@ def model_family(model: ModelConfig) -> DeclaredFamily | None:
         pipeline = read_model_index(model_source(model.name), model.revision)["_class_name"]
     except UserError:
         return None
-    return next((family for family in families if family.pipeline == pipeline), None)
+    return family_of_pipeline(pipeline)
 
 
-def check_prompt_kind(family: DeclaredFamily | None, prompts: list[str]) -> None:
-    """An image-editing family's prompts are editing rows (an instruction and an input image), and only its are:
-    else a training would fail once the model is loaded, or train a text-to-image model on the rows' texts."""
+def check_prompt_kind(family: DeclaredFamily | None, prompts: list[str], input_images: int = 1) -> None:
+    """An image-editing family's prompts are editing rows (an instruction and ``input_images`` input images, as many
+    as the family takes), and only its are: else a training would fail once the model is loaded, or train a
+    text-to-image model on the rows' texts."""
     from .edit_prompts import EditPrompt, edit_rows
     if family is None:
         return
     if family.edits_images:
-        edit_rows(prompts, family.label)
+        family.check_input_images(input_images)
+        edit_rows(prompts, family.label, input_images)
     elif any(isinstance(prompt, EditPrompt) for prompt in prompts):
         editors = ", ".join(f.label for f in declared_families() if f.edits_images)
         raise UserError(f"prompts.source holds image-editing rows (an instruction and an input image), but the "
@@ -69,12 +74,24 @@ def check_prompt_kind(family: DeclaredFamily | None, prompts: list[str]) -> None
                         f"image-editing model.name ({editors})")
 
 
+def check_packages(model: ModelConfig) -> None:
+    """The packages the real pipeline of ``model`` needs beyond requirements.txt (its family's ``requires``) are
+    installed: a tiny or random-weight model has stand-ins for what needs them."""
+    family = model_family(model)
+    missing = [package for package in (family.requires if family else ()) if importlib.util.find_spec(package) is None]
+    if missing:
+        raise UserError(f"the {family.label} pipeline of model '{model.name}' needs {', '.join(missing)} (its "
+                        f"processor), which is not installed: pip install {' '.join(missing)} (the build that "
+                        "matches your torch)")
+
+
 def check_model(model: ModelConfig, disk: bool = True) -> DownloadPlan | None:
     """The base model can be loaded by name: a random-weight arch, a tiny model, or a pipeline folder or Hub id with
     a ``model_index.json`` (offline, from the cache; a preset's model passes offline, its configs ship in
     :mod:`jagg_core.archs`). Online, a Hub model's :class:`~jagg_core.download.DownloadPlan` is returned once the
     cache's disk is known to have room for what is left to download; offline, a Hub model is in the cache (neither
-    checked with ``disk`` false: a memory plan, a dry run, an export)."""
+    checked with ``disk`` false: a memory plan, a dry run, an export), and for a launch the packages its pipeline needs
+    (:func:`check_packages`)."""
     from .archs import arch_for_model, is_random_model, parse_random_model
     from .hubclient import hub_offline
     from .model_index import model_source, read_model_index, tiny_models
@@ -84,6 +101,8 @@ def check_model(model: ModelConfig, disk: bool = True) -> DownloadPlan | None:
     source = model_source(model.name)
     if "/" not in source and not Path(source).is_dir() and source in tiny_models():
         return None
+    if disk:  # a launch: the pipeline's processor will load
+        check_packages(model)
     local = Path(source).expanduser().is_dir()
     offline = not local and hub_offline()  # asked once: it may wait on a name lookup
     if offline and disk:  # a launch: the weights must already be here

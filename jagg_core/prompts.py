@@ -13,8 +13,9 @@ image):
 
 * an image folder holding ``prompts.csv`` (columns ``file``, ``prompt``) or ``prompts.jsonl`` (keys ``file``,
   ``prompt``): each row names an image of the folder (a relative path inside it) and the instruction applied to it;
-  an image may have several rows,
-* ``hf://DATASET:TEXT_COLUMN,IMAGE_COLUMN``: a Hub dataset's instructions and input images (an ``Image`` column).
+  an image may have several rows, and a row several images (``a.png;b.png``, or a JSON list),
+* ``hf://DATASET:TEXT_COLUMN,IMAGE_COLUMN[,IMAGE_COLUMN...]``: a Hub dataset's instructions and input images
+  (``Image`` columns).
 
 Blank prompts are dropped; an empty, oversized or malformed source raises :class:`UserError`.
 """
@@ -37,6 +38,8 @@ MAX_FILE_BYTES = 50 * 1024 * 1024
 FILE_SUFFIXES = (".txt", ".csv", ".jsonl")
 #: the file of an image folder that maps each image to its instruction (the first one present is read)
 MAPPING_FILES = ("prompts.csv", "prompts.jsonl")
+#: what separates a row's image files in its ``file`` column ('Picture 1' first)
+IMAGE_SEPARATOR = ";"
 #: an image folder uploaded as one file (the page's upload of an editing prompt set)
 ARCHIVE_SUFFIX = ".zip"
 #: the most an uploaded image folder may hold once unpacked
@@ -161,17 +164,23 @@ def _load_image_folder(folder: Path) -> list:
                         "its instruction (columns/keys: file, prompt)")
     rows = []
     for number, record in enumerate(_records(_read_text(mapping), mapping, ("file", "prompt")), 1):
-        name, instruction = record["file"], record["prompt"]
+        names, instruction = record["file"], record["prompt"]
         where = f"row {number} of '{mapping}'"
-        if not isinstance(name, str) or not isinstance(instruction, str):
-            raise UserError(f"{where}: 'file' and 'prompt' must be text")
+        names = names.split(IMAGE_SEPARATOR) if isinstance(names, str) else names
+        texts = isinstance(names, list) and all(isinstance(name, str) for name in names)
+        if not texts or not isinstance(instruction, str):
+            raise UserError(f"{where}: 'prompt' must be text and 'file' a file name (several: joined by "
+                            f"'{IMAGE_SEPARATOR}', or a list in JSONL)")
         if not instruction.strip():
             continue
-        image = folder / name.strip()
-        if not image.resolve().is_relative_to(folder.resolve()) or not image.is_file():
-            raise UserError(f"{where}: image '{name}' is not a file inside '{folder}'")
-        data = checked_image_bytes(image.read_bytes(), f"{where}: image '{name}'")
-        rows.append(EditPrompt(" ".join(instruction.split()), data, name.strip()))
+        names = [name.strip() for name in names]
+        images = []
+        for name in names:
+            image = folder / name
+            if not name or not image.resolve().is_relative_to(folder.resolve()) or not image.is_file():
+                raise UserError(f"{where}: image '{name}' is not a file inside '{folder}'")
+            images.append(checked_image_bytes(image.read_bytes(), f"{where}: image '{name}'"))
+        rows.append(EditPrompt(" ".join(instruction.split()), tuple(images), "+".join(names)))
     return rows
 
 
@@ -206,24 +215,29 @@ def unpack_image_folder(archive: Path, folder: Path) -> Path:
 
 
 def _load_hub(spec: str, source: str) -> list:
-    """A Hub dataset's prompt column (``DATASET[:COLUMN]``), or its editing rows (``DATASET:TEXT,IMAGE``)."""
+    """A Hub dataset's prompt column (``DATASET[:COLUMN]``), or its editing rows (``DATASET:TEXT,IMAGE[,IMAGE...]``,
+    the image columns in the order of the pictures)."""
     dataset_id, _, columns = spec.partition(":")
-    text_column, _, image_column = columns.partition(",")
+    text_column, *image_columns = columns.split(",")
     text_column = text_column or "prompt"
-    if not dataset_id:
+    if not dataset_id or not all(image_columns):
         raise UserError(f"prompt source '{source}' must look like hf://DATASET[:COLUMN] or "
-                        "hf://DATASET:TEXT_COLUMN,IMAGE_COLUMN")
-    dataset = _hub_dataset(dataset_id, [text_column, *([image_column] if image_column else [])])
-    if not image_column:
+                        "hf://DATASET:TEXT_COLUMN,IMAGE_COLUMN[,IMAGE_COLUMN...]")
+    dataset = _hub_dataset(dataset_id, [text_column, *image_columns])
+    if not image_columns:
         return list(dataset[text_column])
     rows = []
-    for number, (instruction, image) in enumerate(zip(dataset[text_column], dataset[image_column]), 1):
+    for number, (instruction, *images) in enumerate(zip(dataset[text_column], *(dataset[c] for c in image_columns)), 1):
         where = f"row {number} of Hub dataset '{dataset_id}'"
         if isinstance(instruction, str) and instruction.strip():
-            data = image["bytes"] if isinstance(image, dict) else png_bytes(image) if hasattr(image, "save") else None
-            if not isinstance(data, bytes):
-                raise UserError(f"{where}: column '{image_column}' holds no image")
-            rows.append(EditPrompt(" ".join(instruction.split()), checked_image_bytes(data, where), f"row {number}"))
+            datas = []
+            for column, image in zip(image_columns, images):
+                data = image["bytes"] if isinstance(image, dict) else png_bytes(image) if hasattr(image, "save") \
+                    else None
+                if not isinstance(data, bytes):
+                    raise UserError(f"{where}: column '{column}' holds no image")
+                datas.append(checked_image_bytes(data, where))
+            rows.append(EditPrompt(" ".join(instruction.split()), tuple(datas), f"row {number}"))
     return rows
 
 

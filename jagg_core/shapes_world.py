@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageDraw
 
+from .errors import UserError
+
 #: Palette, RGB in 0..255; chosen to be far apart from each other.
 COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (220, 40, 40),
@@ -70,6 +72,20 @@ def parse_caption(caption: str) -> Scene | None:
         return None
     g = {k: v.lower() for k, v in match.groupdict().items()}
     return Scene(g["colour"], g["shape"], g["background"], " ".join(g["position"].split()))
+
+
+def read_captions(prompts: list[str], reader: str = "the shapes reward") -> list[Scene]:
+    """The scene of each prompt; the first that does not follow :data:`GRAMMAR` is a :class:`UserError` naming
+    ``reader``, the reward or judge that needs the grammar."""
+    scenes = []
+    for prompt in prompts:
+        scene = parse_caption(prompt)
+        if scene is None:
+            raise UserError(f"{reader} cannot read the prompt {str(prompt)[:80]!r}; it expects '{GRAMMAR}' with colour "
+                            f"in {', '.join(COLOURS)}, shape in {', '.join(SHAPES)}, position in "
+                            f"{', '.join(POSITIONS)}; the built-in prompt set shapes follows it")
+        scenes.append(scene)
+    return scenes
 
 
 def all_scenes() -> list[Scene]:

@@ -195,6 +195,7 @@ CASES = {
     "tiny-sd3": ("tiny-sd3", {}), "tiny-flux": ("tiny-flux", {}), "tiny-qwen": ("tiny-qwen", {}),
     "tiny-flux-int8": ("tiny-flux", {"model__quantize": "int8"}),
     "tiny-flux-kontext": ("tiny-flux-kontext", EDITING), "tiny-qwen-edit": ("tiny-qwen-edit", EDITING),
+    "tiny-qwen-edit-plus": ("tiny-qwen-edit-plus", EDITING),
     "tiny-wan": ("tiny-wan", {"sampling__num_frames": 5}),
     "tiny-flux2": ("tiny-flux2", {"prompts__source": "few"}), "tiny-zimage": ("tiny-zimage", {"prompts__source": "few"}),
 }

@@ -39,16 +39,20 @@ for _arch in ("sd35-medium", "sd35-large"):
 for _arch in ("flux-dev", "flux-schnell"):
     SIZES[_arch].update({"text_encoder": (0.12, 0.125), "text_encoder_2": (4.7, 4.8), "vae": (0.08, 0.09)})
 SIZES["flux-kontext"], SIZES["qwen-image-edit"] = dict(SIZES["flux-dev"]), dict(SIZES["qwen-image"])  # same models
+SIZES["qwen-image-edit-2509"] = SIZES["qwen-image-edit-2511"] = SIZES["qwen-image-2512"] = dict(SIZES["qwen-image"])
 SIZES["flux2-klein-4b"] = {"transformer": (3.8, 4.0), "text_encoder": (4.0, 4.05), "vae": (0.08, 0.09)}
+SIZES["flux2-dev"] = {"transformer": (32.0, 32.4), "text_encoder": (23.9, 24.1), "vae": (0.08, 0.09)}  # Mistral 24B
 SIZES["z-image-turbo"] = {"transformer": (6.1, 6.2), "text_encoder": (4.0, 4.05), "vae": (0.08, 0.09)}
 SIZES["wan21-t2v-1.3b"] = {"transformer": (1.40, 1.45), "text_encoder": (5.6, 5.8), "vae": (0.12, 0.13)}
 PIPELINES = {"sd35-medium": "StableDiffusion3Pipeline", "sd35-large": "StableDiffusion3Pipeline",
              "flux-dev": "FluxPipeline", "flux-schnell": "FluxPipeline", "qwen-image": "QwenImagePipeline",
-             "flux2-klein-4b": "Flux2KleinPipeline", "z-image-turbo": "ZImagePipeline",
+             "qwen-image-2512": "QwenImagePipeline",
+             "flux2-klein-4b": "Flux2KleinPipeline", "flux2-dev": "Flux2Pipeline", "z-image-turbo": "ZImagePipeline",
              "flux-kontext": "FluxKontextPipeline", "qwen-image-edit": "QwenImageEditPipeline",
+             "qwen-image-edit-2509": "QwenImageEditPlusPipeline", "qwen-image-edit-2511": "QwenImageEditPlusPipeline",
              "wan21-t2v-1.3b": "WanPipeline"}
 #: components of a pipeline besides its models, scheduler and tokenizers (their files are not shipped)
-OTHER_COMPONENTS = {"qwen-image-edit": {"processor"}}
+OTHER_COMPONENTS = {arch: {"processor"} for arch in ("qwen-image-edit", "qwen-image-edit-2509", "qwen-image-edit-2511")}
 
 
 def model_index(arch: str) -> dict:
@@ -88,7 +92,12 @@ def test_each_config_loads_with_the_real_classes_at_the_published_size(arch, com
     assert low <= billions <= high, (arch, component, billions)
 
 
-@pytest.mark.parametrize("arch", list(SIZES))
+#: FLUX.2 [dev]'s tokenizer is a PixtralProcessor, which needs torchvision (not installed here; the pre-flight asks a
+#: user for it); its model_index.json is checked by test_every_arch_ships_its_pipeline_folder
+READ_HERE = [arch for arch in SIZES if arch != "flux2-dev"]
+
+
+@pytest.mark.parametrize("arch", READ_HERE)
 def test_diffusers_reads_the_folder_as_a_pipeline(arch):
     """``DiffusionPipeline.from_pretrained`` on the folder picks the pipeline class of model_index.json, takes every
     component given, and loads the real scheduler config. (For WanPipeline, whose ``transformer`` argument is optional,

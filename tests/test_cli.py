@@ -50,6 +50,7 @@ def test_dry_run_prints_the_resolved_config_with_overrides():
     (["--set", "grpo.num_generations=1"], "bad value 1 for 'grpo.num_generations'"),
     (["--set", "rewards=[{name: beauty}]"], "unknown reward 'beauty'; available: "),
     (["--set", "prompts.source=missing.txt"], "missing.txt"),
+    (["--set", "prompts.source=presets/prompts/general.txt"], "the reward 'shapes' cannot read the prompt"),
     (["--config", "does-not-exist.yaml"], "config file 'does-not-exist.yaml' does not exist"),
     (["--set", "model.name=./no-such-folder", "--output-dir", "{tmp}/run"], "model './no-such-folder' is neither"),
     (["--preset", "flux-dev-pickscore-24gb", "--output-dir", "{tmp}/run"],  # offline, not in the cache

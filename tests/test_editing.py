@@ -5,21 +5,24 @@ memory plan, presets)."""
 from __future__ import annotations
 
 import copy
+import hashlib
 import io
+import re
 import sys
 import types
 
 import numpy as np
 import pytest
 import torch
-from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
+from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
 from PIL import Image
 
 from conftest import run_cli, tiny_config
 from jagg_core import metrics
 from jagg_core.config import LoraConfig, ModelConfig, RewardSpec, list_presets, load_config
-from jagg_core.edit_prompts import EditPrompt, input_images, png_bytes
+from jagg_core.edit_prompts import EditPrompt, input_images, instruction_of, png_bytes
 from jagg_core.errors import UserError
+from jagg_core.hub import write_model_card
 from jagg_core.memory_meter import measured_peak
 from jagg_core.memory_plan import plan_memory
 from jagg_core.models import build_tiny_pipeline, load_flow_model
@@ -34,7 +37,7 @@ from jagg_core.rewards.jpeg import JpegCompressibility
 from jagg_core.rundir import RunDirectory
 from jagg_core.trainer import Trainer
 
-EDIT_MODELS = ["tiny-flux-kontext", "tiny-qwen-edit"]
+EDIT_MODELS = ["tiny-flux-kontext", "tiny-qwen-edit", "tiny-qwen-edit-plus"]
 RES, CONDITION, STEPS = 32, 32, 3
 #: text tokens: the longest example instruction, with the tiny Qwen-Image-Edit tokenizer's template tokens, fits
 TEXT = 64
@@ -71,7 +74,9 @@ def test_an_image_folder_gives_one_row_per_instruction_keyed_by_its_image(image_
     square = prompts[1].image(16)
     assert square.size == (16, 16) and square.getpixel((8, 8)) == (30, 30, 200)
     clone = copy.deepcopy(prompts[0])
-    assert clone == prompts[0] and clone.image_bytes == prompts[0].image_bytes
+    assert clone == prompts[0] and clone.images_bytes == prompts[0].images_bytes
+    assert [instruction_of(str(p)) for p in prompts] == [p.instruction for p in prompts]  # as in a run's files
+    assert instruction_of("a cat [on a mat]") == "a cat [on a mat]"
     (image_folder / "prompts.csv").unlink()
     (image_folder / "prompts.jsonl").write_text('{"file": "red.png", "prompt": "make it blue"}\n')
     assert load_prompts(str(image_folder)) == prompts[:1]
@@ -154,7 +159,7 @@ def test_an_editing_reward_gets_the_input_images_and_old_rewards_do_not():
 def test_clip_directional_is_the_cosine_of_the_image_and_text_directions(tiny_clip):
     folder, _ = tiny_clip
     reward = build_reward(RewardSpec(name="clip_directional", options={"model_id": folder}))
-    image = rows(1)[0].image_bytes
+    image = rows(1)[0].images_bytes[0]
     prompts = [EditPrompt("make it red", image, "a"), EditPrompt("add snow", image, "b")]
     inputs = input_images(prompts, 32)
     images = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
@@ -182,7 +187,7 @@ def noise(model, batch: int, seed: int = 0) -> torch.Tensor:
 def test_each_row_is_encoded_once_with_its_image_latents(name, monkeypatch):
     model = load(name, guidance_scale=3.0, negative_prompt="blurry")
     first, second = rows()
-    same_text = EditPrompt(first.instruction, second.image_bytes, "other")
+    same_text = EditPrompt(first.instruction, second.images_bytes, "other")
     encoded, encode = [], model.encode_prompts
     monkeypatch.setattr(model, "encode_prompts", lambda prompts: encoded.extend(prompts) or encode(prompts))
     cond = model.conditioning([first, same_text, first])
@@ -215,10 +220,14 @@ def test_the_rows_conditioning_is_saved_for_a_resume_and_tied_to_the_input_size(
 
 @pytest.fixture
 def qwen_edit_condition_size(monkeypatch):
-    """QwenImageEditPipeline resizes its input to ``calculate_dimensions(1024 * 1024, ratio)``; here to CONDITION."""
+    """QwenImageEditPipeline resizes its input to ``calculate_dimensions(1024 * 1024, ratio)``, QwenImageEditPlus's
+    to ``VAE_IMAGE_SIZE`` (1024 * 1024) for its VAE and ``CONDITION_IMAGE_SIZE`` (384 * 384) for its text encoder
+    (which the model reads too); here all to CONDITION, so that no resampling differs."""
     original = pipeline_qwenimage_edit.calculate_dimensions
     monkeypatch.setattr(pipeline_qwenimage_edit, "calculate_dimensions",
                         lambda area, ratio: original(CONDITION * CONDITION, ratio))
+    for size in ("VAE_IMAGE_SIZE", "CONDITION_IMAGE_SIZE"):
+        monkeypatch.setattr(pipeline_qwenimage_edit_plus, size, CONDITION * CONDITION)
 
 
 @pytest.mark.parametrize("name", EDIT_MODELS)
@@ -237,7 +246,7 @@ def test_euler_ode_reproduces_pipeline(name, guidance_scale, qwen_edit_condition
         images = model.decode(z)
 
     kontext = {"guidance_scale": 2.5, "_auto_resize": False, "max_area": RES * RES}  # the output keeps RES x RES
-    family = {"tiny-flux-kontext": kontext, "tiny-qwen-edit": {}}[name]
+    family = {"tiny-flux-kontext": kontext, "tiny-qwen-edit": {}, "tiny-qwen-edit-plus": {}}[name]
     for i, row in enumerate(prompts):
         final = {}
 
@@ -252,6 +261,104 @@ def test_euler_ode_reproduces_pipeline(name, guidance_scale, qwen_edit_condition
         torch.testing.assert_close(model.pipe.scheduler.sigmas, sigmas, atol=1e-6, rtol=0)
         torch.testing.assert_close(z[i:i + 1], final["latents"].float(), atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(images[i:i + 1], output.images.float(), atol=1e-4, rtol=1e-4)
+
+
+# ----- rows of several input images (Qwen-Image-Edit-2509/2511) --------------------------------------------------
+COLOURS = {"red": (200, 30, 30), "blue": (30, 30, 200), "green": (30, 160, 60), "white": (240, 240, 240)}
+
+
+@pytest.fixture
+def two_image_folder(tmp_path):
+    """An image folder whose rows name two images each ('Picture 1' first), in prompts.csv."""
+    folder = tmp_path / "pairs"
+    folder.mkdir()
+    for name, colour in COLOURS.items():
+        png(folder / f"{name}.png", colour)
+    pairs = [(a, b) for a in COLOURS for b in COLOURS if a != b]
+    (folder / "prompts.csv").write_text("file,prompt\n" + "".join(
+        f"{a}.png;{b}.png,swap colours\n" for a, b in pairs))
+    return folder
+
+
+def test_a_row_may_name_several_images_and_a_single_image_rows_text_stays_as_it_was(two_image_folder, image_folder):
+    rows = load_prompts(str(two_image_folder))
+    assert len(rows) == 12 and rows[0].label == "red.png+blue.png" and len(rows[0].images_bytes) == 2
+    first, second = rows[0].images(8)
+    assert first.getpixel((4, 4)) == COLOURS["red"] and second.getpixel((4, 4)) == COLOURS["blue"]
+    assert rows[0] != rows[3], "the same images in the other order are another row"  # blue;red is row 3
+    assert copy.deepcopy(rows[0]).images_bytes == rows[0].images_bytes
+    (two_image_folder / "prompts.csv").unlink()
+    (two_image_folder / "prompts.jsonl").write_text('{"file": ["red.png", "blue.png"], "prompt": "mix"}\n')
+    assert load_prompts(str(two_image_folder))[0].images_bytes == rows[0].images_bytes
+    single = load_prompts(str(image_folder))[0]  # the text, and so caches and resumes, of a one-image row
+    digest = hashlib.sha256((image_folder / "red.png").read_bytes()).hexdigest()[:10]
+    assert single == f"make it blue [red.png {digest}]"
+
+
+def test_the_plus_model_reads_every_input_image_as_the_pipeline_does(two_image_folder, qwen_edit_condition_size):
+    """Two input images a row: the text encoder reads 'Picture 1' and 'Picture 2', their latents follow the noisy
+    tokens one after the other with a grid each in img_shapes; the Euler ODE equals the pipeline's __call__ given
+    both images, with true CFG."""
+    model = load("tiny-qwen-edit-plus", input_images=2, guidance_scale=3.0, negative_prompt="ugly")
+    prompts = load_prompts(str(two_image_folder))[:2]
+    z0 = noise(model, len(prompts), seed=2)
+    sigmas, cond = model.sigmas(STEPS, RES), model.conditioning(prompts)
+    assert cond[IMAGE_LATENTS].shape[1] == 2 * model.image_seq_len(CONDITION)
+    z = z0
+    with torch.no_grad():
+        for i in range(STEPS):
+            z = z + (sigmas[i + 1] - sigmas[i]) * model.velocity(z, sigmas[i], cond)
+    for i, row in enumerate(prompts):
+        final = {}
+
+        def keep_latents(pipe, step, timestep, tensors):
+            final["latents"] = tensors["latents"]
+            return {}
+
+        model.pipe(image=row.images(CONDITION), prompt=row.instruction, num_inference_steps=STEPS,
+                   latents=z0[i:i + 1].clone(), height=RES, width=RES, output_type="latent", true_cfg_scale=3.0,
+                   negative_prompt="ugly", max_sequence_length=TEXT, callback_on_step_end=keep_latents)
+        torch.testing.assert_close(z[i:i + 1], final["latents"].float(), atol=1e-4, rtol=1e-4)
+    with torch.no_grad():  # the second picture matters
+        swapped = model.velocity(z0, sigmas[0], model.conditioning(load_prompts(str(two_image_folder))[3:5]))
+        assert not torch.allclose(swapped, model.velocity(z0, sigmas[0], cond))
+
+
+@pytest.mark.parametrize("name, input_images, rows, message", [
+    ("tiny-flux-kontext", 2, "pairs", "model.input_images is 2, but the FLUX.1 Kontext model takes 1 input image(s)"),
+    ("tiny-qwen-edit-plus", 1, "pairs", "has 2 input image(s), but model.input_images is 1"),
+    ("tiny-qwen-edit-plus", 2, EDIT_SET, "has 1 input image(s), but model.input_images is 2"),
+])
+def test_rows_of_another_number_of_images_than_the_model_takes_are_one_line_before_launch(
+        name, input_images, rows, message, two_image_folder, offline):
+    from jagg_core.preflight import check_references
+    source = str(two_image_folder) if rows == "pairs" else rows
+    config = tiny_config(name, prompts__source=source, model__input_images=input_images,
+                         model__max_sequence_length=TEXT)
+    with pytest.raises(UserError, match=re.escape(message)):
+        check_references(config)
+    if name == "tiny-flux-kontext":
+        with pytest.raises(UserError, match=re.escape(message)):
+            load(name, input_images=input_images)
+
+
+def test_a_two_image_run_trains_and_its_plan_counts_the_second_image(two_image_folder, tmp_path, offline):
+    settings = {"prompts__source": str(two_image_folder), "model__max_sequence_length": TEXT,
+                "model__condition_resolution": 16}
+    config = tiny_config("tiny-qwen-edit-plus", model__input_images=2, **settings)
+    trainer = Trainer(config, tmp_path / "run")
+    trainer.setup()
+    trainer.fit()
+    assert [r["iteration"] for r in RunDirectory(tmp_path / "run").read_metrics()] == [0, 1, 2]
+    card = write_model_card(tmp_path / "run", "alice/pairs").text  # the snippet passes both pictures
+    assert 'pipe(image=[load_image("picture1.png"), load_image("picture2.png")], prompt="swap colours")' in card
+    from jagg_core.generate import generate
+    tried = generate(tmp_path / "run", "swap colours", images=[two_image_folder / "red.png",
+                                                               two_image_folder / "blue.png"])
+    first, second, base, adapted = cells(tried, 4)  # one row: picture 1, picture 2, the base model, the adapter
+    assert (first == COLOURS["red"]).all() and (second == COLOURS["blue"]).all() and base.shape == adapted.shape
+    one = plan_memory(tiny_config("tiny-qwen-edit-plus", **{**settings, "prompts__source": EDIT_SET}))
+    assert plan_memory(config).total > one.total
 
 
 def test_a_local_kontext_folder_loads_as_its_family(tmp_path):
@@ -314,6 +421,12 @@ def test_two_training_iterations_and_the_adapter_loads_in_diffusers(name, tmp_pa
     assert not torch.allclose(trained, base)
     torch.testing.assert_close(reloaded, trained, rtol=1e-4, atol=1e-5)
 
+    card = write_model_card(run.path, "alice/edit-lora")  # an edit's card: image-to-image, the call with an input
+    assert card.data.pipeline_tag == "image-to-image" and "widget" not in card.data.to_dict()
+    call = re.search(r'image = pipe\(image=load_image\("input.png"\), prompt="(.*)"\)\.images\[0\]', card.text)
+    assert call and call[1] in {row.instruction for row in load_prompts(EDIT_SET)}
+    assert "from diffusers.utils import load_image" in card.text
+
 
 @pytest.mark.parametrize("name", EDIT_MODELS)
 def test_the_memory_plan_counts_the_input_image_and_meets_the_measured_peak(name, tmp_path, offline):
@@ -343,6 +456,29 @@ def test_the_family_and_so_the_kind_of_prompts_a_model_takes_is_known_before_it_
         ("SD3/SD3.5", False), ("SD3/SD3.5", False), ("SD3/SD3.5", False), None]
 
 
+@pytest.mark.parametrize("name, label", [("Qwen/Qwen-Image-Edit-2511", "Qwen-Image-Edit-2509/2511"),
+                                         ("Qwen/Qwen-Image-Edit", "Qwen-Image-Edit"),
+                                         ("black-forest-labs/FLUX.2-dev", "FLUX.2 [dev]")])
+def test_a_pipeline_whose_processor_needs_torchvision_asks_for_it_before_a_launch(name, label, monkeypatch, offline):
+    """Their processors (Qwen2-VL's video processor, Pixtral's) need torchvision, which requirements.txt leaves to the
+    GPU machine's torch build; a plan or a dry run loads no processor, and tiny or random models have stand-ins."""
+    from jagg_core import preflight
+
+    installed = {"torchvision": False}
+    find_spec = preflight.importlib.util.find_spec
+    monkeypatch.setattr(preflight.importlib.util, "find_spec", lambda package, *args: (
+        find_spec("json") if installed.get(package) else None) if package in installed else find_spec(package, *args))
+    with pytest.raises(UserError, match=rf"the {re.escape(label)} pipeline of model '{name}' needs torchvision \(its "
+                                        r"processor\), which is not installed: pip install torchvision"):
+        preflight.check_model(ModelConfig(name=name))
+    preflight.check_model(ModelConfig(name=name), disk=False)
+    for stand_in in ("tiny-qwen-edit-plus", "random:qwen-image-edit-2511@1", "random:flux2-dev@2"):
+        preflight.check_model(ModelConfig(name=stand_in))
+    installed["torchvision"] = True  # then the launch's next check: the weights of an offline Hub model
+    with pytest.raises(UserError, match="the Hub is unreachable and it is not in the local cache"):
+        preflight.check_model(ModelConfig(name=name))
+
+
 # ----- presets -----------------------------------------------------------------------------------------------------
 EDIT_PRESETS = [p for p in list_presets() if p.startswith(("flux-kontext-", "qwen-image-edit-"))]
 
@@ -361,7 +497,7 @@ def test_the_editing_presets_are_listed_and_validate(offline):
 
 def test_the_example_set_is_small_pngs():
     for prompt in load_prompts(EDIT_SET):
-        with Image.open(io.BytesIO(prompt.image_bytes)) as picture:
+        with Image.open(io.BytesIO(prompt.images_bytes[0])) as picture:
             assert picture.format == "PNG" and max(picture.size) <= 128
     assert np.asarray(rows(1)[0].image(8)).shape == (8, 8, 3)
 
@@ -409,7 +545,7 @@ def test_try_it_edits_ones_own_image_with_the_base_model_and_the_adapter(edit_ru
     red, blue = tmp_path / "red.png", tmp_path / "blue.png"
     png(red, (200, 30, 30))
     png(blue, (30, 30, 200))
-    edits = {path: generate(edit_run, "make it green", image=path) for path in (red, blue)}
+    edits = {path: generate(edit_run, "make it green", images=[path]) for path in (red, blue)}
     for path, colour in ((red, (200, 30, 30)), (blue, (30, 30, 200))):
         shown, base, adapted = cells(edits[path], 3)
         assert (shown == colour).all()  # centre-cropped and resized: one colour throughout
@@ -418,9 +554,11 @@ def test_try_it_edits_ones_own_image_with_the_base_model_and_the_adapter(edit_ru
     with pytest.raises(UserError, match=r"the run's model \(FLUX.1 Kontext\) edits images: give the image the "
                                         r"instruction applies to \(--image PATH"):
         generate(edit_run, "make it green")
+    with pytest.raises(UserError, match=r"edits images: give the image the instruction applies to"):
+        generate(edit_run, "make it green", images=[red, blue])  # the run's rows have one (model.input_images)
     (tmp_path / "bad.png").write_text("not an image")
     with pytest.raises(UserError, match="the input image .*bad.png is not a readable image"):
-        generate(edit_run, "make it green", image=tmp_path / "bad.png")
+        generate(edit_run, "make it green", images=[tmp_path / "bad.png"])
 
 
 def test_try_it_on_the_page_sends_the_uploaded_image(edit_run, tmp_path):
@@ -474,7 +612,7 @@ def test_an_uploaded_zip_of_an_image_folder_is_the_runs_editing_prompt_set(top, 
     assert [(row.instruction, row.label) for row in loaded] == [("make it blue", "red.png"),
                                                                 ("make it red", "images/blue.png"),
                                                                 ("add a hat", "red.png")]
-    assert loaded[1].image_bytes == blue.getvalue()
+    assert loaded[1].images_bytes == (blue.getvalue(),)
 
 
 @pytest.mark.parametrize("files, message", [

@@ -1,4 +1,5 @@
-"""The FLUX.2 [klein] and Z-Image adapters against their own diffusers pipelines, on tiny models built in memory.
+"""The FLUX.2 [klein], FLUX.2 [dev] and Z-Image adapters against their own diffusers pipelines, on tiny models built
+in memory.
 
 As in test_model_families: an Euler ODE with the adapter's sigmas and velocity, from the same initial noise, must
 give the pipeline's own ``__call__`` latents and images (packing, position ids, timestep convention, the sign of
@@ -26,14 +27,18 @@ from jagg_core.models.flux2 import Flux2KleinModel
 from jagg_core.rundir import RunDirectory
 from jagg_core.trainer import Trainer
 
-FAMILY = {"tiny-flux2": "flux2", "tiny-zimage": "z-image"}
+FAMILY = {"tiny-flux2": "flux2", "tiny-flux2-dev": "flux2-dev", "tiny-zimage": "z-image"}
 NAMES = list(FAMILY)
 RES, STEPS = 32, 3
 PROMPTS = ["a red circle", "two blue squares on a green background"]
 
 
+#: text tokens: FLUX.2 [dev]'s system message takes 36 of them before the prompt's
+TEXT = {"tiny-flux2-dev": 96}
+
+
 def load(name: str, **overrides):
-    return load_flow_model(ModelConfig(**{"name": name, "max_sequence_length": 32, **overrides}))
+    return load_flow_model(ModelConfig(**{"name": name, "max_sequence_length": TEXT.get(name, 32), **overrides}))
 
 
 def noise(model, batch: int, seed: int = 0) -> torch.Tensor:
@@ -43,7 +48,7 @@ def noise(model, batch: int, seed: int = 0) -> torch.Tensor:
 def pipeline_latents(model, z: torch.Tensor) -> torch.Tensor:
     """The pipeline's ``latents`` argument for the sampler's ``z``: FLUX.2 takes the patchified grid [B, 4C, h, w]
     and packs it itself; Z-Image takes ``z`` as it is."""
-    if model.family != "flux2":
+    if not model.family.startswith("flux2"):
         return z.clone()
     side = model.token_grid(z)
     return z.transpose(1, 2).reshape(z.shape[0], z.shape[2], side, side).clone()
@@ -53,6 +58,8 @@ def pipeline_kwargs(model, batch: int) -> dict:
     """The pipeline ``__call__`` arguments that mean what ``model.config`` means to the adapter."""
     config = model.config
     kwargs = {"height": RES, "width": RES, "max_sequence_length": config.max_sequence_length}
+    if model.family == "flux2-dev":  # guidance-distilled: the pipeline's guidance_scale is the embedding's
+        return kwargs | {"guidance_scale": config.flux_guidance}
     if model.family == "flux2":  # the pipeline's negative prompt is "" unless its embeddings are given
         kwargs["guidance_scale"] = config.guidance_scale
         if model.use_cfg:
@@ -85,6 +92,8 @@ def test_tiny_models_load_with_their_registered_family(name):
     model = load(name)
     assert model.family == FAMILY[name] and FAMILIES[type(model.pipe).__name__] is type(model)
     assert sum(p.numel() for p in model.transformer.parameters()) < 1_000_000
+    embeds = model.conditioning(PROMPTS)["prompt_embeds"]
+    assert not torch.equal(embeds[0], embeds[1]), "the prompts are read, not cut off"
 
 
 # ----- the sampler's view against the pipeline's ----------------------------------------------------------
@@ -100,10 +109,10 @@ def test_sigmas_are_the_pipelines_schedule(name, num_steps, resolution):
     torch.testing.assert_close(sigmas, model.pipe.scheduler.sigmas, atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("guidance_scale", [1.0, 3.0])
+@pytest.mark.parametrize(("name", "guidance_scale"), [(name, scale) for name in NAMES for scale in (1.0, 3.0)
+                                                      if not (name == "tiny-flux2-dev" and scale > 1)])  # no CFG
 def test_euler_ode_reproduces_pipeline(name, guidance_scale):
-    model = load(name, guidance_scale=guidance_scale, negative_prompt="ugly")
+    model = load(name, guidance_scale=guidance_scale, negative_prompt="ugly", flux_guidance=2.5)
     z0 = noise(model, len(PROMPTS), seed=1)
     z, images = euler_ode(model, z0, model.sigmas(STEPS, RES), model.conditioning(PROMPTS))
     latents, pipeline_images = run_pipeline(model, model.pipe, z0, PROMPTS)
@@ -111,6 +120,14 @@ def test_euler_ode_reproduces_pipeline(name, guidance_scale):
     torch.testing.assert_close(z, latents, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(images, pipeline_images, atol=1e-4, rtol=1e-4)
     assert images.shape == (len(PROMPTS), 3, RES, RES) and images.std() > 0
+
+
+def test_a_guidance_distilled_flux2_dev_takes_no_cfg_but_its_guidance():
+    pipe = build_tiny_pipeline("tiny-flux2-dev")
+    with pytest.raises(UserError, match="guidance-distilled: it takes no CFG; set model.guidance_scale=1"):
+        load_flow_model(ModelConfig(name="tiny-flux2-dev", guidance_scale=3.0))
+    model = type(load("tiny-flux2-dev"))(pipe, ModelConfig(name="tiny-flux2-dev", flux_guidance=2.5))
+    assert model.use_cfg is False and model.guidance(torch.zeros(3, 1, 1)).tolist() == [2.5] * 3
 
 
 def test_a_distilled_klein_takes_no_cfg():
@@ -201,7 +218,7 @@ def test_the_plan_is_within_25_percent_of_the_measured_peak(name, tmp_path, offl
 
 
 # ----- the presets and the real architectures ----------------------------------------------------------
-PRESETS = {"flux2-klein-pickscore-24gb": "black-forest-labs/FLUX.2-klein-4B",
+PRESETS = {"flux2-klein-pickscore-24gb": "black-forest-labs/FLUX.2-klein-4B", "flux2-dev-pickscore": "black-forest-labs/FLUX.2-dev",
            "zimage-turbo-pickscore-24gb": "Tongyi-MAI/Z-Image-Turbo"}
 
 

@@ -140,6 +140,17 @@ def test_a_step_measured_ok_under_todays_settings_is_done_and_under_others_is_st
     assert "| tiny-flux | 60 | ok, stale: int8: model.cudnn_attention true -> false | 2026-12-01 |" in table
 
 
+def test_a_key_added_to_the_config_since_a_measurement_stales_it_only_away_from_its_default():
+    """A new key's default keeps what the product did before it (model.input_images: 1 input image a row)."""
+    from jagg_core.gpu_check.settings import changed_settings
+    now = today()["memory-qwen-image-edit-clipdir-24gb"]
+    before = {label: {k: v for k, v in values.items() if k != "model.input_images"} for label, values in now.items()}
+    assert now != before and changed_settings(before, now) == []
+    two = {label: {**values, "model.input_images": 2} for label, values in now.items()}
+    assert changed_settings(before, two) == ["model.input_images - -> 2"]
+    assert changed_settings(now, before) == ["model.input_images 1 -> -"]  # a key gone is a change
+
+
 def test_the_committed_ledger_marks_what_each_check_measured_with_its_date_and_names_the_flux_crashs_cause():
     ledger = read_ledger([ROOT / "docs" / "gpu"], CheckOptions())
     assert ledger["bench-sd35-medium"].status == "ok" and ledger["bench-sd35-medium"].date.startswith("2026-11-30")

@@ -64,6 +64,34 @@ def test_unknown_reward_and_option_are_one_line_user_errors():
         build_rewards([spec("clip_score", colour="red")])
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["prompts.source={text}"], "the reward 'shapes' cannot read the prompt 'a "),
+    (["prompts.source={text}", "rewards=[{name: jpeg_compressibility}]"],
+     "the judge 'shapes_fidelity' (eval.judges) cannot read the prompt"),
+    (["prompts.source=shapes", "prompts.eval_source={text}"], "the reward 'shapes' cannot read the prompt"),
+])
+def test_a_reward_that_reads_a_prompt_grammar_refuses_other_prompts_before_launch(overrides, message, tmp_path):
+    from jagg_core.config import load_config
+    from jagg_core.preflight import check_references
+    text = tmp_path / "prompts.txt"
+    text.write_text("".join(f"a red car number {i}\n" for i in range(100)))
+    config = load_config(preset="shapes", overrides=[o.replace("{text}", str(text)) for o in overrides])
+    with pytest.raises(UserError) as err:
+        check_references(config)
+    assert message in str(err.value) and "the built-in prompt set shapes follows it" in str(err.value)
+
+
+def test_a_judge_reads_only_the_held_out_prompts_it_scores(tmp_path):
+    from jagg_core.config import load_config
+    from jagg_core.preflight import check_references
+    text = tmp_path / "prompts.txt"
+    text.write_text("".join(f"a red car number {i}\n" for i in range(100)))
+    config = load_config(preset="shapes", overrides=[f"prompts.source={text}", "prompts.eval_source=shapes",
+                                                     "rewards=[{name: jpeg_compressibility}]"])
+    assert [judge.name for judge in config.eval.judges] == ["shapes_fidelity"]
+    check_references(config)
+
+
 def test_combined_reward_is_the_weighted_sum_of_its_parts():
     images, prompts = flat_and_noise(), ["a", "b"]
     combined = build_rewards([spec("jpeg_compressibility", 2.0), spec("jpeg_incompressibility", -0.5),

@@ -181,7 +181,7 @@ def test_the_derived_tables_agree_with_the_declarations():
         family = DECLARATIONS[declared.module]
         assert declared == DeclaredFamily(declared.module, family.label, family.pipeline,
                                           tuple(family.tiny_builders), family.archs, family.depth_key,
-                                          family.edits_images)
+                                          family.edits_images, family.max_input_images, family.requires)
         assert family.edits_images == issubclass(family.model, EditingFlowModel)
         assert FAMILIES[family.pipeline] is family.model
         for arch in family.archs:  # an arch's shipped pipeline is its family's, its depth under the declared key

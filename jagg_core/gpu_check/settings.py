@@ -28,20 +28,27 @@ def step_settings(step: Step, options: CheckOptions) -> dict[str, dict] | None:
 def changed_settings(measured: dict[str, dict] | None, current: dict[str, dict]) -> list[str]:
     """``label: key old -> new`` for each setting that differs, written as ``--set`` reads it (a config or key only on
     one side: ``-``; the label only when the step has several configs); one line when the measurement kept no
-    settings (a record older than them)."""
+    settings (a record older than them). A key added to the config since, at its default, is no change: a new key's
+    default keeps what the product did before it."""
     if measured is None:
         return ["measured before the check kept its settings"]
-    from ..config import yaml_value
+    from ..config import RunConfig, flat_keys, yaml_value
+    defaults = flat_keys(RunConfig().model_dump(mode="json"))
 
     def shown(settings: dict, key: str) -> str:
         return yaml_value(settings[key]) if key in settings else "-"
+
+    def added_at_its_default(before: dict, now: dict, key: str) -> bool:
+        return key not in before and key in now and key in defaults and now[key] == defaults[key]
 
     changes, labels = [], sorted(set(measured) | set(current))
     for label in labels:
         before, now = measured.get(label, {}), current.get(label, {})
         prefix = f"{label}: " if len(labels) > 1 else ""
         changes += [f"{prefix}{key} {shown(before, key)} -> {shown(now, key)}"
-                    for key in sorted(set(before) | set(now)) if shown(before, key) != shown(now, key)]
+                    for key in sorted(set(before) | set(now))
+                    if shown(before, key) != shown(now, key) and not (label in measured
+                                                                      and added_at_its_default(before, now, key))]
     return changes
 
 

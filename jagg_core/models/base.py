@@ -356,6 +356,13 @@ class PackedFlowModel(FlowModel):
     def schedule_kwargs(self, num_steps: int) -> dict:
         return linspace_sigmas(num_steps)
 
+    def guidance(self, z: torch.Tensor) -> torch.Tensor | None:
+        """The guidance embedding's value per sample of ``z``, ``model.flux_guidance``, for a guidance-distilled
+        transformer (``guidance_embeds``: FLUX.1 [dev], FLUX.2 [dev]); None for one without the embedding."""
+        if not self.transformer.config.get("guidance_embeds", False):
+            return None
+        return torch.full((z.shape[0],), self.config.flux_guidance, device=z.device, dtype=torch.float32)
+
     @staticmethod
     def token_grid(z: torch.Tensor) -> int:
         """Tokens per side of packed latents ``z`` [B, side^2, 4C]."""

@@ -7,7 +7,8 @@ encoded once and cached like any prompt's text conditioning:
   pipeline's image processor to [-1, 1], encoded by the pipeline's ``_encode_vae_image`` (the posterior's mode,
   normalised as the pipeline does: FLUX ``(x - shift) * scale``, Qwen-Image ``(x - mean) / std``) and packed by
   ``_pack_latents`` into ``(r / 2f)^2`` tokens (``f``: the VAE's factor, 8 for the real models): ``image_latents``
-  [(r/2f)^2, 4C];
+  [(r/2f)^2, 4C]; a row of ``n = model.input_images`` images (Qwen-Image-Edit-2509/2511) has each image's tokens
+  one after the other, [n (r/2f)^2, 4C], as the Plus pipeline concatenates them;
 * its instruction is encoded by the family (Qwen-Image-Edit's text encoder sees the image too).
 
 With CFG the negative branch is the negative prompt on the same image (both pipelines condition both branches on
@@ -26,6 +27,7 @@ import torch
 from PIL import Image
 
 from ..edit_prompts import EditPrompt, edit_rows
+from ..family_names import family_of_pipeline
 from .base import NEGATIVE, Conditioning, PackedFlowModel
 
 IMAGE_LATENTS = "image_latents"
@@ -35,8 +37,12 @@ class EditingFlowModel(PackedFlowModel):
     """An editing family: listed before its text-to-image family, e.g. ``FluxKontextModel(EditingFlowModel,
     FluxModel)``, whose encoding and transformer call it extends (see the module docstring)."""
 
+    def __init__(self, pipe, config, device="cpu", **placement):
+        family_of_pipeline(type(pipe).__name__).check_input_images(config.input_images)  # as its declaration says
+        super().__init__(pipe, config, device, **placement)
+
     def encode_prompts(self, prompts: list[str]) -> Conditioning:
-        rows = edit_rows(prompts, self.family)
+        rows = edit_rows(prompts, self.family, self.config.input_images)
         cond = super().encode_prompts(rows)
         latents = self.condition_latents(rows)
         cond[IMAGE_LATENTS] = latents
@@ -45,16 +51,18 @@ class EditingFlowModel(PackedFlowModel):
         return cond
 
     def negative_prompts(self, prompts: list[EditPrompt]) -> list[EditPrompt]:
-        return [EditPrompt(self.config.negative_prompt, row.image_bytes, row.label) for row in prompts]
-
-    def condition_images(self, rows: list[EditPrompt]) -> list[Image.Image]:
-        """The rows' input images at ``model.condition_resolution``."""
-        return [row.image(self.config.condition_resolution) for row in rows]
+        return [EditPrompt(self.config.negative_prompt, row.images_bytes, row.label) for row in prompts]
 
     def condition_latents(self, rows: list[EditPrompt]) -> torch.Tensor:
-        """The rows' packed, normalised VAE latents [N, (r/2f)^2, 4C] (module docstring)."""
+        """The rows' packed, normalised VAE latents [N, n (r/2f)^2, 4C], image after image (module docstring)."""
+        images = [row.images(self.config.condition_resolution) for row in rows]
+        return torch.cat([self.image_latents([pictures[k] for pictures in images])
+                          for k in range(self.config.input_images)], dim=1)
+
+    def image_latents(self, images: list[Image.Image]) -> torch.Tensor:
+        """Packed, normalised VAE latents [N, (r/2f)^2, 4C] of one input image a row, at ``condition_resolution``."""
         size, vae = self.config.condition_resolution, self.pipe.vae
-        pixels = self.pipe.image_processor.preprocess(self.condition_images(rows), size, size)
+        pixels = self.pipe.image_processor.preprocess(images, size, size)
         latents = self.pipe._encode_vae_image(self.vae_input(pixels).to(vae.device, vae.dtype), generator=None)
         rows_, cols = latents.shape[-2:]
         return self.pipe._pack_latents(latents, latents.shape[0], latents.shape[1], rows_, cols)
@@ -64,7 +72,7 @@ class EditingFlowModel(PackedFlowModel):
         return pixels
 
     def conditioning_shapes(self) -> dict[str, tuple[int, ...]]:
-        tokens = self.image_seq_len(self.config.condition_resolution)
+        tokens = self.config.input_images * self.image_seq_len(self.config.condition_resolution)
         return {**super().conditioning_shapes(), IMAGE_LATENTS: (tokens, self.transformer.config.in_channels)}
 
     def transformer_velocity(self, z: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:

@@ -32,3 +32,7 @@ class Family:
     depth_key: str = DEFAULT_DEPTH_KEY
     #: an image-editing family: prompted by an instruction and an input image (:mod:`jagg_core.edit_prompts`)
     edits_images: bool = False
+    #: input images a prompt row of an editing family may have (``model.input_images``)
+    max_input_images: int = 1
+    #: packages beyond requirements.txt that loading the real pipeline needs (its processor's), checked before launch
+    requires: tuple[str, ...] = ()

@@ -56,10 +56,7 @@ class FluxModel(PackedFlowModel):
         dtype = self.transformer.dtype
         embeds = cond["prompt_embeds"]
         text_ids = torch.zeros(embeds.shape[1], 3, device=z.device, dtype=dtype)
-        guidance = None
-        if self.transformer.config.guidance_embeds:
-            guidance = torch.full((z.shape[0],), self.config.flux_guidance, device=z.device, dtype=torch.float32)
-        return self.transformer(hidden_states=z.to(dtype), timestep=sigma.to(dtype), guidance=guidance,
+        return self.transformer(hidden_states=z.to(dtype), timestep=sigma.to(dtype), guidance=self.guidance(z),
                                 pooled_projections=cond["pooled_projections"].to(dtype),
                                 encoder_hidden_states=embeds.to(dtype), txt_ids=text_ids, img_ids=image_ids,
                                 return_dict=False)[0].float()

@@ -6,8 +6,9 @@
 - **Conditioning.** The Qwen3 hidden states of layers 9, 18 and 27 (the pipeline's ``text_encoder_out_layers``)
   of the chat-templated prompt, padded to ``model.max_sequence_length`` and concatenated along the channels:
   ``prompt_embeds`` [B, L, 3 D]. The transformer attends to every token, padding included, as in the pipeline.
-- **Time.** The transformer is called with ``timestep = sigma`` (it scales by 1000 itself) and no guidance
-  embedding; its output is the velocity ``v = noise - x0``.
+- **Time.** The transformer is called with ``timestep = sigma`` (it scales by 1000 itself); its output is the
+  velocity ``v = noise - x0``. A guidance-distilled transformer (``guidance_embeds``, FLUX.2 [dev]) also takes
+  ``guidance = model.flux_guidance`` (the pipeline's ``guidance_scale``), [klein] none.
 - **Schedule.** ``sigmas = linspace(1, 1/n, n)`` with the dynamic shift ``mu = compute_empirical_mu(seq_len, n)``
   of the pipeline (it depends on the step count too).
 - **Guidance.** The undistilled (base) models take CFG ``v_neg + g (v_pos - v_neg)`` with ``model.negative_prompt``
@@ -73,7 +74,7 @@ class Flux2KleinModel(PackedFlowModel):
         dtype = self.transformer.dtype
         embeds = cond["prompt_embeds"]
         image_ids, text_ids = self.position_ids(self.token_grid(z), embeds.shape[1], z.device)
-        return self.transformer(hidden_states=z.to(dtype), timestep=sigma.to(dtype), guidance=None,
+        return self.transformer(hidden_states=z.to(dtype), timestep=sigma.to(dtype), guidance=self.guidance(z),
                                 encoder_hidden_states=embeds.to(dtype), txt_ids=text_ids, img_ids=image_ids,
                                 return_dict=False)[0].float()
 

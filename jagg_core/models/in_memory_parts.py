@@ -14,9 +14,9 @@ import string
 import torch
 from diffusers import AutoencoderKL
 from tokenizers import pre_tokenizers
-from transformers import (CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer, Qwen2_5_VLConfig,
-                          Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer, Qwen2VLImageProcessorPil,
-                          Qwen2VLProcessor, Qwen3Config, T5Tokenizer)
+from transformers import (CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer, Mistral3Config,
+                          Mistral3ForConditionalGeneration, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
+                          Qwen2Tokenizer, Qwen2VLImageProcessorPil, Qwen2VLProcessor, Qwen3Config, T5Tokenizer)
 
 #: width of the tiny CLIP text encoders
 CLIP_HIDDEN = 32
@@ -157,6 +157,33 @@ def tiny_qwen3_tokenizer() -> Qwen2Tokenizer:
     tokenizer = tiny_qwen_tokenizer()
     tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
     return tokenizer
+
+
+#: Mistral's instruction format for the system and user turns of a conversation (what ``apply_chat_template`` needs
+#: for Flux2Pipeline's text-only messages, whose contents are lists of text parts)
+MISTRAL_CHAT_TEMPLATE = ("{% for message in messages %}{% for part in message['content'] %}"
+                         "{% if message['role'] == 'system' %}[SYSTEM_PROMPT]{{ part['text'] }}[/SYSTEM_PROMPT]"
+                         "{% else %}[INST]{{ part['text'] }}[/INST]{% endif %}{% endfor %}{% endfor %}")
+
+
+def tiny_mistral_tokenizer(system_message: str) -> Qwen2Tokenizer:
+    """A byte-level BPE tokenizer for Flux2Pipeline's Mistral encoder: :func:`tiny_qwen_tokenizer` with Mistral's
+    turn markers, each word of ``system_message`` (the pipeline's) one token, and the chat template above."""
+    tokenizer = tiny_qwen_tokenizer(system_message, ("[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[INST]", "[/INST]"))
+    tokenizer.chat_template = MISTRAL_CHAT_TEMPLATE
+    return tokenizer
+
+
+def tiny_mistral3_encoder(tokenizer, hidden: int, layers: int) -> Mistral3ForConditionalGeneration:
+    """A Mistral3 (Mistral Small 3.1's class) of ``layers`` tiny layers, for the tokenizer's vocabulary, with a
+    one-block Pixtral vision tower (text-only prompts leave it unused)."""
+    return Mistral3ForConditionalGeneration(Mistral3Config(
+        text_config={"model_type": "mistral", "vocab_size": len(tokenizer), "hidden_size": hidden,
+                     "intermediate_size": 2 * hidden, "num_hidden_layers": layers, "num_attention_heads": 2,
+                     "num_key_value_heads": 1, "head_dim": hidden // 2, "max_position_embeddings": 1024,
+                     **qwen_special_ids(tokenizer)},
+        vision_config={"model_type": "pixtral", "hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 1,
+                       "num_attention_heads": 2, "head_dim": 8, "image_size": 56, "patch_size": 14}))
 
 
 def text_hidden_layers_read(pipeline_class) -> int:

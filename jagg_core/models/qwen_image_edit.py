@@ -20,7 +20,9 @@ import torch
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from diffusers import QwenImageEditPipeline
+from PIL import Image
 
+from ..edit_prompts import EditPrompt
 from .base import Conditioning
 from .editing import EditingFlowModel
 from .family import Family
@@ -37,16 +39,25 @@ class QwenImageEditModel(EditingFlowModel, QwenImageModel):
 
     def encode_without_cfg(self, prompts: list[str]) -> Conditioning:
         embeds, mask = self.pipe.encode_prompt(prompt=[row.instruction for row in prompts],
-                                               image=self.condition_images(prompts), device=self.device)
+                                               image=self.text_images(prompts), device=self.device)
         return self.padded_text(embeds, mask)
 
     @property
+    def vision_side(self) -> int:
+        """Side of the square input image the text encoder reads: ``model.condition_resolution``, the VAE's."""
+        return self.config.condition_resolution
+
+    def text_images(self, rows: list[EditPrompt]) -> list[Image.Image]:
+        """The rows' input images as the text encoder reads them, :attr:`vision_side` square."""
+        return [row.image(self.vision_side) for row in rows]
+
+    @property
     def text_length(self) -> int:
-        """``model.max_sequence_length`` plus the vision tokens of one input image."""
-        return self.config.max_sequence_length + self.vision_tokens()
+        """``model.max_sequence_length`` plus the vision tokens of the row's input images."""
+        return self.config.max_sequence_length + self.config.input_images * self.vision_tokens()
 
     def vision_tokens(self) -> int:
-        """Tokens of a ``condition_resolution`` square image in the text encoder's sequence: Qwen2-VL scales it to a
+        """Tokens of a :attr:`vision_side` square image in the text encoder's sequence: Qwen2-VL scales it to a
         multiple of ``patch * merge`` pixels within ``[min_pixels, max_pixels]`` (``smart_resize``), one token per
         ``merge x merge`` patches."""
         processor = getattr(self.pipe, "processor", None)
@@ -55,7 +66,7 @@ class QwenImageEditModel(EditingFlowModel, QwenImageModel):
             images = processor.image_processor
             vision = {"patch_size": images.patch_size, "merge_size": images.merge_size,
                       "min_pixels": images.size["shortest_edge"], "max_pixels": images.size["longest_edge"]}
-        side = self.config.condition_resolution
+        side = self.vision_side
         height, width = smart_resize(side, side, factor=vision["patch_size"] * vision["merge_size"],
                                      min_pixels=vision["min_pixels"], max_pixels=vision["max_pixels"])
         return height * width // (vision["patch_size"] * vision["merge_size"]) ** 2
@@ -65,8 +76,10 @@ class QwenImageEditModel(EditingFlowModel, QwenImageModel):
 
     def joint_velocity(self, tokens: torch.Tensor, sigma: torch.Tensor, cond: Conditioning,
                        generated: int) -> torch.Tensor:
-        side, condition_side = self.token_grid(tokens[:, :generated]), self.token_grid(tokens[:, generated:])
-        return self.qwen_forward(tokens, sigma, cond, [(1, side, side), (1, condition_side, condition_side)])
+        images = self.config.input_images
+        side = self.token_grid(tokens[:, :generated])
+        condition_side = self.token_grid(tokens[:, generated:generated + (tokens.shape[1] - generated) // images])
+        return self.qwen_forward(tokens, sigma, cond, [(1, side, side)] + [(1, condition_side, condition_side)] * images)
 
 
 def build_tiny_qwen_edit() -> QwenImageEditPipeline:
@@ -80,4 +93,5 @@ def build_tiny_qwen_edit() -> QwenImageEditPipeline:
 
 FAMILY = Family(label="Qwen-Image-Edit", pipeline="QwenImageEditPipeline", model=QwenImageEditModel,
                 tiny_builders={"tiny-qwen-edit": build_tiny_qwen_edit},
-                archs={"qwen-image-edit": "Qwen/Qwen-Image-Edit"}, edits_images=True)
+                archs={"qwen-image-edit": "Qwen/Qwen-Image-Edit"}, edits_images=True,
+                requires=("torchvision",))

@@ -11,8 +11,8 @@ pipeline (``StableDiffusion3Pipeline``, ``FluxPipeline``, ``QwenImagePipeline``,
 - the **VAE** and the **scheduler** are the arch's own (random VAE weights, the real scheduler config);
 - the **text encoders** are width-true stand-ins: the real classes with the real hidden and projection
   sizes (CLIP-L 768, OpenCLIP-bigG 1280, T5-XXL and UMT5-XXL 4096, Qwen2.5-VL 3584, the real attention widths; Qwen3-4B
-  2560 with two query heads of the real head size), so the conditioning tensors have the real shapes, but one
-  layer (Qwen3: as many as the pipeline reads, FLUX.2 [klein] 27), a small feed-forward, and the in-memory
+  2560 and Mistral Small 3.1 5120 with two query heads of the real head size), so the conditioning tensors have the
+  real shapes, but one layer (Qwen3 and Mistral3: as many as the pipeline reads, FLUX.2 [klein] 27, [dev] 30), a small feed-forward, and the in-memory
   character tokenizers of :mod:`jagg_core.models.in_memory_parts` (nothing is downloaded; the token sequences are
   longer than real ones for the same prompt, the tensors' lengths are fixed by the pipeline's
   ``max_sequence_length`` padding as with real tokenizers).
@@ -30,12 +30,13 @@ from contextlib import contextmanager
 import diffusers
 import torch
 import transformers
+from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE as FLUX2_SYSTEM_MESSAGE
 
 from ..archs import arch_folder, parse_random_model, with_depth
 from ..rng import forked_rng
 from .in_memory_parts import (draw_pad_tokens, qwen_special_ids, qwen_vision_ids, text_hidden_layers_read,
-                              tiny_clip_tokenizer, tiny_qwen3_tokenizer, tiny_qwen_edit_tokenizer, tiny_qwen_processor,
-                              tiny_qwen_tokenizer, tiny_t5_tokenizer)
+                              tiny_clip_tokenizer, tiny_mistral_tokenizer, tiny_qwen3_tokenizer,
+                              tiny_qwen_edit_tokenizer, tiny_qwen_processor, tiny_qwen_tokenizer, tiny_t5_tokenizer)
 
 #: feed-forward width of the stand-in text encoders (their one layer)
 STAND_IN_INTERMEDIATE = 256
@@ -101,6 +102,20 @@ def qwen3_stand_in(folder, component: str, model_class, tokenizer, layers: int):
     return model_class(transformers.Qwen3Config.from_dict(config))
 
 
+def mistral3_stand_in(folder, component: str, tokenizer, layers: int):
+    """Mistral3 (FLUX.2 [dev]'s Mistral Small 3.1) with the real text width and head dimension, as many layers as the
+    pipeline reads hidden states from (30), two query heads and one key-value head (the real: 32 and 8), a small
+    feed-forward and a tiny vision tower (text-only prompts leave it unused)."""
+    real = _real_config(folder, component)
+    text = real.text_config.to_dict()
+    text.update({"dtype": None, "num_hidden_layers": layers, "num_attention_heads": STAND_IN_QWEN3_HEADS,
+                 "num_key_value_heads": 1, "intermediate_size": STAND_IN_INTERMEDIATE, "vocab_size": len(tokenizer),
+                 **qwen_special_ids(tokenizer)})
+    vision = {"model_type": "pixtral", "hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "head_dim": 8, "image_size": 56, "patch_size": 14}
+    return transformers.Mistral3ForConditionalGeneration(type(real)(text_config=text, vision_config=vision))
+
+
 def text_stand_ins(folder, index: dict) -> dict:
     """The pipeline's text encoders (stand-ins) and tokenizers (character vocabularies), by component name."""
     encoders = {name: _component_class(*spec) for name, spec in index.items()
@@ -121,6 +136,10 @@ def text_stand_ins(folder, index: dict) -> dict:
         elif model_class is transformers.Qwen2_5_VLForConditionalGeneration:
             tokenizer = tiny_qwen_tokenizer()
             encoder = qwen_vl_stand_in(folder, name, tokenizer)
+        elif model_class is transformers.Mistral3ForConditionalGeneration:
+            tokenizer = tiny_mistral_tokenizer(FLUX2_SYSTEM_MESSAGE)
+            layers = text_hidden_layers_read(getattr(diffusers, index["_class_name"]))
+            encoder = mistral3_stand_in(folder, name, tokenizer, layers)
         elif model_class in (transformers.Qwen3ForCausalLM, transformers.Qwen3Model):
             tokenizer = tiny_qwen3_tokenizer()
             layers = text_hidden_layers_read(getattr(diffusers, index["_class_name"]))

@@ -22,6 +22,8 @@ CLIP_L14 = "openai/clip-vit-large-patch14"
 PICKSCORE = "yuvalkirstain/PickScore_v1"
 PICKSCORE_PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
 AESTHETIC_HEAD = "camenduru/improved-aesthetic-predictor/sac+logos+ava1-l14-linearMSE.pth"
+#: the shapes world's caption grammar (torch-free): the shapes reward and judge read nothing else
+SHAPES_GRAMMAR = "shapes_world:read_captions"
 
 
 class RewardOptions(BaseModel):
@@ -84,16 +86,25 @@ class RewardEntry:
     #: (low, high): the scores a working base model's samples get (None: unbounded on that side); the first
     #: iteration's doctor checks the base eval against it
     expected_range: tuple[float | None, float | None] = (None, None)
+    #: ``module:function`` of jagg_core that reads the prompts' grammar, called as ``function(prompts, reader)``
+    #: before launch (it raises a :class:`UserError` naming ``reader``); None: the reward scores any prompt
+    prompt_grammar: str | None = None
 
     def load_class(self):
         module, _, cls = self.implementation.partition(":")
         return getattr(importlib.import_module(f"{__package__}.{module}"), cls)
 
+    def check_prompts(self, prompts: list[str], reader: str) -> None:
+        """The reward can read every prompt (:attr:`prompt_grammar`); ``reader`` names it in the refusal."""
+        if self.prompt_grammar is not None:
+            module, _, function = self.prompt_grammar.partition(":")
+            getattr(importlib.import_module(f"jagg_core.{module}"), function)(prompts, reader)
+
 
 CATALOG: dict[str, RewardEntry] = {entry.name: entry for entry in [
     # shapes: a blank image scores 0.02, pure noise about 0.2
-    RewardEntry("shapes", "shapes:ShapesReward", expected_range=(0.3, 1.0)),
-    RewardEntry("shapes_fidelity", "shapes:ShapesFidelity", expected_range=(0.3, 1.0)),
+    RewardEntry("shapes", "shapes:ShapesReward", expected_range=(0.3, 1.0), prompt_grammar=SHAPES_GRAMMAR),
+    RewardEntry("shapes_fidelity", "shapes:ShapesFidelity", expected_range=(0.3, 1.0), prompt_grammar=SHAPES_GRAMMAR),
     RewardEntry("jpeg_compressibility", "jpeg:JpegCompressibility", expected_range=(None, 0.0)),
     RewardEntry("jpeg_incompressibility", "jpeg:JpegIncompressibility", expected_range=(0.0, None)),
     # CLIP cosines of an image with its own prompt: 0.15-0.40 when the image shows it
@@ -142,3 +153,12 @@ def check_reward_specs(specs) -> None:
     """Every :class:`~jagg_core.config.RewardSpec` names a known reward with valid options."""
     for spec in specs:
         reward_options(spec.name, spec.options)
+
+
+def check_prompts_readable(config, train: list[str], held_out: list[str]) -> None:
+    """The rewards can read every prompt and the judges every held-out one (they score the eval samples only):
+    a reward with a prompt grammar refuses the first prompt it cannot read (:meth:`RewardEntry.check_prompts`)."""
+    for spec in config.rewards:
+        reward_entry(spec.name).check_prompts([*train, *held_out], f"the reward '{spec.name}'")
+    for judge in config.eval.judges:
+        reward_entry(judge.name).check_prompts(held_out, f"the judge '{judge.name}' (eval.judges)")

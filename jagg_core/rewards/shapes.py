@@ -32,8 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import UserError
-from ..shapes_world import COLOURS, GRAMMAR, POSITIONS, SHAPES, parse_caption
+from ..shapes_world import COLOURS, POSITIONS, SHAPES, read_captions
 from .base import Reward
 
 PARTS = ("colour", "shape", "background", "position")
@@ -65,16 +64,8 @@ def _soft_class(points: torch.Tensor, prototypes: torch.Tensor, target: torch.Te
 
 def _targets(prompts: list[str]) -> dict[str, torch.Tensor]:
     colours, positions = list(COLOURS), list(POSITIONS)
-    rows = []
-    for prompt in prompts:
-        scene = parse_caption(prompt)
-        if scene is None:
-            raise UserError(
-                f"the shapes reward cannot read the prompt {prompt!r}; it expects '{GRAMMAR}' with colour in "
-                f"{', '.join(colours)}, shape in {', '.join(SHAPES)}, position in {', '.join(positions)}"
-            )
-        rows.append((colours.index(scene.colour), SHAPES.index(scene.shape), colours.index(scene.background),
-                     positions.index(scene.position)))
+    rows = [(colours.index(scene.colour), SHAPES.index(scene.shape), colours.index(scene.background),
+             positions.index(scene.position)) for scene in read_captions(prompts)]
     table = torch.tensor(rows, dtype=torch.long).reshape(-1, 4)
     return dict(zip(PARTS, table.unbind(1)))
 
