@@ -29,8 +29,10 @@ BENCH_ARCHS = (("sd35-medium", None), ("flux-dev", None), ("qwen-image", "nf4"),
 QUANTIZE_ARCH, QUANTIZE_BASES = "sd35-medium", ("bf16", "int8", "nf4")
 #: the real-size bench's window: W = 5, cached velocities, joint endpoints (the project's default backward)
 BENCH_WINDOW = 5
-#: the reduced bench's rollout batch: one prompt, two samples
-REDUCED_BENCH_BATCH = ("grpo.prompts_per_iteration=1", "grpo.num_generations=2")
+#: the reduced bench's rollout batch (one prompt, two samples) and prompt set (two to train on, two held out: each
+#: distinct prompt is encoded at set-up, by the real-width encoders)
+REDUCED_BENCH_BATCH = ("grpo.prompts_per_iteration=1", "grpo.num_generations=2", "prompts.limit=2",
+                       "prompts.eval_count=2")
 #: the weightless reward of the measured memory runs
 MEASURE_REWARD = "jpeg_compressibility"
 LIBRARIES = ("torch", "diffusers", "transformers", "peft", "accelerate", "bitsandbytes", "torchao")
