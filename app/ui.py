@@ -367,10 +367,12 @@ class Studio:
         return f"Deleted `{run_dir.name}`.", gr.update(choices=names, value=names[0] if names else None)
 
     def generate(self, run: str, checkpoint: str, prompt: str, seed: float | None, image: str | None = None,
+                 picture_2: str | None = None, picture_3: str | None = None,
                  profile: gr.OAuthProfile | None = None) -> tuple[str | None, str]:
         """The base model's and the adapter's sample of ``prompt``, side by side, made by ``python -m
         jagg_core.generate`` in its own process (the app holds no model); ``image``: an image-editing run's input
-        image (an upload), shown first."""
+        image (an upload), shown first; ``picture_2``, ``picture_3``: the next ones of a run whose rows have several
+        (``model.input_images``), empty boxes left out."""
         if refused := _refusal(profile):
             return None, f"**Not generated:** {refused}"
         run_dir = self._run_dir(run)
@@ -383,14 +385,16 @@ class Studio:
                    "--seed", str(int(seed or 0))]
         if live.adapter_name(checkpoint):
             command += ["--checkpoint", checkpoint]
-        if image:
-            command += ["--image", image]
+        images = [path for path in (image, picture_2, picture_3) if path]
+        for path in images:
+            command += ["--image", path]
         result = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL)
         if result.returncode != 0 or not out.is_file():
             errors = [line for line in result.stderr.splitlines() if line.startswith("jagg_core.generate: error:")]
             why = errors[-1].split("error:", 1)[1].strip() if errors else f"exit code {result.returncode}"
             return None, f"**Not generated:** {why}"
-        shown = "the input image, the base model's edit and the adapter's" if image else \
+        inputs = "the input image" if len(images) == 1 else f"the {len(images)} input images"
+        shown = f"{inputs}, the base model's edit and the adapter's" if images else \
             "the base model (left) and the adapter"
         return str(out), f"`{run_dir.name}`, {checkpoint or LATEST_ADAPTER}: {shown}"
 
@@ -800,13 +804,17 @@ def build_app(root: Path | None = None) -> gr.Blocks:
 
                 gr.Markdown("## 4 · Try it\nA prompt of your own, with the adapter chosen above, beside the base model "
                             "(same seed, the run's sampler and size); for an image-editing model, an instruction and "
-                            "the image it applies to.")
+                            "the image it applies to (or the images, Picture 1 first).")
                 with gr.Row():
                     try_prompt = gr.Textbox(label="Prompt", placeholder="a red circle on a blue background, top left",
                                             scale=3, elem_id="try-prompt")
                     try_seed = gr.Number(0, label="Seed", precision=0, scale=1, elem_id="try-seed")
-                try_input = gr.Image(label="Input image (image-editing models)", type="filepath", sources=["upload"],
-                                     height=200, elem_id="try-input")
+                with gr.Row():  # as many as the run's model.input_images, 'Picture 1' first
+                    try_inputs = [gr.Image(label=label, type="filepath", sources=["upload"], height=200,
+                                           elem_id=elem_id)
+                                  for label, elem_id in (("Input image (image-editing models)", "try-input"),
+                                                         ("Picture 2 (runs of 2 or 3 input images)", "try-input-2"),
+                                                         ("Picture 3 (runs of 3 input images)", "try-input-3"))]
                 generate = gr.Button("Generate", elem_id="generate-btn")
                 try_message = gr.Markdown(elem_id="try-message")
                 try_image = gr.Image(label="Base model | adapter", show_label=False, type="filepath",
@@ -831,7 +839,7 @@ def build_app(root: Path | None = None) -> gr.Blocks:
         stop.click(studio.stop, None, form_message, api_name="stop")
         resume.click(studio.resume, [run_select, processes], [form_message, run_select], api_name="resume")
         push.click(studio.push, [run_select, checkpoint, repo_id, visibility, token], push_result, api_name="push")
-        generate.click(studio.generate, [run_select, checkpoint, try_prompt, try_seed, try_input],
+        generate.click(studio.generate, [run_select, checkpoint, try_prompt, try_seed, *try_inputs],
                        [try_image, try_message],
                        api_name="generate")
         queue_outputs = [queue_message, queue_list, queue_select]

@@ -63,8 +63,8 @@ def generate(run_dir: Path, prompt: str, checkpoint: str | None = None, seed: in
     wanted = config.model.input_images
     if editing and len(images) != wanted:
         what, how = (("the image", "--image PATH; on the page, Input image") if wanted == 1 else
-                     (f"the {wanted} images", f"--image PATH {wanted} times, 'Picture 1' first; the page's Try it "
-                                              "takes one"))
+                     (f"the {wanted} images", f"--image PATH {wanted} times, 'Picture 1' first; on the page, Input "
+                                              f"image and Picture 2{' and 3' if wanted == 3 else ''}"))
         raise UserError(f"the run's model ({family.label}) edits images: give {what} the instruction applies to ({how})")
     if images and family is not None and not editing:
         raise UserError(f"the run's model ({family.label}) generates from the prompt alone; leave out the input image")

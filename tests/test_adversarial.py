@@ -387,7 +387,7 @@ def test_strangers_on_a_space_can_watch_but_not_control(tmp_path):
         image = {"path": str(ROOT / "presets" / "prompts" / "edits" / "red_circle.png"),
                  "meta": {"_type": "gradio.FileData"}}
         call = requests.post(f"{url}gradio_api/call/generate",
-                             json={"data": ["any", "latest adapter", "a cat", 0, image]})
+                             json={"data": ["any", "latest adapter", "a cat", 0, image, None, None]})
         events = requests.get(f"{url}gradio_api/call/generate/{call.json()['event_id']}", timeout=60).text
         assert events.startswith("event: error"), events  # refused before any handler (the owner's too)
         assert client.predict("", api_name="/status")["state"] == "none"  # watching works

@@ -357,6 +357,17 @@ def test_a_two_image_run_trains_and_its_plan_counts_the_second_image(two_image_f
                                                                two_image_folder / "blue.png"])
     first, second, base, adapted = cells(tried, 4)  # one row: picture 1, picture 2, the base model, the adapter
     assert (first == COLOURS["red"]).all() and (second == COLOURS["blue"]).all() and base.shape == adapted.shape
+    from app.ui import Studio  # the page's Try it: Input image and Picture 2, through the generate process
+    studio = Studio(tmp_path)
+    image, message = studio.generate("run", "latest adapter", "swap colours", 0, str(two_image_folder / "blue.png"),
+                                     str(two_image_folder / "red.png"))
+    assert message.endswith(": the 2 input images, the base model's edit and the adapter's"), message
+    first, second, _, _ = cells(Image.open(image), 4)
+    assert (first == COLOURS["blue"]).all() and (second == COLOURS["red"]).all()
+    _, message = studio.generate("run", "latest adapter", "swap colours", 0, str(two_image_folder / "blue.png"))
+    assert message == ("**Not generated:** the run's model (Qwen-Image-Edit-2509/2511) edits images: give the 2 "
+                       "images the instruction applies to (--image PATH 2 times, 'Picture 1' first; on the page, "
+                       "Input image and Picture 2)"), message
     one = plan_memory(tiny_config("tiny-qwen-edit-plus", **{**settings, "prompts__source": EDIT_SET}))
     assert plan_memory(config).total > one.total
 
@@ -562,8 +573,8 @@ def test_try_it_edits_ones_own_image_with_the_base_model_and_the_adapter(edit_ru
 
 
 def test_try_it_on_the_page_sends_the_uploaded_image(edit_run, tmp_path):
-    """The page's Try it runs ``python -m jagg_core.generate ... --image UPLOAD`` for an editing run (its refusals
-    reach the page as the browser test shows)."""
+    """The page's Try it runs ``python -m jagg_core.generate ... --image UPLOAD`` for an editing run; a second
+    picture for a run of one image a row is refused in generate's line (a run of two: the two-image run's test)."""
     from app.ui import Studio
 
     studio = Studio(edit_run.parent)
@@ -572,6 +583,9 @@ def test_try_it_on_the_page_sends_the_uploaded_image(edit_run, tmp_path):
     image, message = studio.generate(edit_run.name, "latest adapter", "make it red", 0, str(upload))
     assert message.endswith(": the input image, the base model's edit and the adapter's"), message
     assert (cells(Image.open(image), 3)[0] == (30, 200, 30)).all()
+    _, message = studio.generate(edit_run.name, "latest adapter", "make it red", 0, str(upload), str(upload))
+    assert message.startswith("**Not generated:** the run's model (FLUX.1 Kontext) edits images: give the image "
+                              "the instruction applies to (--image PATH; on the page, Input image)"), message
 
 
 # ----- an editing prompt set uploaded through the page: a .zip of the image folder ------------------------------------
