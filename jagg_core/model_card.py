@@ -316,15 +316,16 @@ def _audit_words(rows: list[dict]) -> str:
             f"**{cosine:.3f}**, mean relative error {rel_err:.3f}")
 
 
-def _edits_images(config: dict) -> bool:
-    """Whether the run's base model edits images (its family's declaration, :func:`~jagg_core.preflight.model_family`;
-    false when the model cannot be looked up)."""
+def _input_images(config: dict) -> int:
+    """The input images of a prompt row of the run's base model: ``model.input_images`` when it edits images (its
+    family's declaration, :func:`~jagg_core.preflight.model_family`), 0 when it does not or cannot be looked up."""
     from .preflight import model_family
     try:
-        family = model_family(ModelConfig.model_validate(config.get("model") or {}))
+        model = ModelConfig.model_validate(config.get("model") or {})
+        family = model_family(model)
     except (ValueError, UserError):
-        return False
-    return family is not None and family.edits_images
+        return 0
+    return model.input_images if family is not None and family.edits_images else 0
 
 
 def _sample_call(prompt: str, sampling: dict, videos: bool, input_images: int) -> tuple[str, str]:
@@ -350,7 +351,8 @@ def build_model_card(snap: RunSnapshot, repo_id: str) -> ModelCard:
     algorithm = run_algorithm(snap.config)
     tags = ["lora", "diffusers", algorithm, *(["jagg"] if algorithm == "grpo" else []), *([family] if family else []),
             *reward_names]
-    editing = _edits_images(snap.config)
+    input_images = _input_images(snap.config)
+    editing = input_images > 0
     widget = [{"text": prompt, "output": {"url": f"{SAMPLES_DIR}/{i:03d}.png"}}  # an edit needs its input: none
               for i, prompt in enumerate(snap.after.prompts[:WIDGET_SAMPLES])] if snap.after and not editing else None
     on_hub = bool(HUB_REPO_ID.match(base)) and not Path(base).exists()
@@ -386,7 +388,6 @@ def build_model_card(snap: RunSnapshot, repo_id: str) -> ModelCard:
         parts.append("## Eval videos\n\nThe adapter's held-out eval samples (fixed seeds):\n\n" + "\n\n".join(
             f'<video src="{SAMPLES_DIR}/{i:03d}.mp4" controls loop muted></video>\n\n*{text}*'
             for i, text in enumerate(snap.after.prompts[:len(snap.after.videos)])) + "\n")
-    input_images = ((snap.config.get("model") or {}).get("input_images") or 1) if editing else 0
     imports, call = _sample_call(prompt, snap.config.get("sampling") or {}, videos, input_images)
     parts.append(f"""## Use it
 

@@ -174,6 +174,11 @@ def tiny_mistral_tokenizer(system_message: str) -> Qwen2Tokenizer:
     return tokenizer
 
 
+#: a one-block Pixtral vision tower: Mistral3's, unused by text-only prompts (the tiny and the random-weight encoders)
+TINY_PIXTRAL_VISION = {"model_type": "pixtral", "hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 1,
+                       "num_attention_heads": 2, "head_dim": 8, "image_size": 56, "patch_size": 14}
+
+
 def tiny_mistral3_encoder(tokenizer, hidden: int, layers: int) -> Mistral3ForConditionalGeneration:
     """A Mistral3 (Mistral Small 3.1's class) of ``layers`` tiny layers, for the tokenizer's vocabulary, with a
     one-block Pixtral vision tower (text-only prompts leave it unused)."""
@@ -182,8 +187,7 @@ def tiny_mistral3_encoder(tokenizer, hidden: int, layers: int) -> Mistral3ForCon
                      "intermediate_size": 2 * hidden, "num_hidden_layers": layers, "num_attention_heads": 2,
                      "num_key_value_heads": 1, "head_dim": hidden // 2, "max_position_embeddings": 1024,
                      **qwen_special_ids(tokenizer)},
-        vision_config={"model_type": "pixtral", "hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 1,
-                       "num_attention_heads": 2, "head_dim": 8, "image_size": 56, "patch_size": 14}))
+        vision_config=dict(TINY_PIXTRAL_VISION)))
 
 
 def text_hidden_layers_read(pipeline_class) -> int:

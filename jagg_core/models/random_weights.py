@@ -34,9 +34,10 @@ from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE as FLUX2_SY
 
 from ..archs import arch_folder, parse_random_model, with_depth
 from ..rng import forked_rng
-from .in_memory_parts import (draw_pad_tokens, qwen_special_ids, qwen_vision_ids, text_hidden_layers_read,
-                              tiny_clip_tokenizer, tiny_mistral_tokenizer, tiny_qwen3_tokenizer,
-                              tiny_qwen_edit_tokenizer, tiny_qwen_processor, tiny_qwen_tokenizer, tiny_t5_tokenizer)
+from .in_memory_parts import (TINY_PIXTRAL_VISION, draw_pad_tokens, qwen_special_ids, qwen_vision_ids,
+                              text_hidden_layers_read, tiny_clip_tokenizer, tiny_mistral_tokenizer,
+                              tiny_qwen3_tokenizer, tiny_qwen_edit_tokenizer, tiny_qwen_processor, tiny_qwen_tokenizer,
+                              tiny_t5_tokenizer)
 
 #: feed-forward width of the stand-in text encoders (their one layer)
 STAND_IN_INTERMEDIATE = 256
@@ -111,9 +112,8 @@ def mistral3_stand_in(folder, component: str, tokenizer, layers: int):
     text.update({"dtype": None, "num_hidden_layers": layers, "num_attention_heads": STAND_IN_QWEN3_HEADS,
                  "num_key_value_heads": 1, "intermediate_size": STAND_IN_INTERMEDIATE, "vocab_size": len(tokenizer),
                  **qwen_special_ids(tokenizer)})
-    vision = {"model_type": "pixtral", "hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 1,
-              "num_attention_heads": 2, "head_dim": 8, "image_size": 56, "patch_size": 14}
-    return transformers.Mistral3ForConditionalGeneration(type(real)(text_config=text, vision_config=vision))
+    return transformers.Mistral3ForConditionalGeneration(type(real)(text_config=text,
+                                                                     vision_config=dict(TINY_PIXTRAL_VISION)))
 
 
 def text_stand_ins(folder, index: dict) -> dict:
