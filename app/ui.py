@@ -42,6 +42,8 @@ from jagg_core import hub
 from jagg_core.adapters import LATEST_LABEL as LATEST_ADAPTER
 from jagg_core.config import DEFAULT_PRESET, list_presets, validate_config
 from jagg_core.errors import UserError
+from jagg_core.generate import NOTE
+from jagg_core.generate import PROG as GENERATE
 from jagg_core.prompts import ARCHIVE_SUFFIX, FILE_SUFFIXES, builtin_prompt_sets
 from jagg_core.rewards import available_rewards
 from jagg_core.rundir import RunDirectory
@@ -381,7 +383,7 @@ class Studio:
         if not (prompt or "").strip():
             return None, "**Not generated:** type a prompt."
         out = Path(tempfile.mkdtemp(prefix="jagg-generate-")) / "generated.png"
-        command = [sys.executable, "-m", "jagg_core.generate", str(run_dir), prompt.strip(), "--out", str(out),
+        command = [sys.executable, "-m", GENERATE, str(run_dir), prompt.strip(), "--out", str(out),
                    "--seed", str(int(seed or 0))]
         if live.adapter_name(checkpoint):
             command += ["--checkpoint", checkpoint]
@@ -390,13 +392,16 @@ class Studio:
             command += ["--image", path]
         result = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL)
         if result.returncode != 0 or not out.is_file():
-            errors = [line for line in result.stderr.splitlines() if line.startswith("jagg_core.generate: error:")]
+            errors = [line for line in result.stderr.splitlines() if line.startswith(f"{GENERATE}: error:")]
             why = errors[-1].split("error:", 1)[1].strip() if errors else f"exit code {result.returncode}"
             return None, f"**Not generated:** {why}"
         inputs = "the input image" if len(images) == 1 else f"the {len(images)} input images"
         shown = f"{inputs}, the base model's edit and the adapter's" if images else \
             "the base model (left) and the adapter"
-        return str(out), f"`{run_dir.name}`, {checkpoint or LATEST_ADAPTER}: {shown}"
+        notes = [line.split(NOTE, 1)[1].strip() for line in result.stderr.splitlines()
+                 if line.startswith(f"{GENERATE}: {NOTE}")]
+        cut = "".join(f"  \n**Note:** {note}" for note in notes)
+        return str(out), f"`{run_dir.name}`, {checkpoint or LATEST_ADAPTER}: {shown}{cut}"
 
     def stop(self, profile: gr.OAuthProfile | None = None) -> str:
         """Stop the active job (SIGTERM to its process group, SIGKILL after a grace period)."""

@@ -13,6 +13,9 @@ line passed, failed (with its fix) or skipped (it does not apply).
    ``expected_range``, the scores a working model's samples get): outside, the reward or the model is broken.
 5. **The JAGG gradient agrees with the exact one** (GRPO with interpolated steps): the fidelity audit's cosine on the
    first rollout, at least ``backward.min_fidelity`` when set, else :data:`MIN_AUDIT_COSINE`.
+6. **The prompts fit the text encoders' windows that a setting sizes**: no prompt is longer than the
+   ``model.max_sequence_length`` tokens its encoder reads (counted at set-up, :mod:`jagg_core.models.text_windows`);
+   a window the encoder fixes (CLIP's 77 tokens) only reports the prompts it cuts.
 
 :class:`Probe` holds the velocity probe; :func:`checklist` turns the measurements into the report written to
 ``RUN/doctor.json``, the status and the log.
@@ -27,6 +30,7 @@ import torch
 
 from .config import RunConfig
 from .models.base import Conditioning, FlowModel
+from .models.text_windows import WindowReading
 from .rng import forked_rng
 
 #: the largest on-policy ``|ratio - 1|`` that passes
@@ -140,6 +144,18 @@ def audit_check(cosine: float | None, config: RunConfig) -> Check:
         return failed(name, detail, "the windows are too curved for interpolation here: lower backward.window, set "
                       "backward.velocities forward, route poor windows to the exact backward (backward.min_fidelity "
                       "with backward.audit_every), or use backward.mode exact")
+    return passed(name, detail)
+
+
+def text_window_check(readings: list[WindowReading]) -> Check:
+    """Check 6 from set-up's readings of the text encoders' windows."""
+    name = "the prompts fit the text encoders' windows"
+    detail = "; ".join(f"{r.window.encoder} reads {r.window.limit} tokens, the longest prompt takes {r.longest}"
+                       + (f" ({r.over} of {r.prompts} are longer)" if r.over else "") for r in readings)
+    cut = [r for r in readings if r.fixable]
+    if cut:
+        return failed(name, detail, "; ".join(f"set {r.window.setting}={r.longest}" for r in cut)
+                      + " to keep every prompt whole, or shorten the longer prompts")
     return passed(name, detail)
 
 

@@ -10,8 +10,8 @@ It writes one picture: the base model on the left, the adapter on the right, the
 videos' middle frames). An image-editing model (FLUX.1 Kontext, Qwen-Image-Edit) takes the prompt as the
 instruction applied to ``--image`` (given ``model.input_images`` times, 'Picture 1' first), prepared as the run's
 own input images are (centre-cropped to a square, ``model.condition_resolution``) and shown first, at the output's
-size. The page's "Try it" panel runs this in its own
-process, so the app never holds a model.
+size. A prompt longer than a text encoder reads is said on stderr (``jagg_core.generate: note: ...``) and sampled
+cut, as the pipelines do. The page's "Try it" panel runs this in its own process, so the app never holds a model.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from .preflight import model_family
 from .rundir import RunDirectory
 
 PROG = "jagg_core.generate"
+#: what follows ``jagg_core.generate:`` on a line that tells of the prompt without stopping (the page shows it)
+NOTE = "note:"
 
 
 def input_image_bytes(image: Path) -> bytes:
@@ -44,12 +46,13 @@ def generate(run_dir: Path, prompt: str, checkpoint: str | None = None, seed: in
     :func:`~jagg_core.adapters.choose_adapter`), from the same noise; for an image-editing run, ``prompt`` is the
     instruction applied to ``images``, shown first."""
     from .config import validate_config
-    from .quiet import quiet_libraries
+    from .quiet import log_to_stderr, quiet_libraries
     quiet_libraries()
     import torch
 
     from .images import captioned_grid, still_frames, to_pil
     from .models import load_flow_model
+    from .models.text_windows import prompt_notes
     from .sampler import initial_noise, ode_sample
 
     config = validate_config(RunDirectory(run_dir).read_config())
@@ -70,6 +73,8 @@ def generate(run_dir: Path, prompt: str, checkpoint: str | None = None, seed: in
         raise UserError(f"the run's model ({family.label}) generates from the prompt alone; leave out the input image")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = load_flow_model(config.model, device, seed=config.train.seed, num_frames=config.sampling.num_frames)
+    for note in prompt_notes(model.read_text_windows([row])):
+        log_to_stderr(f"{PROG}: {NOTE} {note}")
     model.encode_and_cache([row])
     model.release_text_encoders()
     model.add_lora(config.lora)

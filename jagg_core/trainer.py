@@ -31,7 +31,8 @@ from . import metrics
 from .algorithms import make_algorithm
 from .algorithms.base import Rollout, TrainingContext, iteration_seed
 from .config import RunConfig, term_names
-from .doctor import Probe, audit_check, checklist, gradient_check, range_check, ratio_check, report_lines, rewards_check
+from .doctor import (Probe, audit_check, checklist, gradient_check, range_check, ratio_check, report_lines, rewards_check,
+                     text_window_check)
 from .errors import UserError
 from .grpo import group_advantages
 from .host import cpu_name
@@ -41,6 +42,7 @@ from .judges import BestAdapter, EvalScores, HackingAlarm, build_judges, load_ju
 from .models import load_flow_model
 from .models.base import FlowModel
 from .models.text_embeddings import bytes_per_prompt, check_cache_room, load_embeddings, save_embeddings
+from .models.text_windows import WindowReading, refuse_overlong, window_lines
 from .prompts import run_prompts
 from .rewards import CombinedReward, build_rewards
 from .rewards.catalog import reward_entry
@@ -96,6 +98,7 @@ class Trainer:
         self.alarm_stop: str | None = None  # the alarm's line when it ends the run (train.on_hacking: stop)
         self.base_eval: dict | None = None  # the base model's eval row (the doctor's range check)
         self.doctor_report: dict | None = None
+        self.text_readings: list[WindowReading] = []  # how the prompts fill the text encoders' windows
         self._said_at = time.monotonic()  # when the last progress message was written (:meth:`_say_encoded`)
 
     # ----- set-up ----------------------------------------------------------------------
@@ -145,14 +148,16 @@ class Trainer:
         device = self.accelerator.device
         options = {"place_transformer": not fsdp_requested(),  # FSDP places each rank's shard itself
                    "num_frames": cfg.sampling.num_frames}
+        prompts = self.train_prompts + self.eval_prompts
         if not cfg.model.cache_text_embeddings:  # the encoders stay: each iteration encodes its prompts, unkept
             model = load_flow_model(cfg.model, device, seed=cfg.train.seed, **options)
+            self._read_text_windows(model, prompts)
             model.encode_and_cache(self.eval_prompts)  # every eval samples them
             return model
-        prompts = self.train_prompts + self.eval_prompts
         saved = load_embeddings(self.run.text_embeddings_file, prompts, cfg.model,
                                 self.accelerator.num_processes) if self.resume else None
         model = load_flow_model(cfg.model, device, seed=cfg.train.seed, text_encoders=saved is None, **options)
+        self._read_text_windows(model, prompts)
         if saved is not None:
             model.load_embeddings(saved)
             self._log(f"text embeddings of {len(saved)} prompts read from {self.run.text_embeddings_file.name}")
@@ -165,6 +170,15 @@ class Trainer:
             save_embeddings(self.run.text_embeddings_file, model.cached_embeddings, cfg.model)
         model.release_text_encoders()
         return model
+
+    def _read_text_windows(self, model: FlowModel, prompts: list[str]) -> None:
+        """How the run's prompts fill the text encoders' windows (:mod:`jagg_core.models.text_windows`), before any
+        is encoded: prompts longer than a window the family refuses stop the run in one line; the log names each
+        window that cuts prompts; the doctor checks that ``model.max_sequence_length`` cuts none."""
+        self.text_readings = model.read_text_windows(prompts)
+        refuse_overlong(self.text_readings)
+        for line in window_lines(self.text_readings):
+            self._log(line)
 
     def _say_encoded(self, done: int, total: int) -> None:
         """The prompts' encoding at set-up, in ``status.json``'s message at most every :data:`SAY_EVERY_S` seconds
@@ -452,7 +466,8 @@ class Trainer:
                   ratio_check(stats.get(metrics.RATIO_MAX_DEV)),
                   gradient_check(stats.get(metrics.GRAD_NORM), velocity_change),
                   range_check(self.base_eval, ranges),
-                  audit_check(cosine, cfg)]
+                  audit_check(cosine, cfg),
+                  text_window_check(self.text_readings)]
         self.doctor_report = checklist(iteration, checks)
         if self.is_main:
             self.run.write_doctor(self.doctor_report)

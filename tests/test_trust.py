@@ -220,8 +220,8 @@ def test_the_default_preset_passes_its_doctor(tmp_path):
                      "--set", "prompts.eval_count=8")
     assert result.returncode == 0, result.stdout + result.stderr
     report = RunDirectory(tmp_path / "run").read_doctor()
-    assert report["passed"] and [c["status"] for c in report["checks"]] == ["pass"] * 5
-    assert report_lines(report)[0] == "doctor (iteration 1): 5 passed, 0 failed, 0 skipped"
+    assert report["passed"] and [c["status"] for c in report["checks"]] == ["pass"] * 6
+    assert report_lines(report)[0] == "doctor (iteration 1): 6 passed, 0 failed, 0 skipped"
 
 
 def test_a_planted_hack_raises_the_alarm_and_stop_ends_the_run_with_a_checkpoint(tmp_path):

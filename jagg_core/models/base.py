@@ -27,6 +27,7 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from ..config import LoraConfig, ModelConfig
 from ..errors import UserError
 from .quantize import is_quantized
+from .text_windows import TextWindow, WindowReading, read_windows
 
 Conditioning = dict[str, torch.Tensor]
 NEGATIVE = "negative/"
@@ -249,6 +250,18 @@ class FlowModel(ABC):
 
     def load_embeddings(self, embeddings: dict[str, Conditioning]) -> None:
         self._prompt_cache.update(embeddings)
+
+    @abstractmethod
+    def text_windows(self) -> list[TextWindow]:
+        """Each text encoder's window of a prompt (:mod:`.text_windows`), counting :meth:`prompt_texts`."""
+
+    def prompt_texts(self, prompts: list[str]) -> list[str]:
+        """What the text encoders read of each prompt (an editing row: its instruction)."""
+        return prompts
+
+    def read_text_windows(self, prompts: list[str]) -> list[WindowReading]:
+        """How ``prompts`` fill each text encoder's window (the tokenizers stay when the encoders are released)."""
+        return read_windows(self.text_windows(), self.prompt_texts(prompts))
 
     @staticmethod
     def tile_conditioning(cond: Conditioning, times: int) -> Conditioning:

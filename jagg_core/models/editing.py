@@ -50,6 +50,9 @@ class EditingFlowModel(PackedFlowModel):
             cond[NEGATIVE + IMAGE_LATENTS] = latents
         return cond
 
+    def prompt_texts(self, prompts: list[str]) -> list[str]:
+        return [row.instruction for row in edit_rows(prompts, self.family, self.config.input_images)]
+
     def negative_prompts(self, prompts: list[EditPrompt]) -> list[EditPrompt]:
         return [EditPrompt(self.config.negative_prompt, row.images_bytes, row.label) for row in prompts]
 

@@ -19,6 +19,7 @@ from ..errors import UserError
 from .base import Conditioning, PackedFlowModel, decode_scaled
 from .family import Family
 from .in_memory_parts import CLIP_HIDDEN, tiny_clip_config, tiny_clip_tokenizer, tiny_t5_tokenizer, tiny_vae
+from .text_windows import MAX_SEQUENCE_LENGTH, TextWindow, tokens_of
 
 #: FluxPipeline.check_inputs rejects longer T5 sequences.
 MAX_T5_TOKENS = 512
@@ -41,6 +42,12 @@ class FluxModel(PackedFlowModel):
         embeds, pooled, _text_ids = self.pipe.encode_prompt(prompt=prompts, prompt_2=None, device=self.device,
                                                             max_sequence_length=self.config.max_sequence_length)
         return {"prompt_embeds": embeds, "pooled_projections": pooled}
+
+    def text_windows(self) -> list[TextWindow]:
+        """CLIP's pooled state reads the prompt's first 77 tokens, T5 ``model.max_sequence_length``."""
+        return [TextWindow("CLIP", self.pipe.tokenizer_max_length, tokens_of(self.pipe.tokenizer)),
+                TextWindow("T5", self.config.max_sequence_length, tokens_of(self.pipe.tokenizer_2),
+                           MAX_SEQUENCE_LENGTH)]
 
     def transformer_velocity(self, z: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
         return self.flux_forward(z, sigma, cond, self.image_ids(z))

@@ -30,6 +30,7 @@ from ..errors import UserError
 from .base import Conditioning, PackedFlowModel
 from .family import Family
 from .in_memory_parts import text_hidden_layers_read, tiny_qwen3_config, tiny_qwen3_tokenizer
+from .text_windows import MAX_SEQUENCE_LENGTH, TextWindow, chat_tokens
 
 #: As diffusers' FLUX.2 [klein] LoRA training script (examples/dreambooth/train_dreambooth_lora_flux2_klein.py):
 #: the double-stream blocks' attention projections and the single-stream blocks' fused QKV-MLP input projection;
@@ -58,6 +59,11 @@ class Flux2KleinModel(PackedFlowModel):
         embeds, _text_ids = self.pipe.encode_prompt(prompt=list(prompts), device=self.device,
                                                     max_sequence_length=self.config.max_sequence_length)
         return {"prompt_embeds": embeds}
+
+    def text_windows(self) -> list[TextWindow]:
+        """Qwen3 reads ``model.max_sequence_length`` tokens of the prompt in its chat template, without thinking."""
+        return [TextWindow("Qwen3", self.config.max_sequence_length,
+                           chat_tokens(self.pipe.tokenizer, enable_thinking=False), MAX_SEQUENCE_LENGTH)]
 
     def dynamic_shift(self, num_steps: int, resolution: int) -> float:
         return compute_empirical_mu(image_seq_len=self.image_seq_len(resolution), num_steps=num_steps)

@@ -17,6 +17,7 @@ The pipeline also takes reference images (FLUX.2 edits); here it generates from 
 from __future__ import annotations
 
 from diffusers import Flux2Pipeline, Flux2Transformer2DModel
+from diffusers.pipelines.flux2.pipeline_flux2 import format_input
 from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 
 from ..config import ModelConfig
@@ -24,6 +25,7 @@ from ..errors import UserError
 from .family import Family
 from .flux2 import Flux2KleinModel, build_tiny_flux2
 from .in_memory_parts import text_hidden_layers_read, tiny_mistral3_encoder, tiny_mistral_tokenizer
+from .text_windows import MAX_SEQUENCE_LENGTH, TextWindow
 
 #: width of the tiny Mistral3 text encoder (the prompt embedding is three of its layers side by side)
 TINY_MISTRAL_HIDDEN = 16
@@ -37,6 +39,19 @@ class Flux2DevModel(Flux2KleinModel):
             raise UserError(f"model '{config.name}' is FLUX.2 [dev], guidance-distilled: it takes no CFG; set "
                             "model.guidance_scale=1 and its guidance with model.flux_guidance (the pipeline's 4.0)")
         super().__init__(pipe, config, device, **placement)
+
+    def text_windows(self) -> list[TextWindow]:
+        """Mistral reads ``model.max_sequence_length`` tokens of the conversation the pipeline makes: its system
+        message, then the prompt (``format_input``)."""
+        return [TextWindow("Mistral", self.config.max_sequence_length, self.text_tokens, MAX_SEQUENCE_LENGTH)]
+
+    def text_tokens(self, texts: list[str]) -> list[int]:
+        if not texts:
+            return []
+        conversations = format_input(texts, system_message=SYSTEM_MESSAGE)
+        ids = self.pipe.tokenizer.apply_chat_template(conversations, add_generation_prompt=False, tokenize=True,
+                                                      return_dict=True)["input_ids"]
+        return [len(row) for row in ids]
 
 
 def build_tiny_flux2_dev() -> Flux2Pipeline:

@@ -21,6 +21,7 @@ from ..errors import UserError
 from .base import Conditioning, PackedFlowModel
 from .family import Family
 from .in_memory_parts import TINY_QWEN_TEXT_HIDDEN, tiny_qwen_tokenizer, tiny_qwen_vl_encoder
+from .text_windows import MAX_SEQUENCE_LENGTH, TextWindow
 
 
 class QwenImageModel(PackedFlowModel):
@@ -37,6 +38,26 @@ class QwenImageModel(PackedFlowModel):
     def text_length(self) -> int:
         """Text tokens every prompt is padded to: ``model.max_sequence_length``."""
         return self.config.max_sequence_length
+
+    def text_windows(self) -> list[TextWindow]:
+        """Qwen2.5-VL's states of ``model.max_sequence_length`` tokens are kept, counted after the template's
+        opening tokens the pipeline drops (the pipeline cuts the rest)."""
+        return [TextWindow("Qwen2.5-VL", self.config.max_sequence_length, self.text_tokens, MAX_SEQUENCE_LENGTH)]
+
+    def text_tokens(self, texts: list[str]) -> list[int]:
+        """Each text's tokens in the pipeline's template (``prompt_template_encode``) less the
+        ``prompt_template_encode_start_idx`` it drops and the :meth:`image_placeholders`."""
+        templated = [self.pipe.prompt_template_encode.format(self.text_with_images(text)) for text in texts]
+        dropped = self.pipe.prompt_template_encode_start_idx + self.image_placeholders()
+        return [len(ids) - dropped for ids in self.pipe.tokenizer(templated)["input_ids"]] if texts else []
+
+    def text_with_images(self, text: str) -> str:
+        """What the template frames: the prompt (an editing family puts its pictures before it)."""
+        return text
+
+    def image_placeholders(self) -> int:
+        """Tokens of the template that stand for input images (the vision tokens come on top of the window)."""
+        return 0
 
     def padded_text(self, embeds: torch.Tensor, mask: torch.Tensor | None) -> Conditioning:
         """The encoder's states and mask padded to :attr:`text_length` tokens (mask 0)."""

@@ -28,6 +28,7 @@ from .editing import EditingFlowModel
 from .family import Family
 from .in_memory_parts import tiny_qwen_edit_tokenizer, tiny_qwen_processor, tiny_qwen_vl_encoder
 from .qwen_image import QwenImageModel, build_tiny_qwen
+from .text_windows import MAX_SEQUENCE_LENGTH, TextWindow
 
 #: Qwen/Qwen-Image-Edit's ``processor/preprocessor_config.json`` (the vision token count when no processor is loaded,
 #: e.g. in a memory plan): 14-pixel patches merged 2 x 2, images scaled into [min_pixels, max_pixels]
@@ -41,6 +42,17 @@ class QwenImageEditModel(EditingFlowModel, QwenImageModel):
         embeds, mask = self.pipe.encode_prompt(prompt=[row.instruction for row in prompts],
                                                image=self.text_images(prompts), device=self.device)
         return self.padded_text(embeds, mask)
+
+    def text_windows(self) -> list[TextWindow]:
+        """The instruction's tokens in the template, its pictures' vision tokens aside, must fit in
+        ``model.max_sequence_length``: the pipeline keeps them all, so a longer one is refused
+        (:meth:`padded_text`)."""
+        return [TextWindow("Qwen2.5-VL", self.config.max_sequence_length, self.text_tokens, MAX_SEQUENCE_LENGTH,
+                           refused=True)]
+
+    def image_placeholders(self) -> int:
+        """One ``<|image_pad|>`` token a picture, which the processor widens to its vision tokens."""
+        return self.config.input_images
 
     @property
     def vision_side(self) -> int:

@@ -31,6 +31,9 @@ from .base import Conditioning
 from .family import Family
 from .qwen_image_edit import QwenImageEditModel, build_tiny_qwen_edit
 
+#: what the Plus pipeline's ``_get_qwen_prompt_embeds`` puts before the instruction for picture ``i`` (from 1)
+PICTURE_PROMPT = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
+
 
 class QwenImageEditPlusModel(QwenImageEditModel):
     family = "qwen-image-edit-plus"
@@ -38,6 +41,10 @@ class QwenImageEditPlusModel(QwenImageEditModel):
     def encode_without_cfg(self, prompts: list[str]) -> Conditioning:
         rows = [super(QwenImageEditPlusModel, self).encode_without_cfg([row]) for row in prompts]
         return {key: torch.cat([row[key] for row in rows]) for key in rows[0]}
+
+    def text_with_images(self, text: str) -> str:
+        """``Picture 1: <image> ... Picture n: <image>`` then the instruction, as the pipeline frames it."""
+        return "".join(PICTURE_PROMPT.format(i + 1) for i in range(self.config.input_images)) + text
 
     def text_images(self, rows: list[EditPrompt]) -> list[Image.Image]:
         """The row's input images (one row: :meth:`encode_without_cfg`), ``Picture 1`` first."""

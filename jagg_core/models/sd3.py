@@ -8,6 +8,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, St
 from .base import NEGATIVE, Conditioning, FlowModel, decode_scaled
 from .family import Family
 from .in_memory_parts import CLIP_HIDDEN, tiny_clip_text_encoder, tiny_clip_tokenizer, tiny_vae
+from .text_windows import MAX_SEQUENCE_LENGTH, TextWindow, tokens_of
 
 
 class SD3Model(FlowModel):
@@ -25,6 +26,15 @@ class SD3Model(FlowModel):
         if self.use_cfg:
             cond.update({NEGATIVE + "prompt_embeds": neg_embeds, NEGATIVE + "pooled_projections": neg_pooled})
         return cond
+
+    def text_windows(self) -> list[TextWindow]:
+        """CLIP-L and CLIP-G read the prompt's first 77 tokens (one tokenizer), T5, where the model has it,
+        ``model.max_sequence_length``."""
+        windows = [TextWindow("CLIP", self.pipe.tokenizer_max_length, tokens_of(self.pipe.tokenizer))]
+        if self.pipe.tokenizer_3 is not None:
+            windows.append(TextWindow("T5", self.config.max_sequence_length, tokens_of(self.pipe.tokenizer_3),
+                                      MAX_SEQUENCE_LENGTH))
+        return windows
 
     def conditioning_shapes(self) -> dict[str, tuple[int, ...]]:
         """CLIP states padded to the joint width (the CLIP context, 77 without a tokenizer) followed by the

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from diffusers import (AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler, WanPipeline,
                        WanTransformer3DModel)
+from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from transformers import UMT5Config, UMT5EncoderModel
 
 from ..config import ModelConfig
@@ -26,6 +27,7 @@ from ..errors import UserError
 from .base import NEGATIVE, Conditioning, FlowModel
 from .family import Family
 from .in_memory_parts import tiny_t5_tokenizer
+from .text_windows import MAX_SEQUENCE_LENGTH, TextWindow, tokens_of
 
 
 class WanModel(FlowModel):
@@ -63,6 +65,13 @@ class WanModel(FlowModel):
         if self.use_cfg:
             cond[NEGATIVE + "prompt_embeds"] = negative
         return cond
+
+    def text_windows(self) -> list[TextWindow]:
+        """UMT5 reads ``model.max_sequence_length`` tokens of the prompt as the pipeline cleans it (``prompt_clean``:
+        HTML entities and runs of whitespace)."""
+        count = tokens_of(self.pipe.tokenizer)
+        return [TextWindow("UMT5", self.config.max_sequence_length,
+                           lambda texts: count([prompt_clean(text) for text in texts]), MAX_SEQUENCE_LENGTH)]
 
     def conditioning_shapes(self) -> dict[str, tuple[int, ...]]:
         return {"prompt_embeds": (self.config.max_sequence_length, self.transformer.config.text_dim)}

@@ -27,6 +27,7 @@ from transformers import Qwen3Model
 from .base import NEGATIVE, Conditioning, FlowModel, decode_scaled, linspace_sigmas
 from .family import Family
 from .in_memory_parts import draw_pad_tokens, tiny_qwen3_config, tiny_qwen3_tokenizer, tiny_vae
+from .text_windows import MAX_SEQUENCE_LENGTH, TextWindow, chat_tokens
 
 
 def padded_captions(captions: list[torch.Tensor], length: int) -> Conditioning:
@@ -55,6 +56,12 @@ class ZImageModel(FlowModel):
         if self.use_cfg:
             cond.update({NEGATIVE + k: v for k, v in padded_captions(negative, length).items()})
         return cond
+
+    def text_windows(self) -> list[TextWindow]:
+        """Qwen3 reads ``model.max_sequence_length`` tokens of the prompt in its chat template, thinking on (as the
+        pipeline's ``_encode_prompt``)."""
+        return [TextWindow("Qwen3", self.config.max_sequence_length,
+                           chat_tokens(self.pipe.tokenizer, enable_thinking=True), MAX_SEQUENCE_LENGTH)]
 
     def conditioning_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every caption at the full ``max_sequence_length`` (the memory plan's upper bound, no mask)."""
