@@ -44,6 +44,7 @@ from jagg_core.config import DEFAULT_PRESET, list_presets, validate_config
 from jagg_core.errors import UserError
 from jagg_core.generate import NOTE
 from jagg_core.generate import PROG as GENERATE
+from jagg_core.preflight import model_family
 from jagg_core.prompts import ARCHIVE_SUFFIX, FILE_SUFFIXES, builtin_prompt_sets
 from jagg_core.rewards import available_rewards
 from jagg_core.rundir import RunDirectory
@@ -71,6 +72,10 @@ START_PARAMS = FORM_FIELDS + tuple(k.key.replace(".", "_") for k in KNOBS) + ("p
 OPTIONAL_PARAMS = {k.key.replace(".", "_") for k in KNOBS if k.optional} | {"processes"}
 COMPARE_ITERATIONS, COMPARE_MINUTES = "iterations", "training minutes"
 COMPARE_HINT = "Choose two or more runs to compare them."
+#: Try it's image boxes (label, elem_id), 'Picture 1' first: the chosen run's model.input_images of them show
+TRY_INPUTS = (("Input image (image-editing models)", "try-input"),
+              ("Picture 2 (runs of 2 or 3 input images)", "try-input-2"),
+              ("Picture 3 (runs of 3 input images)", "try-input-3"))
 CSS = """
 #title h1 {margin-bottom: 0}
 #form-message, #push-result, #run-message, #try-message, #queue-message {min-height: 1.5em}
@@ -486,6 +491,22 @@ class Studio:
         before = RunDirectory(run_dir).read_run_info().get("processes") if run_dir else None
         return gr.update(value=int(before)) if before else gr.skip()
 
+    def try_inputs(self, name: str | None) -> list[Any]:
+        """Try it's image boxes for the chosen run: as many as its image-editing model takes a row
+        (``model.input_images``), none for a text-to-image model, all three while no run's model can be read. A box
+        that hides is emptied, so that Generate never sends a picture the page does not show."""
+        shown = len(TRY_INPUTS)
+        run_dir = self._run_dir(name)
+        try:
+            model = validate_config(RunDirectory(run_dir).read_config()).model if run_dir else None
+        except (UserError, OSError, ValueError):
+            model = None
+        family = model_family(model) if model else None
+        if family is not None:
+            shown = model.input_images if family.edits_images else 0
+        return [gr.update(visible=True) if k < shown else gr.update(visible=False, value=None)
+                for k in range(len(TRY_INPUTS))]
+
     def status(self, run: str = "") -> dict:
         """A run's state: ``run``, ``state`` (running, finished, failed, stopped, starting, interrupted, none),
         ``iteration``, ``total``, ``message``, ``active`` (a job of this app is running), ``active_run``,
@@ -814,12 +835,9 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                     try_prompt = gr.Textbox(label="Prompt", placeholder="a red circle on a blue background, top left",
                                             scale=3, elem_id="try-prompt")
                     try_seed = gr.Number(0, label="Seed", precision=0, scale=1, elem_id="try-seed")
-                with gr.Row():  # as many as the run's model.input_images, 'Picture 1' first
+                with gr.Row():  # as many as the run's model.input_images, 'Picture 1' first (Studio.try_inputs)
                     try_inputs = [gr.Image(label=label, type="filepath", sources=["upload"], height=200,
-                                           elem_id=elem_id)
-                                  for label, elem_id in (("Input image (image-editing models)", "try-input"),
-                                                         ("Picture 2 (runs of 2 or 3 input images)", "try-input-2"),
-                                                         ("Picture 3 (runs of 3 input images)", "try-input-3"))]
+                                           elem_id=elem_id) for label, elem_id in TRY_INPUTS]
                 generate = gr.Button("Generate", elem_id="generate-btn")
                 try_message = gr.Markdown(elem_id="try-message")
                 try_image = gr.Image(label="Base model | adapter", show_label=False, type="filepath",
@@ -870,6 +888,8 @@ def build_app(root: Path | None = None) -> gr.Blocks:
         run_select.input(_forget_shown, seen, seen, api_visibility="private").then(
             studio.refresh, live_inputs, live_outputs, show_progress="hidden", api_visibility="private")
         run_select.input(studio.run_processes, run_select, processes, api_visibility="private")
+        for trigger in (run_select.change, demo.load):  # a run chosen, started or resumed, and the page's first run
+            trigger(studio.try_inputs, run_select, try_inputs, api_visibility="private")
         demo.load(studio.active_form, None,
                   [name, model, rewards, weights, prompt_mode, prompt_set, prompt_text, eval_text, *knobs],
                   api_visibility="private")

@@ -359,6 +359,7 @@ def test_a_two_image_run_trains_and_its_plan_counts_the_second_image(two_image_f
     assert (first == COLOURS["red"]).all() and (second == COLOURS["blue"]).all() and base.shape == adapted.shape
     from app.ui import Studio  # the page's Try it: Input image and Picture 2, through the generate process
     studio = Studio(tmp_path)
+    assert [update["visible"] for update in studio.try_inputs("run")] == [True, True, False]  # Picture 1 and 2
     image, message = studio.generate("run", "latest adapter", "swap colours", 0, str(two_image_folder / "blue.png"),
                                      str(two_image_folder / "red.png"))
     assert message.endswith(": the 2 input images, the base model's edit and the adapter's"), message
@@ -578,6 +579,7 @@ def test_try_it_on_the_page_sends_the_uploaded_image(edit_run, tmp_path):
     from app.ui import Studio
 
     studio = Studio(edit_run.parent)
+    assert [update["visible"] for update in studio.try_inputs(edit_run.name)] == [True, False, False]
     upload = tmp_path / "upload.png"
     png(upload, (30, 200, 30))
     image, message = studio.generate(edit_run.name, "latest adapter", "make it red", 0, str(upload))

@@ -96,7 +96,7 @@ def test_the_lines_and_the_doctor_tell_a_cut_window_from_a_fixed_one():
         prompt_notes([refused])
 
 
-def test_a_run_says_which_prompts_its_t5_cuts_and_its_doctor_fails_with_the_setting(tmp_path):
+def test_a_run_says_which_prompts_its_t5_cuts_its_doctor_fails_with_the_setting_and_try_it_notes_it(tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join([SHORT, LONG, "a green triangle", "a yellow star", "a pink heart"]) + "\n")
     run_dir = tmp_path / "run"
@@ -115,6 +115,13 @@ def test_a_run_says_which_prompts_its_t5_cuts_and_its_doctor_fails_with_the_sett
                if c["check"] == "the prompts fit the text encoders' windows"]
     assert check["status"] == "fail" and check["fix"].startswith(f"set model.max_sequence_length={longest} ")
     from app.ui import Studio  # Try it: a prompt of one's own that T5 cuts is sampled cut, and the page says so
-    image, message = Studio(tmp_path).generate("run", "latest adapter", LONG, 0)
+    studio = Studio(tmp_path)
+    image, message = studio.generate("run", "latest adapter", LONG, 0)
     assert image and message.endswith(f"  \n**Note:** T5 reads the first 32 of the prompt's {longest} tokens (the "
                                       "run's model.max_sequence_length); the rest is cut"), message
+    # a text-to-image run shows no image box; an input image sent anyway (the API) is refused
+    assert [update["visible"] for update in studio.try_inputs("run")] == [False] * 3
+    upload = tmp_path / "input.png"
+    upload.write_bytes(model_image())
+    assert studio.generate("run", "latest adapter", SHORT, 0, str(upload))[1] == (
+        "**Not generated:** the run's model (FLUX.1) generates from the prompt alone; leave out the input image")
