@@ -57,8 +57,10 @@ class ModelConfig(_Section):
     negative_prompt: str = Field("", description="negative prompt of CFG (used only when guidance_scale > 1)")
     flux_guidance: float = Field(3.5, ge=0.0, description="value of the FLUX guidance embedding (guidance-distilled "
                                  "models such as FLUX.1-dev); ignored by models without one")
-    max_sequence_length: int = Field(77, ge=8, le=1024, description="prompt tokens given to the T5 / Qwen text "
-                                     "encoder (longer prompts are truncated; FLUX allows at most 512)")
+    max_sequence_length: int = Field(77, ge=8, le=1024, description="prompt tokens given to the T5 / UMT5 / Qwen "
+                                     "/ Mistral text encoder, a chat template's included (longer prompts are cut, and "
+                                     "set-up says how many and the length that keeps them whole; Qwen-Image-Edit "
+                                     "refuses them; FLUX allows at most 512)")
     quantize: Literal["none", "nf4", "int8"] = Field(
         "none", description="the frozen base transformer's weights: none = model.dtype; nf4 = 4-bit NormalFloat "
         "(bitsandbytes, bf16 compute, CUDA GPU only, QLoRA); int8 = 8-bit weight-only (torchao, per-channel scales, "
@@ -444,8 +446,8 @@ class TrainConfig(_Section):
         "status, the page and the model card; stop = also end the run as a stop does (checkpoint kept, resumable)")
     doctor: bool = Field(True, description="check the first iteration (rewards vary within groups, the on-policy "
                          "ratio is 1, the gradient is finite and moves the velocity, the base eval's reward is in "
-                         "range, the JAGG audit agrees) and write the checklist to the log, the status, the page and "
-                         "RUN/doctor.json; --doctor runs only that")
+                         "range, the JAGG audit agrees, no prompt is longer than model.max_sequence_length) and write the "
+                         "checklist to the log, the status, the page and RUN/doctor.json; --doctor runs only that")
     report_to: list[Literal["tensorboard", "trackio", "wandb"]] = Field(
         default_factory=list, description="experiment trackers (accelerate) that get every metric and the eval "
         "sample grids; their files go under RUN/tracking (tensorboard --logdir RUN/tracking)")
