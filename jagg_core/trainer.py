@@ -42,7 +42,7 @@ from .judges import BestAdapter, EvalScores, HackingAlarm, build_judges, load_ju
 from .models import load_flow_model
 from .models.base import FlowModel
 from .models.text_embeddings import bytes_per_prompt, check_cache_room, load_embeddings, save_embeddings
-from .models.text_windows import WindowReading, refuse_overlong, window_lines
+from .models.text_windows import WindowReading, prompt_notes, read_windows, refuse_overlong, window_lines
 from .prompts import run_prompts
 from .rewards import CombinedReward, build_rewards
 from .rewards.catalog import reward_entry
@@ -174,10 +174,15 @@ class Trainer:
     def _read_text_windows(self, model: FlowModel, prompts: list[str]) -> None:
         """How the run's prompts fill the text encoders' windows (:mod:`jagg_core.models.text_windows`), before any
         is encoded: prompts longer than a window the family refuses stop the run in one line; the log names each
-        window that cuts prompts; the doctor checks that ``model.max_sequence_length`` cuts none."""
+        window that cuts prompts, and CFG's negative prompt where a window cuts it; the doctor checks that
+        ``model.max_sequence_length`` cuts no prompt."""
         self.text_readings = model.read_text_windows(prompts)
         refuse_overlong(self.text_readings)
-        for line in window_lines(self.text_readings):
+        lines = window_lines(self.text_readings)
+        if model.use_cfg:  # CFG's negative prompt is encoded beside each prompt, in the same windows
+            negative = read_windows(model.text_windows(), [self.config.model.negative_prompt])
+            lines += prompt_notes(negative, "model.negative_prompt")
+        for line in lines:
             self._log(line)
 
     def _say_encoded(self, done: int, total: int) -> None:

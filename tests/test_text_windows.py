@@ -88,7 +88,7 @@ def test_the_lines_and_the_doctor_tell_a_cut_window_from_a_fixed_one():
     check = text_window_check([clip, t5])
     assert check.status == "fail" and check.fix.startswith("set model.max_sequence_length=120 to keep every prompt")
     one = WindowReading(TextWindow("T5", 77, len, "model.max_sequence_length"), 1, 1, 90)  # a prompt of one's own
-    assert prompt_notes([one]) == ["T5 reads the first 77 of the prompt's 90 tokens (the run's "
+    assert prompt_notes([one]) == ["T5 reads the first 77 of the 90 tokens of the prompt (the run's "
                                    "model.max_sequence_length); the rest is cut"]
     refused = WindowReading(TextWindow("Qwen2.5-VL", 77, len, "model.max_sequence_length", refused=True), 1, 1, 90)
     with pytest.raises(UserError, match=r"the prompt takes 90 text tokens, more than the 77 Qwen2.5-VL is given "
@@ -103,7 +103,8 @@ def test_a_run_says_which_prompts_its_t5_cuts_its_doctor_fails_with_the_setting_
     result = run_cli("--preset", "tiny-sd3", "--output-dir", str(run_dir), "--doctor",
                      "--set", "model.name=tiny-flux", "--set", "model.max_sequence_length=32",
                      "--set", f"prompts.source={prompts}", "--set", "prompts.eval_count=2",
-                     "--set", "sampling.num_steps=4", "--set", "backward.window=2", "--set", "grpo.num_generations=2")
+                     "--set", "sampling.num_steps=4", "--set", "backward.window=2", "--set", "grpo.num_generations=2",
+                     "--set", "model.guidance_scale=2", "--set", f"model.negative_prompt={LONG}")
     assert result.returncode == 1, result.stdout + result.stderr
     longest = load_flow_model(ModelConfig(name="tiny-flux")).text_windows()[1].count([LONG])[0]
     line = (f"1 of 5 prompts are longer than the 32 tokens T5 reads (model.max_sequence_length) and lose their ends, "
@@ -111,14 +112,16 @@ def test_a_run_says_which_prompts_its_t5_cuts_its_doctor_fails_with_the_setting_
     assert line in result.stdout + result.stderr and line in RunDirectory(run_dir).log_file.read_text()
     assert "CLIP reads the first 77 tokens of a prompt (its window is fixed): 1 of 5 prompts are longer" in \
         result.stdout + result.stderr
+    assert (f"T5 reads the first 32 of the {longest} tokens of model.negative_prompt (the run's "
+            "model.max_sequence_length); the rest is cut") in result.stdout + result.stderr  # CFG's, beside each
     [check] = [c for c in RunDirectory(run_dir).read_doctor()["checks"]
                if c["check"] == "the prompts fit the text encoders' windows"]
     assert check["status"] == "fail" and check["fix"].startswith(f"set model.max_sequence_length={longest} ")
     from app.ui import Studio  # Try it: a prompt of one's own that T5 cuts is sampled cut, and the page says so
     studio = Studio(tmp_path)
     image, message = studio.generate("run", "latest adapter", LONG, 0)
-    assert image and message.endswith(f"  \n**Note:** T5 reads the first 32 of the prompt's {longest} tokens (the "
-                                      "run's model.max_sequence_length); the rest is cut"), message
+    assert image and message.endswith(f"  \n**Note:** T5 reads the first 32 of the {longest} tokens of the prompt "
+                                      "(the run's model.max_sequence_length); the rest is cut"), message
     # a text-to-image run shows no image box; an input image sent anyway (the API) is refused
     assert [update["visible"] for update in studio.try_inputs("run")] == [False] * 3
     upload = tmp_path / "input.png"

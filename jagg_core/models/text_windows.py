@@ -7,7 +7,8 @@ encoders' windows (:meth:`jagg_core.models.base.FlowModel.text_windows`); at set
 every prompt's tokens in each, :func:`window_lines` says which prompts run past one, how far, and the setting that
 keeps them whole, and :func:`refuse_overlong` stops a run before any prompt is encoded where the family refuses
 longer prompts instead of cutting them (Qwen-Image-Edit, whose text and image tokens share one padded length).
-A prompt of one's own (``jagg_core.generate``, the page's Try it) gets :func:`prompt_notes`.
+A prompt of one's own (``jagg_core.generate``, the page's Try it) and CFG's negative prompt get
+:func:`prompt_notes`.
 The first iteration's doctor fails a run whose ``model.max_sequence_length`` cuts its prompts
 (:func:`jagg_core.doctor.text_window_check`).
 """
@@ -102,9 +103,9 @@ def refuse_overlong(readings: list[WindowReading]) -> None:
                             f"set {window.setting}={reading.longest} or shorten them")
 
 
-def prompt_notes(readings: list[WindowReading]) -> list[str]:
-    """What the windows cut of one prompt (a run's settings are fixed by then: the fix is a shorter prompt); a
-    :class:`UserError` where a window refuses it."""
+def prompt_notes(readings: list[WindowReading], what: str = "the prompt") -> list[str]:
+    """What the windows cut of one prompt, called ``what`` (a run's settings are fixed by then: the fix is a shorter
+    prompt); a :class:`UserError` where a window refuses it."""
     notes = []
     for reading in readings:
         window = reading.window
@@ -112,8 +113,8 @@ def prompt_notes(readings: list[WindowReading]) -> list[str]:
             continue
         run_setting = f" (the run's {window.setting})" if window.setting else ""
         if window.refused:
-            raise UserError(f"the prompt takes {reading.longest} text tokens, more than the {window.limit} "
+            raise UserError(f"{what} takes {reading.longest} text tokens, more than the {window.limit} "
                             f"{window.encoder} is given{run_setting}: shorten it")
-        notes.append(f"{window.encoder} reads the first {window.limit} of the prompt's {reading.longest} "
-                     f"tokens{run_setting}; the rest is cut")
+        notes.append(f"{window.encoder} reads the first {window.limit} of the {reading.longest} tokens of "
+                     f"{what}{run_setting}; the rest is cut")
     return notes
