@@ -127,6 +127,7 @@ ADVANCED_KNOBS = (
     Knob("grpo.kl_form", "KL form", "choice", choices=(("Gaussian step KL", "step"), ("Flow-GRPO's", "flow_grpo"))),
     Knob("backward.audit_every", "Fidelity audit every", "int"),
     Knob("model.guidance_scale", "CFG scale", "float"),
+    Knob("model.max_sequence_length", "Text tokens", "int"),  # what the doctor's prompt-window fix names
     Knob("grpo.prompts_per_iteration", "Prompts per iteration", "int"),
     Knob("lora.alpha", "LoRA alpha", "float"),
     Knob("train.mixed_precision", "Mixed precision", "choice",
