@@ -199,9 +199,20 @@ def _recipe(config: dict, snap: RunSnapshot) -> str:
 - **LoRA:** rank {lora.get('rank')}, alpha {lora.get('alpha')}{init}
 - **Sampling:** {sampling.get('resolution')} px, {sampling.get('num_steps')} steps{_sampler_words(config)}; \
 model dtype {model.get('dtype')}
-
+{_text_words(snap.run_info.get("text_windows") or [])}
 The full resolved configuration is in [config.yaml](config.yaml).
 """
+
+
+def _text_words(windows: list[dict]) -> str:
+    """The recipe's line on what the text encoders read of the prompts (``RUN/run_info.json``'s ``text_windows``), so
+    that who samples the adapter gives them as much; empty for a run that did not record it."""
+    if not windows:
+        return ""
+    parts = [f"{window['encoder']} {window['tokens']}" + (f" (`{window['setting']}`)" if window.get("setting") else "")
+             + (f", {window['longer']} of {window['prompts']} prompts longer and cut" if window.get("longer") else "")
+             for window in windows]
+    return f"- **Text:** the encoders read the prompts' first tokens: {'; '.join(parts)}\n"
 
 
 def run_algorithm(config: dict) -> str:

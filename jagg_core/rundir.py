@@ -264,9 +264,12 @@ class RunDirectory:
         except (UserError, KeyError, TypeError, ValueError):
             return 0
 
-    def write_run_info(self, family: str, base_model: str, hardware: str, processes: int = 1) -> None:
+    def write_run_info(self, family: str, base_model: str, hardware: str, processes: int = 1,
+                       text_windows: list[dict] | None = None) -> None:
+        """What the run trains on: ``text_windows``, how its prompts fill the text encoders' windows
+        (:meth:`jagg_core.models.text_windows.WindowReading.record`), for the model card."""
         self.write_json(self.run_info_file, {"family": family, "base_model": base_model, "hardware": hardware,
-                                             "processes": processes})
+                                             "processes": processes, "text_windows": text_windows or []})
 
     def read_run_info(self) -> dict:
         return _read_json(self.run_info_file, dict)

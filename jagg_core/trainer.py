@@ -136,7 +136,8 @@ class Trainer:
             self._say_if_process_count_changed()
         if self.is_main:
             self.run.write_run_info(self.model.family, cfg.model.name, hardware=self._hardware(),
-                                    processes=self.accelerator.num_processes)
+                                    processes=self.accelerator.num_processes,
+                                    text_windows=[reading.record() for reading in self.text_readings])
         start_trackers(self.accelerator, cfg, self.run)
 
     def _load_model(self) -> FlowModel:

@@ -12,6 +12,7 @@ from jagg_core.config import ModelConfig
 from jagg_core.doctor import text_window_check
 from jagg_core.edit_prompts import EditPrompt
 from jagg_core.errors import UserError
+from jagg_core.hub import write_model_card
 from jagg_core.models import TINY_BUILDERS, load_flow_model
 from jagg_core.models.text_windows import TextWindow, WindowReading, prompt_notes, refuse_overlong, window_lines
 from jagg_core.rundir import RunDirectory
@@ -117,6 +118,9 @@ def test_a_run_says_which_prompts_its_t5_cuts_its_doctor_fails_with_the_setting_
     [check] = [c for c in RunDirectory(run_dir).read_doctor()["checks"]
                if c["check"] == "the prompts fit the text encoders' windows"]
     assert check["status"] == "fail" and check["fix"].startswith(f"set model.max_sequence_length={longest} ")
+    card = write_model_card(run_dir, "alice/cut").text  # who samples the adapter knows what it was trained to read
+    assert ("- **Text:** the encoders read the prompts' first tokens: CLIP 77, 1 of 5 prompts longer and cut; T5 32 "
+            "(`model.max_sequence_length`), 1 of 5 prompts longer and cut\n") in card
     from app.ui import Studio  # Try it: a prompt of one's own that T5 cuts is sampled cut, and the page says so
     studio = Studio(tmp_path)
     image, message = studio.generate("run", "latest adapter", LONG, 0)

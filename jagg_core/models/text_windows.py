@@ -44,6 +44,11 @@ class WindowReading:
     over: int      # how many take more than ``window.limit`` tokens
     longest: int   # tokens of the longest
 
+    def record(self) -> dict:
+        """The reading as ``RUN/run_info.json`` keeps it (the model card's recipe says it)."""
+        return {"encoder": self.window.encoder, "tokens": self.window.limit, "setting": self.window.setting,
+                "prompts": self.prompts, "longer": self.over, "longest": self.longest}
+
     @property
     def fixable(self) -> bool:
         """Prompts run past a window a setting widens."""
