@@ -6,11 +6,11 @@ below the error level this project keeps for the libraries, :mod:`jagg_core.quie
 encoders' windows (:meth:`jagg_core.models.base.FlowModel.text_windows`); at set-up :func:`read_windows` counts
 every prompt's tokens in each, :func:`window_lines` says which prompts run past one, how far, and the setting that
 keeps them whole, and :func:`refuse_overlong` stops a run before any prompt is encoded where the family refuses
-longer prompts instead of cutting them (Qwen-Image-Edit, whose text and image tokens share one padded length).
-A prompt of one's own (``jagg_core.generate``, the page's Try it) and CFG's negative prompt get
-:func:`prompt_notes`.
+longer prompts instead of cutting them (Qwen-Image-Edit, whose text and image tokens share one padded length). A
+prompt of one's own (``jagg_core.generate``, the page's Try it) and CFG's negative prompt get :func:`prompt_notes`.
 The first iteration's doctor fails a run whose ``model.max_sequence_length`` cuts its prompts
-(:func:`jagg_core.doctor.text_window_check`).
+(:func:`jagg_core.doctor.text_window_check`); the model card's recipe says what each window read
+(:meth:`WindowReading.record`).
 """
 
 from __future__ import annotations
