@@ -21,6 +21,8 @@ from jagg_core.run_queue import RunQueue
 from jagg_core.rundir import ImageSet, RunDirectory, iteration_dirname
 from jagg_core.tracking import dashboard_hints
 
+from .form import with_labels
+
 LOG_TAIL_BYTES = 64 * 1024
 ETA_WINDOW = 5  # iterations averaged for the ETA
 STARTING_PHASES = ("downloading", "loading", "base eval")  # the trainer's status phases before its first iteration
@@ -230,7 +232,8 @@ DOCTOR_MARKS = {"pass": "✓", "fail": "✗", "skip": "–"}  # in the fonts eve
 
 def doctor_words(run_dir: Path) -> str:
     """The first iteration's checklist (``RUN/doctor.json``) as Markdown: a line per check, ✓ passed, ✗ failed
-    (with its fix) or – skipped, with its detail; empty before the first iteration."""
+    (with its fix, naming the page's fields where it names their config keys) or – skipped, with its detail; empty
+    before the first iteration."""
     report = RunDirectory(run_dir).read_doctor()
     if not report:
         return ""
@@ -243,7 +246,7 @@ def doctor_words(run_dir: Path) -> str:
         if check.get("detail"):
             line += f": {check['detail']}"
         if check.get("status") == "fail" and check.get("fix"):
-            line += f"  \n  **Fix:** {check['fix']}"
+            line += f"  \n  **Fix:** {with_labels(check['fix'])}"
         lines.append(line)
     return "\n".join(lines)
 

@@ -327,7 +327,7 @@ def test_the_live_view_reads_the_judges_the_alarm_the_first_iteration_check_and_
     assert doctor[0] == "**First-iteration check** (iteration 1): 1 of 3 failed"
     assert doctor[2:] == ["- ✓ rewards vary within groups: std 0.12 within groups",
                           "- ✗ the gradient moves the velocity: the velocity moved 0.0  ",
-                          "  **Fix:** raise train.learning_rate",
+                          "  **Fix:** raise 'Learning rate'",  # the page's field for train.learning_rate
                           "- – the JAGG audit agrees: no audit at iteration 1"]
 
     assert live.adapter_choices(run.path) == [("latest adapter", "latest adapter"),
