@@ -282,7 +282,7 @@ def test_a_judged_run_shows_its_judges_the_alarm_the_first_iteration_check_and_i
     expect(doctor).to_contain_text("First-iteration check (iteration 1): 1 of 3 failed")
     expect(doctor).to_contain_text("✓ rewards vary within groups: std 0.12 within groups")
     expect(doctor).to_contain_text("✗ the gradient moves the velocity: the velocity moved 0.0")
-    expect(doctor).to_contain_text("Fix: raise train.learning_rate")
+    expect(doctor).to_contain_text("Fix: raise 'Learning rate'")
 
     page.locator("#push-checkpoint input").click()
     page.locator("ul[role=listbox] li", has_text="best (iteration 2, judge shapes_fidelity 0.900)").click()
