@@ -130,7 +130,9 @@ def test_exact_and_jagg_runs_write_their_backward_statistics(tmp_path, offline):
     assert 0.0 < jagg[metrics.JAGG_LINEARITY_MEAN] <= 1.0
     config = json.loads((tmp_path / "jagg" / "run_info.json").read_text())
     assert config == {"family": "sd3", "base_model": "tiny-sd3",
-                      "hardware": f"{cpu_name()} ({torch.get_num_threads()} threads)", "processes": 1}
+                      "hardware": f"{cpu_name()} ({torch.get_num_threads()} threads)", "processes": 1,
+                      "text_windows": [{"encoder": "CLIP", "tokens": 77, "setting": None, "prompts": 320, "longer": 0,
+                                        "longest": 60}]}  # the general set's prompts all fit tiny-sd3's CLIP
 
 
 def test_a_run_names_the_cpu_it_trains_on_as_linux_describes_it(tmp_path):
