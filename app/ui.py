@@ -44,7 +44,7 @@ from jagg_core.config import DEFAULT_PRESET, list_presets, validate_config
 from jagg_core.errors import UserError
 from jagg_core.generate import NOTE
 from jagg_core.generate import PROG as GENERATE
-from jagg_core.preflight import model_family
+from jagg_core.preflight import input_images_a_row
 from jagg_core.prompts import ARCHIVE_SUFFIX, FILE_SUFFIXES, builtin_prompt_sets
 from jagg_core.rewards import available_rewards
 from jagg_core.rundir import RunDirectory
@@ -495,15 +495,14 @@ class Studio:
         """Try it's image boxes for the chosen run: as many as its image-editing model takes a row
         (``model.input_images``), none for a text-to-image model, all three while no run's model can be read. A box
         that hides is emptied, so that Generate never sends a picture the page does not show."""
-        shown = len(TRY_INPUTS)
         run_dir = self._run_dir(name)
         try:
             model = validate_config(RunDirectory(run_dir).read_config()).model if run_dir else None
         except (UserError, OSError, ValueError):
             model = None
-        family = model_family(model) if model else None
-        if family is not None:
-            shown = model.input_images if family.edits_images else 0
+        shown = input_images_a_row(model) if model else None
+        if shown is None:
+            shown = len(TRY_INPUTS)
         return [gr.update(visible=True) if k < shown else gr.update(visible=False, value=None)
                 for k in range(len(TRY_INPUTS))]
 

@@ -328,15 +328,13 @@ def _audit_words(rows: list[dict]) -> str:
 
 
 def _input_images(config: dict) -> int:
-    """The input images of a prompt row of the run's base model: ``model.input_images`` when it edits images (its
-    family's declaration, :func:`~jagg_core.preflight.model_family`), 0 when it does not or cannot be looked up."""
-    from .preflight import model_family
+    """The input images of a prompt row of the run's base model (:func:`~jagg_core.preflight.input_images_a_row`):
+    ``model.input_images`` when it edits images, 0 when it does not or cannot be looked up."""
+    from .preflight import input_images_a_row
     try:
-        model = ModelConfig.model_validate(config.get("model") or {})
-        family = model_family(model)
+        return input_images_a_row(ModelConfig.model_validate(config.get("model") or {})) or 0
     except (ValueError, UserError):
         return 0
-    return model.input_images if family is not None and family.edits_images else 0
 
 
 def _sample_call(prompt: str, sampling: dict, videos: bool, input_images: int) -> tuple[str, str]:

@@ -57,6 +57,15 @@ def model_family(model: ModelConfig) -> DeclaredFamily | None:
     return family_of_pipeline(pipeline)
 
 
+def input_images_a_row(model: ModelConfig) -> int | None:
+    """The input images a prompt row of ``model`` has: ``model.input_images`` for an image-editing family, 0 for a
+    text-to-image one, None when its family cannot be looked up (:func:`model_family`)."""
+    family = model_family(model)
+    if family is None:
+        return None
+    return model.input_images if family.edits_images else 0
+
+
 def check_prompt_kind(family: DeclaredFamily | None, prompts: list[str], input_images: int = 1) -> None:
     """An image-editing family's prompts are editing rows (an instruction and ``input_images`` input images, as many
     as the family takes), and only its are: else a training would fail once the model is loaded, or train a
