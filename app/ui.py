@@ -493,14 +493,14 @@ class Studio:
 
     def try_inputs(self, name: str | None) -> list[Any]:
         """Try it's image boxes for the chosen run: as many as its image-editing model takes a row
-        (``model.input_images``), none for a text-to-image model, all three while no run's model can be read. A box
+        (``model.input_images``), none for a run that generates from text, all three while no run's model can be read. A box
         that hides is emptied, so that Generate never sends a picture the page does not show."""
         run_dir = self._run_dir(name)
         try:
             model = validate_config(RunDirectory(run_dir).read_config()).model if run_dir else None
+            shown = input_images_a_row(model) if model else None
         except (UserError, OSError, ValueError):
-            model = None
-        shown = input_images_a_row(model) if model else None
+            shown = None
         if shown is None:
             shown = len(TRY_INPUTS)
         return [gr.update(visible=True) if k < shown else gr.update(visible=False, value=None)

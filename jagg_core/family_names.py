@@ -34,15 +34,24 @@ class DeclaredFamily:
     archs: dict[str, str]
     depth_key: str
     edits_images: bool
+    also_edits: bool  # generates from text, and edits with input images (it declares an ``edit_model``)
     max_input_images: int
     requires: tuple[str, ...]
 
-    def check_input_images(self, input_images: int) -> None:
-        """``model.input_images`` is at most the input images a prompt row of this family may have: else a
-        :class:`~jagg_core.errors.UserError`."""
-        if input_images > self.max_input_images:
-            raise UserError(f"model.input_images is {input_images}, but the {self.label} model takes "
-                            f"{self.max_input_images} input image(s) a prompt row")
+    def input_images(self, setting: int | None) -> int:
+        """The input images of a prompt row of this family's run whose ``model.input_images`` is ``setting``
+        (None: unset): an image-editing family's 1 (unset) to :attr:`max_input_images`; a family that also edits
+        (FLUX.2 [klein]) 0 (unset: it generates from text) to its most; 0 for a text-to-image family, which ignores
+        the setting. A count outside those is a :class:`~jagg_core.errors.UserError`."""
+        if not (self.edits_images or self.also_edits):
+            return 0
+        count = setting if setting is not None else int(self.edits_images)
+        least = int(self.edits_images)
+        if not least <= count <= self.max_input_images:
+            takes = f"{least} to {self.max_input_images}" if least < self.max_input_images else least
+            raise UserError(f"model.input_images is {count}, but the {self.label} model takes {takes} input "
+                            "image(s) a prompt row")
+        return count
 
 
 def _declaration(path: Path) -> ast.Call | None:
@@ -62,7 +71,7 @@ def _read(path: Path, call: ast.Call) -> DeclaredFamily:
     return DeclaredFamily(module=path.stem, label=literal["label"], pipeline=literal["pipeline"],
                           tiny_models=tuple(ast.literal_eval(key) for key in fields["tiny_builders"].keys),
                           archs=literal.get("archs", {}), depth_key=literal.get("depth_key", DEFAULT_DEPTH_KEY),
-                          edits_images=literal.get("edits_images", False),
+                          edits_images=literal.get("edits_images", False), also_edits="edit_model" in fields,
                           max_input_images=literal.get("max_input_images", 1), requires=literal.get("requires", ()))
 
 

@@ -62,8 +62,8 @@ def generate(run_dir: Path, prompt: str, checkpoint: str | None = None, seed: in
     row = EditPrompt(prompt, tuple(input_image_bytes(image) for image in images),
                      "+".join(image.name for image in images)) if images else prompt
     family = model_family(config.model)  # before the model loads (None: the load says why it cannot)
-    editing = family is not None and family.edits_images
-    wanted = config.model.input_images
+    wanted = family.input_images(config.model.input_images) if family is not None else 0
+    editing = wanted > 0
     if editing and len(images) != wanted:
         what, how = (("the image", "--image PATH; on the page, Input image") if wanted == 1 else
                      (f"the {wanted} images", f"--image PATH {wanted} times, 'Picture 1' first; on the page, Input "

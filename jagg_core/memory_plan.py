@@ -56,7 +56,7 @@ from .download import amount
 from .errors import UserError
 from .gpus import GB
 from .memory_meter import LiveBytes
-from .models import DTYPES, FAMILIES
+from .models import DTYPES, family_for
 from .models.base import ENCODE_BATCH, NEGATIVE, FlowModel
 from .models.quantize import transformer_dtype
 from .models.meta import META, meta_pipeline
@@ -259,7 +259,7 @@ def _text_encoder_activations(encoder: torch.nn.Module, tokens: int, element: in
 def _meta_model(cfg: RunConfig, dtype: torch.dtype | None = None) -> FlowModel:
     """The run's flow model on the meta device, from its configs alone, its weights in ``dtype`` (None: as built)."""
     pipe = meta_pipeline(cfg.model.name, cfg.model.revision)
-    family_class = FAMILIES[type(pipe).__name__]
+    family_class = family_for(type(pipe).__name__, cfg.model)
     if dtype is not None:
         with META:
             pipe = pipe.to(dtype=dtype)

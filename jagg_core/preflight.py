@@ -58,29 +58,28 @@ def model_family(model: ModelConfig) -> DeclaredFamily | None:
 
 
 def input_images_a_row(model: ModelConfig) -> int | None:
-    """The input images a prompt row of ``model`` has: ``model.input_images`` for an image-editing family, 0 for a
-    text-to-image one, None when its family cannot be looked up (:func:`model_family`)."""
+    """The input images a prompt row of ``model`` has (``model.input_images`` as its family reads it: 0 for a run that
+    generates from text), None when its family cannot be looked up (:func:`model_family`)."""
     family = model_family(model)
-    if family is None:
-        return None
-    return model.input_images if family.edits_images else 0
+    return None if family is None else family.input_images(model.input_images)
 
 
-def check_prompt_kind(family: DeclaredFamily | None, prompts: list[str], input_images: int = 1) -> None:
-    """An image-editing family's prompts are editing rows (an instruction and ``input_images`` input images, as many
-    as the family takes), and only its are: else a training would fail once the model is loaded, or train a
-    text-to-image model on the rows' texts."""
+def check_prompt_kind(family: DeclaredFamily | None, prompts: list[str], input_images: int | None = None) -> None:
+    """An image-editing run's prompts are editing rows (an instruction and as many input images as
+    ``model.input_images`` says, no more than the family takes), and only its are: else a training would fail once
+    the model is loaded, or train a text-to-image model on the rows' texts."""
     from .edit_prompts import EditPrompt, edit_rows
     if family is None:
         return
-    if family.edits_images:
-        family.check_input_images(input_images)
-        edit_rows(prompts, family.label, input_images)
+    count = family.input_images(input_images)
+    if count:
+        edit_rows(prompts, family.label, count)
     elif any(isinstance(prompt, EditPrompt) for prompt in prompts):
         editors = ", ".join(f.label for f in declared_families() if f.edits_images)
+        also = "".join(f"; or {f.label} with model.input_images=1" for f in declared_families() if f.also_edits)
         raise UserError(f"prompts.source holds image-editing rows (an instruction and an input image), but the "
-                        f"{family.label} model generates from text alone; choose a text prompt set, or an "
-                        f"image-editing model.name ({editors})")
+                        f"{family.label} run generates from text alone; choose a text prompt set, or an "
+                        f"image-editing model.name ({editors}{also})")
 
 
 def check_packages(model: ModelConfig) -> None:

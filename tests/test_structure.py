@@ -181,8 +181,11 @@ def test_the_derived_tables_agree_with_the_declarations():
         family = DECLARATIONS[declared.module]
         assert declared == DeclaredFamily(declared.module, family.label, family.pipeline,
                                           tuple(family.tiny_builders), family.archs, family.depth_key,
-                                          family.edits_images, family.max_input_images, family.requires)
+                                          family.edits_images, family.edit_model is not None,
+                                          family.max_input_images, family.requires)
         assert family.edits_images == issubclass(family.model, EditingFlowModel)
+        assert family.edit_model is None or (issubclass(family.edit_model, EditingFlowModel)
+                                             and issubclass(family.edit_model, family.model))
         assert FAMILIES[family.pipeline] is family.model
         for arch in family.archs:  # an arch's shipped pipeline is its family's, its depth under the declared key
             index = json.loads((ARCHS_DIR / arch / "model_index.json").read_text())

@@ -23,7 +23,7 @@ from ..kernels import apply_kernel_settings, settle_cpu_math
 from .quantize import (check_quantization, pipeline_quantization, quantize_in_memory, transformer_dtype,
                        transformer_quantization)
 from .random_weights import build_random_model_pipeline
-from .registry import FAMILIES, TINY_BUILDERS, build_tiny_pipeline, family_for  # noqa: F401 (re-exported)
+from .registry import FAMILIES, TINY_BUILDERS, build_tiny_pipeline, check_pipeline, family_for  # noqa: F401 (re-exported)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -59,7 +59,7 @@ def load_flow_model(config: ModelConfig, device: torch.device | str = "cpu", see
         later = defer and config.quantize != "none"  # a quantizer places the weights while loading them
         pipe = _load_pipeline(config, source, index, dtype, text_encoders, transformer=not later)
         prepare = partial(_load_quantized_transformer, pipe, config, source, index["transformer"]) if later else None
-    family = family_for(type(pipe).__name__, config.name)
+    family = family_for(type(pipe).__name__, config)
     return family(pipe, config, device, defer_denoiser=defer, prepare_transformer=prepare,
                   place_transformer=place_transformer, num_frames=num_frames)
 
@@ -68,7 +68,7 @@ def _load_pipeline(config: ModelConfig, source: str, index: dict, dtype: torch.d
                    transformer: bool):
     """A pipeline from an embedded folder, a local folder or the Hub (``index``: its model_index.json), with only
     the components asked for."""
-    family_for(index.get("_class_name", "unknown"), config.name)
+    check_pipeline(index.get("_class_name", "unknown"), config.name)
     import diffusers
     pipeline_class = getattr(diffusers, index["_class_name"])
     # components saved as [null, null] (e.g. an SD3 without T5) must be passed as None explicitly

@@ -38,11 +38,12 @@ class EditingFlowModel(PackedFlowModel):
     FluxModel)``, whose encoding and transformer call it extends (see the module docstring)."""
 
     def __init__(self, pipe, config, device="cpu", **placement):
-        family_of_pipeline(type(pipe).__name__).check_input_images(config.input_images)  # as its declaration says
+        #: input images of a prompt row (``model.input_images`` as the family's declaration reads it)
+        self.input_images = family_of_pipeline(type(pipe).__name__).input_images(config.input_images)
         super().__init__(pipe, config, device, **placement)
 
     def encode_prompts(self, prompts: list[str]) -> Conditioning:
-        rows = edit_rows(prompts, self.family, self.config.input_images)
+        rows = edit_rows(prompts, self.family, self.input_images)
         cond = super().encode_prompts(rows)
         latents = self.condition_latents(rows)
         cond[IMAGE_LATENTS] = latents
@@ -51,7 +52,7 @@ class EditingFlowModel(PackedFlowModel):
         return cond
 
     def prompt_texts(self, prompts: list[str]) -> list[str]:
-        return [row.instruction for row in edit_rows(prompts, self.family, self.config.input_images)]
+        return [row.instruction for row in edit_rows(prompts, self.family, self.input_images)]
 
     def negative_prompts(self, prompts: list[EditPrompt]) -> list[EditPrompt]:
         return [EditPrompt(self.config.negative_prompt, row.images_bytes, row.label) for row in prompts]
@@ -60,13 +61,17 @@ class EditingFlowModel(PackedFlowModel):
         """The rows' packed, normalised VAE latents [N, n (r/2f)^2, 4C], image after image (module docstring)."""
         images = [row.images(self.config.condition_resolution) for row in rows]
         return torch.cat([self.image_latents([pictures[k] for pictures in images])
-                          for k in range(self.config.input_images)], dim=1)
+                          for k in range(self.input_images)], dim=1)
 
     def image_latents(self, images: list[Image.Image]) -> torch.Tensor:
         """Packed, normalised VAE latents [N, (r/2f)^2, 4C] of one input image a row, at ``condition_resolution``."""
         size, vae = self.config.condition_resolution, self.pipe.vae
         pixels = self.pipe.image_processor.preprocess(images, size, size)
         latents = self.pipe._encode_vae_image(self.vae_input(pixels).to(vae.device, vae.dtype), generator=None)
+        return self.pack_latents(latents)
+
+    def pack_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """The pipeline's packing of normalised VAE latents [N, C, h, w] into tokens [N, h w / 4, 4C]."""
         rows_, cols = latents.shape[-2:]
         return self.pipe._pack_latents(latents, latents.shape[0], latents.shape[1], rows_, cols)
 
@@ -75,7 +80,7 @@ class EditingFlowModel(PackedFlowModel):
         return pixels
 
     def conditioning_shapes(self) -> dict[str, tuple[int, ...]]:
-        tokens = self.config.input_images * self.image_seq_len(self.config.condition_resolution)
+        tokens = self.input_images * self.image_seq_len(self.config.condition_resolution)
         return {**super().conditioning_shapes(), IMAGE_LATENTS: (tokens, self.transformer.config.in_channels)}
 
     def transformer_velocity(self, z: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:

@@ -27,7 +27,9 @@ from transformers import Qwen3ForCausalLM
 
 from ..config import ModelConfig
 from ..errors import UserError
+from ..edit_prompts import EditPrompt
 from .base import Conditioning, PackedFlowModel
+from .editing import EditingFlowModel
 from .family import Family
 from .in_memory_parts import text_hidden_layers_read, tiny_qwen3_config, tiny_qwen3_tokenizer
 from .text_windows import MAX_SEQUENCE_LENGTH, TextWindow, chat_tokens
@@ -77,11 +79,20 @@ class Flux2KleinModel(PackedFlowModel):
         return image_ids, text_ids
 
     def transformer_velocity(self, z: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        return self.flux2_forward(z, sigma, cond, [])
+
+    def flux2_forward(self, tokens: torch.Tensor, sigma: torch.Tensor, cond: Conditioning,
+                      reference_ids: list[torch.Tensor]) -> torch.Tensor:
+        """The transformer's output for ``tokens``: the generated image's square grid of tokens at ids (0, i, j, 0),
+        then the reference images' tokens at ``reference_ids`` (none for a text-to-image run)."""
         dtype = self.transformer.dtype
         embeds = cond["prompt_embeds"]
-        image_ids, text_ids = self.position_ids(self.token_grid(z), embeds.shape[1], z.device)
-        return self.transformer(hidden_states=z.to(dtype), timestep=sigma.to(dtype), guidance=self.guidance(z),
-                                encoder_hidden_states=embeds.to(dtype), txt_ids=text_ids, img_ids=image_ids,
+        generated = tokens.shape[1] - sum(len(ids) for ids in reference_ids)
+        image_ids, text_ids = self.position_ids(self.token_grid(tokens[:, :generated]), embeds.shape[1],
+                                                tokens.device)
+        return self.transformer(hidden_states=tokens.to(dtype), timestep=sigma.to(dtype),
+                                guidance=self.guidance(tokens), encoder_hidden_states=embeds.to(dtype),
+                                txt_ids=text_ids, img_ids=torch.cat([image_ids, *reference_ids]),
                                 return_dict=False)[0].float()
 
     def conditioning_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -97,6 +108,32 @@ class Flux2KleinModel(PackedFlowModel):
         latents = self.pipe._unpatchify_latents(patches * std + mean)
         images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
         return (images.float() / 2 + 0.5).clamp(0, 1)
+
+
+class Flux2KleinEditModel(EditingFlowModel, Flux2KleinModel):
+    """FLUX.2 [klein] editing with ``model.input_images`` reference images, as ``Flux2KleinPipeline(image=...)``:
+    the instruction is encoded as any prompt (Qwen3 sees text alone); reference image k (from 0) is VAE-encoded,
+    patchified and batch-norm normalised (the pipeline's ``_encode_vae_image``) and packed, and its tokens follow the
+    generated image's with ids (t, h, w, l) = (10 + 10 k, i, j, 0) (``_prepare_image_ids``)."""
+
+    #: the time coordinate of reference image k is REFERENCE_T_STEP (1 + k), as the pipeline's ``scale``
+    REFERENCE_T_STEP = 10
+
+    def encode_without_cfg(self, prompts: list[EditPrompt]) -> Conditioning:
+        return super().encode_without_cfg([row.instruction for row in prompts])
+
+    def pack_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        return self.pipe._pack_latents(latents)
+
+    def joint_velocity(self, tokens: torch.Tensor, sigma: torch.Tensor, cond: Conditioning,
+                       generated: int) -> torch.Tensor:
+        per_image = (tokens.shape[1] - generated) // self.input_images
+        side, device = self.token_grid(tokens[:, generated:generated + per_image]), tokens.device
+        grid = torch.arange(side, device=device)
+        zero = torch.zeros(1, dtype=torch.long, device=device)
+        reference_ids = [torch.cartesian_prod(torch.full((1,), self.REFERENCE_T_STEP * (1 + k), device=device),
+                                              grid, grid, zero) for k in range(self.input_images)]
+        return self.flux2_forward(tokens, sigma, cond, reference_ids)
 
 
 def build_tiny_flux2() -> Flux2KleinPipeline:
@@ -122,5 +159,5 @@ def build_tiny_flux2() -> Flux2KleinPipeline:
 
 
 FAMILY = Family(label="FLUX.2 [klein]", pipeline="Flux2KleinPipeline", model=Flux2KleinModel,
-                tiny_builders={"tiny-flux2": build_tiny_flux2},
+                edit_model=Flux2KleinEditModel, max_input_images=3, tiny_builders={"tiny-flux2": build_tiny_flux2},
                 archs={"flux2-klein-4b": "black-forest-labs/FLUX.2-klein-4B"})

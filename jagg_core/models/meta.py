@@ -14,7 +14,7 @@ from ..archs import arch_folder, arch_for_model, is_random_model
 from ..errors import UserError
 from ..model_index import model_source
 from .random_weights import build_random_model_pipeline
-from .registry import TINY_BUILDERS, family_for
+from .registry import TINY_BUILDERS, check_pipeline
 
 META = torch.device("meta")
 
@@ -68,7 +68,7 @@ def meta_pipeline(name: str, revision: str | None = None):
         return build_random_model_pipeline(name, device=META)
     folder = _model_folder(name, revision)
     index = json.loads((folder / "model_index.json").read_text())
-    family_for(index["_class_name"], name)
+    check_pipeline(index["_class_name"], name)
     pipeline_class = getattr(diffusers, index["_class_name"])
     parts = {}
     for component, value in index.items():

@@ -52,7 +52,7 @@ class QwenImageEditModel(EditingFlowModel, QwenImageModel):
 
     def image_placeholders(self) -> int:
         """One ``<|image_pad|>`` token a picture, which the processor widens to its vision tokens."""
-        return self.config.input_images
+        return self.input_images
 
     @property
     def vision_side(self) -> int:
@@ -66,7 +66,7 @@ class QwenImageEditModel(EditingFlowModel, QwenImageModel):
     @property
     def text_length(self) -> int:
         """``model.max_sequence_length`` plus the vision tokens of the row's input images."""
-        return self.config.max_sequence_length + self.config.input_images * self.vision_tokens()
+        return self.config.max_sequence_length + self.input_images * self.vision_tokens()
 
     def vision_tokens(self) -> int:
         """Tokens of a :attr:`vision_side` square image in the text encoder's sequence: Qwen2-VL scales it to a
@@ -88,7 +88,7 @@ class QwenImageEditModel(EditingFlowModel, QwenImageModel):
 
     def joint_velocity(self, tokens: torch.Tensor, sigma: torch.Tensor, cond: Conditioning,
                        generated: int) -> torch.Tensor:
-        images = self.config.input_images
+        images = self.input_images
         side = self.token_grid(tokens[:, :generated])
         condition_side = self.token_grid(tokens[:, generated:generated + (tokens.shape[1] - generated) // images])
         return self.qwen_forward(tokens, sigma, cond, [(1, side, side)] + [(1, condition_side, condition_side)] * images)

@@ -44,7 +44,7 @@ class QwenImageEditPlusModel(QwenImageEditModel):
 
     def text_with_images(self, text: str) -> str:
         """``Picture 1: <image> ... Picture n: <image>`` then the instruction, as the pipeline frames it."""
-        return "".join(PICTURE_PROMPT.format(i + 1) for i in range(self.config.input_images)) + text
+        return "".join(PICTURE_PROMPT.format(i + 1) for i in range(self.input_images)) + text
 
     def text_images(self, rows: list[EditPrompt]) -> list[Image.Image]:
         """The row's input images (one row: :meth:`encode_without_cfg`), ``Picture 1`` first."""

@@ -9,7 +9,8 @@ from importlib import import_module
 import torch
 
 from ..errors import UserError
-from ..family_names import declared_families
+from ..config import ModelConfig
+from ..family_names import declared_families, family_of_pipeline
 from .base import FlowModel
 from .family import Family
 
@@ -22,13 +23,24 @@ FAMILIES: dict[str, type[FlowModel]] = {family.pipeline: family.model for family
 TINY_BUILDERS = {name: builder for family in DECLARATIONS.values() for name, builder in family.tiny_builders.items()}
 
 
-def family_for(pipeline_class: str, name: str) -> type[FlowModel]:
-    """The FlowModel of a pipeline class (``model_index.json``'s ``_class_name``) of ``model.name``; a
-    :class:`UserError` for a pipeline no family declares."""
+def check_pipeline(pipeline_class: str, name: str) -> None:
+    """A family declares the pipeline class (``model_index.json``'s ``_class_name``) of ``model.name``: else a
+    :class:`UserError`."""
     if pipeline_class not in FAMILIES:
         supported = ", ".join(sorted(FAMILIES))
         raise UserError(f"model '{name}' is a {pipeline_class}; supported pipelines: {supported}")
-    return FAMILIES[pipeline_class]
+
+
+def family_for(pipeline_class: str, config: ModelConfig) -> type[FlowModel]:
+    """The FlowModel that runs a pipeline class for ``config`` (:func:`check_pipeline`): its family's
+    ``edit_model`` for a run with input images (``model.input_images``) of a family that also edits, else its
+    ``model``."""
+    check_pipeline(pipeline_class, config.name)
+    declared = family_of_pipeline(pipeline_class)
+    family = DECLARATIONS[declared.module]
+    if family.edit_model is not None and declared.input_images(config.input_images):
+        return family.edit_model
+    return family.model
 
 
 def build_tiny_pipeline(name: str, seed: int = 0):
