@@ -92,6 +92,15 @@ def pipeline_with_final_latents(pipe, **call):
     return output, final["latents"].float()
 
 
+def pipeline_latents(model, z: torch.Tensor) -> torch.Tensor:
+    """The pipeline's ``latents`` argument for the sampler's ``z``: FLUX.2 takes the patchified grid [B, 4C, h, w]
+    and packs it itself; the others (Z-Image, the editing pipelines but FLUX.2's) take ``z`` as it is."""
+    if not model.family.startswith("flux2"):
+        return z.clone()
+    side = model.token_grid(z)
+    return z.transpose(1, 2).reshape(z.shape[0], z.shape[2], side, side).clone()
+
+
 def add_moved_lora(model):
     """Add a rank-4 LoRA (alpha 8) to ``model`` and move all its weights off their initialisation (seeded), so that
     it changes the velocity; its parameters."""

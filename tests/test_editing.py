@@ -17,7 +17,7 @@ import torch
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
 from PIL import Image
 
-from conftest import run_cli, tiny_config
+from conftest import pipeline_latents, run_cli, tiny_config
 from jagg_core import metrics
 from jagg_core.config import LoraConfig, ModelConfig, RewardSpec, list_presets, load_config
 from jagg_core.edit_prompts import EditPrompt, input_images, instruction_of, png_bytes
@@ -37,8 +37,13 @@ from jagg_core.rewards.jpeg import JpegCompressibility
 from jagg_core.rundir import RunDirectory
 from jagg_core.trainer import Trainer
 
-EDIT_MODELS = ["tiny-flux-kontext", "tiny-qwen-edit", "tiny-qwen-edit-plus"]
+#: the tiny editing models, and what else makes a run of one edit: FLUX.2 [klein] generates from text unless given
+#: model.input_images
+EDIT_RUNS = {"tiny-flux-kontext": {}, "tiny-qwen-edit": {}, "tiny-qwen-edit-plus": {}, "tiny-flux2": {"input_images": 1}}
+EDIT_MODELS = list(EDIT_RUNS)
 RES, CONDITION, STEPS = 32, 32, 3
+#: the input image's side where a pipeline refuses CONDITION (Flux2KleinPipeline takes 64 px and more)
+PIPELINE_CONDITION = {"tiny-flux2": 64}
 #: text tokens: the longest example instruction, with the tiny Qwen-Image-Edit tokenizer's template tokens, fits
 TEXT = 64
 EDIT_SET = "edits"
@@ -175,8 +180,14 @@ def test_clip_directional_is_the_cosine_of_the_image_and_text_directions(tiny_cl
 
 # ----- the families against their pipelines ----------------------------------------------------------------------
 def load(name: str, **overrides):
-    return load_flow_model(ModelConfig(name=name, max_sequence_length=TEXT, condition_resolution=CONDITION,
-                                       **overrides))
+    return load_flow_model(ModelConfig(**{"name": name, "max_sequence_length": TEXT,
+                                          "condition_resolution": PIPELINE_CONDITION.get(name, CONDITION),
+                                          **EDIT_RUNS.get(name, {}), **overrides}))
+
+
+def editing_config(name: str, **overrides):
+    """:func:`conftest.tiny_config` of an editing run of the tiny model ``name``."""
+    return tiny_config(name, **{f"model__{key}": value for key, value in EDIT_RUNS[name].items()}, **overrides)
 
 
 def noise(model, batch: int, seed: int = 0) -> torch.Tensor:
@@ -192,7 +203,7 @@ def test_each_row_is_encoded_once_with_its_image_latents(name, monkeypatch):
     monkeypatch.setattr(model, "encode_prompts", lambda prompts: encoded.extend(prompts) or encode(prompts))
     cond = model.conditioning([first, same_text, first])
     assert encoded == [first, same_text]  # a row twice in a batch: encoded once
-    tokens = model.image_seq_len(CONDITION)  # (32 / (2 x the VAE's factor))^2
+    tokens = model.image_seq_len(model.config.condition_resolution)  # (side / (2 x the VAE's factor))^2
     assert cond[IMAGE_LATENTS].shape == (3, tokens, model.transformer.config.in_channels)
     assert torch.equal(cond[IMAGE_LATENTS], cond[NEGATIVE + IMAGE_LATENTS])
     assert torch.equal(cond[IMAGE_LATENTS][0], cond[IMAGE_LATENTS][2])
@@ -245,8 +256,13 @@ def test_euler_ode_reproduces_pipeline(name, guidance_scale, qwen_edit_condition
             z = z + (sigmas[i + 1] - sigmas[i]) * model.velocity(z, sigmas[i], cond)
         images = model.decode(z)
 
+    true_cfg = {"true_cfg_scale": guidance_scale, "negative_prompt": "ugly" if model.use_cfg else None}
     kontext = {"guidance_scale": 2.5, "_auto_resize": False, "max_area": RES * RES}  # the output keeps RES x RES
-    family = {"tiny-flux-kontext": kontext, "tiny-qwen-edit": {}, "tiny-qwen-edit-plus": {}}[name]
+    klein = {"guidance_scale": guidance_scale}  # its negative prompt is "" unless its embeddings are given
+    if model.use_cfg and name == "tiny-flux2":
+        klein["negative_prompt_embeds"] = model.encode_without_cfg([EditPrompt("ugly", (), "")])["prompt_embeds"]
+    family = {"tiny-flux-kontext": true_cfg | kontext, "tiny-qwen-edit": true_cfg, "tiny-qwen-edit-plus": true_cfg,
+              "tiny-flux2": klein}[name]
     for i, row in enumerate(prompts):
         final = {}
 
@@ -254,10 +270,10 @@ def test_euler_ode_reproduces_pipeline(name, guidance_scale, qwen_edit_condition
             final["latents"] = tensors["latents"]
             return {}
 
-        output = model.pipe(image=row.image(CONDITION), prompt=row.instruction, num_inference_steps=STEPS,
-                            latents=z0[i:i + 1].clone(), height=RES, width=RES, output_type="pt",
-                            true_cfg_scale=guidance_scale, negative_prompt="ugly" if model.use_cfg else None,
-                            max_sequence_length=TEXT, callback_on_step_end=keep_latents, **family)
+        output = model.pipe(image=row.image(model.config.condition_resolution), prompt=row.instruction,
+                            num_inference_steps=STEPS, latents=pipeline_latents(model, z0[i:i + 1]), height=RES,
+                            width=RES, output_type="pt", max_sequence_length=TEXT, callback_on_step_end=keep_latents,
+                            **family)
         torch.testing.assert_close(model.pipe.scheduler.sigmas, sigmas, atol=1e-6, rtol=0)
         torch.testing.assert_close(z[i:i + 1], final["latents"].float(), atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(images[i:i + 1], output.images.float(), atol=1e-4, rtol=1e-4)
@@ -328,6 +344,10 @@ def test_the_plus_model_reads_every_input_image_as_the_pipeline_does(two_image_f
     ("tiny-flux-kontext", 2, "pairs", "model.input_images is 2, but the FLUX.1 Kontext model takes 1 input image(s)"),
     ("tiny-qwen-edit-plus", 1, "pairs", "has 2 input image(s), but model.input_images is 1"),
     ("tiny-qwen-edit-plus", 2, EDIT_SET, "has 1 input image(s), but model.input_images is 2"),
+    ("tiny-qwen-edit", 0, EDIT_SET, "model.input_images is 0, but the Qwen-Image-Edit model takes 1 input image(s)"),
+    ("tiny-flux2", 1, "shapes", "the FLUX.2 [klein] model edits images, but the prompt '"),
+    ("tiny-flux2", 0, EDIT_SET, "but the FLUX.2 [klein] run generates from text alone"),
+    ("tiny-flux2", "null", EDIT_SET, "but the FLUX.2 [klein] run generates from text alone"),
 ])
 def test_rows_of_another_number_of_images_than_the_model_takes_are_one_line_before_launch(
         name, input_images, rows, message, two_image_folder, offline):
@@ -337,7 +357,7 @@ def test_rows_of_another_number_of_images_than_the_model_takes_are_one_line_befo
                          model__max_sequence_length=TEXT)
     with pytest.raises(UserError, match=re.escape(message)):
         check_references(config)
-    if name == "tiny-flux-kontext":
+    if message.startswith("model.input_images is"):  # the model refuses it too
         with pytest.raises(UserError, match=re.escape(message)):
             load(name, input_images=input_images)
 
@@ -410,8 +430,8 @@ def test_saved_lora_reloads_in_a_fresh_pipeline(name, tmp_path):
 
 @pytest.mark.parametrize("name", EDIT_MODELS)
 def test_two_training_iterations_and_the_adapter_loads_in_diffusers(name, tmp_path, offline):
-    config = tiny_config(name, prompts__source=EDIT_SET, model__condition_resolution=16,
-                         model__max_sequence_length=TEXT)
+    config = editing_config(name, prompts__source=EDIT_SET, model__condition_resolution=16,
+                       model__max_sequence_length=TEXT)
     trainer = Trainer(config, tmp_path / "run")
     trainer.setup()
     trainer.fit()
@@ -443,13 +463,13 @@ def test_two_training_iterations_and_the_adapter_loads_in_diffusers(name, tmp_pa
 @pytest.mark.parametrize("name", EDIT_MODELS)
 def test_the_memory_plan_counts_the_input_image_and_meets_the_measured_peak(name, tmp_path, offline):
     settings = {"prompts__source": EDIT_SET, "model__max_sequence_length": TEXT}
-    config = tiny_config(name, model__condition_resolution=CONDITION, **settings)
+    config = editing_config(name, model__condition_resolution=CONDITION, **settings)
     trainer = Trainer(config, tmp_path)
     trainer.setup()
     measured, planned = measured_peak(trainer), plan_memory(config)
     assert planned.family == trainer.model.family
     assert 0.75 <= planned.total / measured <= 1.25, f"planned {planned.total:.3g} B, measured {measured:.3g} B"
-    assert plan_memory(tiny_config(name, model__condition_resolution=16, **settings)).total < planned.total
+    assert plan_memory(editing_config(name, model__condition_resolution=16, **settings)).total < planned.total
 
 
 def test_the_family_and_so_the_kind_of_prompts_a_model_takes_is_known_before_it_loads(tmp_path, offline):

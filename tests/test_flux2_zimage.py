@@ -14,8 +14,8 @@ import pytest
 import torch
 import yaml
 
-from conftest import (adapter_and_base_velocity, add_moved_lora, euler_ode, pipeline_with_final_latents, run_cli,
-                      tiny_config)
+from conftest import (adapter_and_base_velocity, add_moved_lora, euler_ode, pipeline_latents,
+                      pipeline_with_final_latents, run_cli, tiny_config)
 from jagg_core import metrics
 from jagg_core.archs import transformer_config, transformer_depth
 from jagg_core.config import LoraConfig, ModelConfig
@@ -43,15 +43,6 @@ def load(name: str, **overrides):
 
 def noise(model, batch: int, seed: int = 0) -> torch.Tensor:
     return torch.randn((batch, *model.latent_shape(RES)), generator=torch.Generator().manual_seed(seed))
-
-
-def pipeline_latents(model, z: torch.Tensor) -> torch.Tensor:
-    """The pipeline's ``latents`` argument for the sampler's ``z``: FLUX.2 takes the patchified grid [B, 4C, h, w]
-    and packs it itself; Z-Image takes ``z`` as it is."""
-    if not model.family.startswith("flux2"):
-        return z.clone()
-    side = model.token_grid(z)
-    return z.transpose(1, 2).reshape(z.shape[0], z.shape[2], side, side).clone()
 
 
 def pipeline_kwargs(model, batch: int) -> dict:
