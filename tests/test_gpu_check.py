@@ -58,7 +58,7 @@ def test_the_check_has_a_step_for_each_figure_the_issue_asks_for():
                                      "qwen-image-pickscore-24gb", "flux2-klein-pickscore-24gb",
                                      "zimage-turbo-pickscore-24gb", "wan21-t2v-1.3b-pickscore-24gb",
                                      "flux-kontext-clipdir-24gb", "qwen-image-edit-clipdir-24gb",
-                                     "sd35-medium-pickscore-nft-24gb"}
+                                     "flux2-klein-edit-clipdir-24gb", "sd35-medium-pickscore-nft-24gb"}
     assert {f"memory-{p}" for p in memory_presets()} <= set(names)
     assert {f"bench-{a}" for a in ("sd35-medium", "flux-dev", "qwen-image", "flux2-klein-4b", "z-image-turbo",
                                    "wan21-t2v-1.3b")} <= set(names)
