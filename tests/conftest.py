@@ -92,7 +92,7 @@ def pipeline_with_final_latents(pipe, **call):
     return output, final["latents"].float()
 
 
-def pipeline_latents(model, z: torch.Tensor) -> torch.Tensor:
+def pipeline_latents(model, z):
     """The pipeline's ``latents`` argument for the sampler's ``z``: FLUX.2 takes the patchified grid [B, 4C, h, w]
     and packs it itself; the others (Z-Image, the editing pipelines but FLUX.2's) take ``z`` as it is."""
     if not model.family.startswith("flux2"):

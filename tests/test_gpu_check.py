@@ -141,14 +141,15 @@ def test_a_step_measured_ok_under_todays_settings_is_done_and_under_others_is_st
 
 
 def test_a_key_added_to_the_config_since_a_measurement_stales_it_only_away_from_its_default():
-    """A new key's default keeps what the product did before it (model.input_images: 1 input image a row)."""
+    """A new key's default keeps what the product did before it (model.input_images unset: the family's own count,
+    1 input image a row for Qwen-Image-Edit)."""
     from jagg_core.gpu_check.settings import changed_settings
     now = today()["memory-qwen-image-edit-clipdir-24gb"]
     before = {label: {k: v for k, v in values.items() if k != "model.input_images"} for label, values in now.items()}
     assert now != before and changed_settings(before, now) == []
     two = {label: {**values, "model.input_images": 2} for label, values in now.items()}
     assert changed_settings(before, two) == ["model.input_images - -> 2"]
-    assert changed_settings(now, before) == ["model.input_images 1 -> -"]  # a key gone is a change
+    assert changed_settings(now, before) == ["model.input_images null -> -"]  # a key gone is a change
 
 
 def test_the_committed_ledger_marks_what_each_check_measured_with_its_date_and_names_the_flux_crashs_cause():
