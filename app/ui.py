@@ -493,8 +493,8 @@ class Studio:
 
     def try_inputs(self, name: str | None) -> list[Any]:
         """Try it's image boxes for the chosen run: as many as its image-editing model takes a row
-        (``model.input_images``), none for a run that generates from text, all three while no run's model can be read. A box
-        that hides is emptied, so that Generate never sends a picture the page does not show."""
+        (``model.input_images``), none for a run that generates from text, all three while no run's model can be
+        read. A box that hides is emptied, so that Generate never sends a picture the page does not show."""
         run_dir = self._run_dir(name)
         try:
             model = validate_config(RunDirectory(run_dir).read_config()).model if run_dir else None

@@ -39,7 +39,8 @@ from jagg_core.trainer import Trainer
 
 #: the tiny editing models, and what else makes a run of one edit: FLUX.2 [klein] generates from text unless given
 #: model.input_images
-EDIT_RUNS = {"tiny-flux-kontext": {}, "tiny-qwen-edit": {}, "tiny-qwen-edit-plus": {}, "tiny-flux2": {"input_images": 1}}
+EDIT_RUNS = {"tiny-flux-kontext": {}, "tiny-qwen-edit": {}, "tiny-qwen-edit-plus": {},
+             "tiny-flux2": {"input_images": 1}}
 EDIT_MODELS = list(EDIT_RUNS)
 RES, CONDITION, STEPS = 32, 32, 3
 #: the input image's side where a pipeline refuses CONDITION (Flux2KleinPipeline takes 64 px and more)

@@ -23,7 +23,8 @@ from ..kernels import apply_kernel_settings, settle_cpu_math
 from .quantize import (check_quantization, pipeline_quantization, quantize_in_memory, transformer_dtype,
                        transformer_quantization)
 from .random_weights import build_random_model_pipeline
-from .registry import FAMILIES, TINY_BUILDERS, build_tiny_pipeline, check_pipeline, family_for  # noqa: F401 (re-exported)
+from .registry import (FAMILIES, TINY_BUILDERS, build_tiny_pipeline, check_pipeline,  # noqa: F401 (re-exported)
+                       family_for)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

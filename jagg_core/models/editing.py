@@ -1,14 +1,15 @@
-"""What the image-editing families share (FLUX.1 Kontext, Qwen-Image-Edit).
+"""What the image-editing runs share (FLUX.1 Kontext, Qwen-Image-Edit, FLUX.2 [klein] with reference images).
 
 A prompt is an :class:`~jagg_core.edit_prompts.EditPrompt` row: an instruction and its input image. A row is
 encoded once and cached like any prompt's text conditioning:
 
 * its input image, centre-cropped and resized to ``r = model.condition_resolution``, is preprocessed by the
   pipeline's image processor to [-1, 1], encoded by the pipeline's ``_encode_vae_image`` (the posterior's mode,
-  normalised as the pipeline does: FLUX ``(x - shift) * scale``, Qwen-Image ``(x - mean) / std``) and packed by
-  ``_pack_latents`` into ``(r / 2f)^2`` tokens (``f``: the VAE's factor, 8 for the real models): ``image_latents``
-  [(r/2f)^2, 4C]; a row of ``n = model.input_images`` images (Qwen-Image-Edit-2509/2511) has each image's tokens
-  one after the other, [n (r/2f)^2, 4C], as the Plus pipeline concatenates them;
+  normalised as the pipeline does: FLUX ``(x - shift) * scale``, Qwen-Image ``(x - mean) / std``, FLUX.2
+  patchified 2x2 then its batch-norm statistics) and packed by ``_pack_latents`` into ``(r / 2f)^2`` tokens
+  (``f``: the VAE's factor, 8 for the real models): ``image_latents`` [(r/2f)^2, 4C]; a row of
+  ``n = model.input_images`` images (Qwen-Image-Edit-2509/2511, FLUX.2 [klein]) has each image's tokens one after
+  the other, [n (r/2f)^2, 4C], as those pipelines concatenate them;
 * its instruction is encoded by the family (Qwen-Image-Edit's text encoder sees the image too).
 
 With CFG the negative branch is the negative prompt on the same image (both pipelines condition both branches on
@@ -34,7 +35,7 @@ IMAGE_LATENTS = "image_latents"
 
 
 class EditingFlowModel(PackedFlowModel):
-    """An editing family: listed before its text-to-image family, e.g. ``FluxKontextModel(EditingFlowModel,
+    """An editing family's model: listed before its text-to-image family's, e.g. ``FluxKontextModel(EditingFlowModel,
     FluxModel)``, whose encoding and transformer call it extends (see the module docstring)."""
 
     def __init__(self, pipe, config, device="cpu", **placement):

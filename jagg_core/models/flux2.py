@@ -26,8 +26,8 @@ from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
 from transformers import Qwen3ForCausalLM
 
 from ..config import ModelConfig
-from ..errors import UserError
 from ..edit_prompts import EditPrompt
+from ..errors import UserError
 from .base import Conditioning, PackedFlowModel
 from .editing import EditingFlowModel
 from .family import Family

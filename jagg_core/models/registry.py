@@ -8,8 +8,8 @@ from importlib import import_module
 
 import torch
 
-from ..errors import UserError
 from ..config import ModelConfig
+from ..errors import UserError
 from ..family_names import declared_families, family_of_pipeline
 from .base import FlowModel
 from .family import Family
