@@ -76,14 +76,14 @@ class ModelConfig(_Section):
     vae_slicing: bool = Field(True, description="the VAE decodes one image at a time (diffusers enable_slicing): "
                               "the decode's peak memory no longer grows with the batch")
     condition_resolution: int = Field(512, ge=16, le=2048, multiple_of=16, description="image-editing runs (FLUX.1 "
-                                      "Kontext, Qwen-Image-Edit, FLUX.2 [klein] with model.input_images): side of "
+                                      "Kontext, Qwen-Image-Edit, FLUX.2 with model.input_images): side of "
                                       "the square the prompt row's input image is centre-cropped and resized to "
                                       "before the model encodes it (the pipelines use about 1024); a multiple of 16")
     input_images: int | None = Field(None, ge=0, le=3, description="input images of each prompt row, every row "
                                      "the same, 'Picture 1' first: the image-editing models take 1 (unset) to their "
                                      "most (Qwen-Image-Edit-2509/2511: 3; FLUX.1 Kontext, Qwen-Image-Edit: 1); FLUX.2 "
-                                     "[klein] generates from text when unset or 0 and edits with 1-3 reference images; "
-                                     "other models read text alone")
+                                     "[klein] and [dev] generate from text when unset or 0 and edit with 1-3 reference "
+                                     "images; other models read text alone")
     cudnn_attention: bool = Field(False, description="let torch choose cuDNN's attention kernel on a CUDA GPU; off: "
                                   "flash, memory-efficient or math attention. Off by default: it made "
                                   "FLUX.1-dev's backward fail on an H200 (cuDNN 9.19, torch 2.11; the GPU check's "

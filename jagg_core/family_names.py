@@ -41,7 +41,7 @@ class DeclaredFamily:
     def input_images(self, setting: int | None) -> int:
         """The input images of a prompt row of this family's run whose ``model.input_images`` is ``setting``
         (None: unset): an image-editing family's 1 (unset) to :attr:`max_input_images`; a family that also edits
-        (FLUX.2 [klein]) 0 (unset: it generates from text) to its most; 0 for a text-to-image family, which ignores
+        (FLUX.2) 0 (unset: it generates from text) to its most; 0 for a text-to-image family, which ignores
         the setting. A count outside those is a :class:`~jagg_core.errors.UserError`."""
         if not (self.edits_images or self.also_edits):
             return 0

@@ -80,7 +80,8 @@ def check_prompt_kind(family: DeclaredFamily | None, prompts: list[str], input_i
         edit_rows(prompts, family.label, count)
     elif any(isinstance(prompt, EditPrompt) for prompt in prompts):
         editors = ", ".join(f.label for f in declared_families() if f.edits_images)
-        also = "".join(f"; or {f.label} with model.input_images=1" for f in declared_families() if f.also_edits)
+        also = " or ".join(f.label for f in declared_families() if f.also_edits)
+        also = f"; or {also} with model.input_images=1" if also else ""
         raise UserError(f"prompts.source holds image-editing rows (an instruction and an input image), but the "
                         f"{family.label} run generates from text alone; choose a text prompt set, or an "
                         f"image-editing model.name ({editors}{also})")

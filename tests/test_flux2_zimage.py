@@ -113,6 +113,29 @@ def test_euler_ode_reproduces_pipeline(name, guidance_scale):
     assert images.shape == (len(PROMPTS), 3, RES, RES) and images.std() > 0
 
 
+@pytest.mark.parametrize("references", [1, 2])
+@pytest.mark.parametrize("name", ["tiny-flux2", "tiny-flux2-dev"])
+def test_reference_images_edit_as_the_pipeline_does(name, references):
+    """With ``model.input_images`` a FLUX.2 run edits: the Euler ODE on two rows at once equals the pipeline's
+    ``__call__(image=[...])`` on each row from the same noise and reference images (64 px: the pipelines refuse
+    less), with one reference image or two (their ids' time coordinates 10 and 20)."""
+    from jagg_core.edit_prompts import EditPrompt
+    from jagg_core.prompts import load_prompts
+    first, second = load_prompts("edits")[:2]
+    rows = [EditPrompt(row.instruction, (row.images_bytes[0], other.images_bytes[0])[:references], row.label)
+            for row, other in ((first, second), (second, first))]
+    model = load(name, input_images=references, condition_resolution=64, flux_guidance=2.5)
+    assert type(model).__name__.endswith("EditModel") and type(load(name)).__name__.endswith("Model")
+    z0 = noise(model, len(rows), seed=1)
+    z, images = euler_ode(model, z0, model.sigmas(STEPS, RES), model.conditioning(rows))
+    for i, row in enumerate(rows):
+        output, latents = pipeline_with_final_latents(
+            model.pipe, image=row.images(64), prompt=row.instruction, num_inference_steps=STEPS,
+            latents=pipeline_latents(model, z0[i:i + 1]), output_type="pt", **pipeline_kwargs(model, 1))
+        torch.testing.assert_close(z[i:i + 1], latents, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(images[i:i + 1], output.images.float(), atol=1e-4, rtol=1e-4)
+
+
 def test_a_guidance_distilled_flux2_dev_takes_no_cfg_but_its_guidance():
     pipe = build_tiny_pipeline("tiny-flux2-dev")
     with pytest.raises(UserError, match="guidance-distilled: it takes no CFG; set model.guidance_scale=1"):

@@ -1,4 +1,4 @@
-"""What the image-editing runs share (FLUX.1 Kontext, Qwen-Image-Edit, FLUX.2 [klein] with reference images).
+"""What the image-editing runs share (FLUX.1 Kontext, Qwen-Image-Edit, FLUX.2 with reference images).
 
 A prompt is an :class:`~jagg_core.edit_prompts.EditPrompt` row: an instruction and its input image. A row is
 encoded once and cached like any prompt's text conditioning:
@@ -8,7 +8,7 @@ encoded once and cached like any prompt's text conditioning:
   normalised as the pipeline does: FLUX ``(x - shift) * scale``, Qwen-Image ``(x - mean) / std``, FLUX.2
   patchified 2x2 then its batch-norm statistics) and packed by ``_pack_latents`` into ``(r / 2f)^2`` tokens
   (``f``: the VAE's factor, 8 for the real models): ``image_latents`` [(r/2f)^2, 4C]; a row of
-  ``n = model.input_images`` images (Qwen-Image-Edit-2509/2511, FLUX.2 [klein]) has each image's tokens one after
+  ``n = model.input_images`` images (Qwen-Image-Edit-2509/2511, FLUX.2) has each image's tokens one after
   the other, [n (r/2f)^2, 4C], as those pipelines concatenate them;
 * its instruction is encoded by the family (Qwen-Image-Edit's text encoder sees the image too).
 

@@ -32,7 +32,7 @@ class Family:
     depth_key: str = DEFAULT_DEPTH_KEY
     #: an image-editing family: prompted by an instruction and an input image (:mod:`jagg_core.edit_prompts`)
     edits_images: bool = False
-    #: a family that generates from text and also edits (FLUX.2 [klein]): the FlowModel of its runs whose
+    #: a family that generates from text and also edits (FLUX.2 [klein] and [dev]): the FlowModel of its runs whose
     #: ``model.input_images`` is 1 or more, which are prompted as an image-editing family's
     edit_model: type[FlowModel] | None = None
     #: input images a prompt row of an editing run may have (``model.input_images``)

@@ -110,13 +110,14 @@ class Flux2KleinModel(PackedFlowModel):
         return (images.float() / 2 + 0.5).clamp(0, 1)
 
 
-class Flux2KleinEditModel(EditingFlowModel, Flux2KleinModel):
-    """FLUX.2 [klein] editing with ``model.input_images`` reference images, as ``Flux2KleinPipeline(image=...)``:
-    the instruction is encoded as any prompt (Qwen3 sees text alone); reference image k (from 0) is VAE-encoded,
-    patchified and batch-norm normalised (the pipeline's ``_encode_vae_image``) and packed, and its tokens follow the
-    generated image's with ids (t, h, w, l) = (10 + 10 k, i, j, 0) (``_prepare_image_ids``)."""
+class Flux2ReferenceImages(EditingFlowModel):
+    """FLUX.2 editing with ``model.input_images`` reference images, as its pipelines' ``__call__(image=...)``
+    (listed before the family's model, e.g. ``Flux2KleinEditModel(Flux2ReferenceImages, Flux2KleinModel)``): the
+    instruction is encoded as any prompt (the text encoder sees text alone); reference image k (from 0) is
+    VAE-encoded, patchified and batch-norm normalised (the pipeline's ``_encode_vae_image``) and packed, and its
+    tokens follow the generated image's with ids (t, h, w, l) = (10 + 10 k, i, j, 0) (``_prepare_image_ids``)."""
 
-    #: the time coordinate of reference image k is REFERENCE_T_STEP (1 + k), as the pipeline's ``scale``
+    #: the time coordinate of reference image k is REFERENCE_T_STEP (1 + k), as the pipelines' ``scale``
     REFERENCE_T_STEP = 10
 
     def encode_without_cfg(self, prompts: list[EditPrompt]) -> Conditioning:
@@ -134,6 +135,10 @@ class Flux2KleinEditModel(EditingFlowModel, Flux2KleinModel):
         reference_ids = [torch.cartesian_prod(torch.full((1,), self.REFERENCE_T_STEP * (1 + k), device=device),
                                               grid, grid, zero) for k in range(self.input_images)]
         return self.flux2_forward(tokens, sigma, cond, reference_ids)
+
+
+class Flux2KleinEditModel(Flux2ReferenceImages, Flux2KleinModel):
+    """FLUX.2 [klein] with reference images (``Flux2KleinPipeline(image=...)``)."""
 
 
 def build_tiny_flux2() -> Flux2KleinPipeline:

@@ -11,7 +11,9 @@ except:
 - **Guidance.** [dev] is guidance-distilled: its transformer embeds ``guidance = model.flux_guidance`` (the
   pipeline's ``guidance_scale``, 4.0 there), and the pipeline has no CFG, so ``model.guidance_scale`` must stay 1.
 
-The pipeline also takes reference images (FLUX.2 edits); here it generates from text.
+With ``model.input_images`` (1-3) a run edits with reference images, as ``Flux2Pipeline(image=...)``
+(:class:`~.flux2.Flux2ReferenceImages`); the pipeline's caption upsampling, which shows the images to Mistral,
+is not used.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 from ..config import ModelConfig
 from ..errors import UserError
 from .family import Family
-from .flux2 import Flux2KleinModel, build_tiny_flux2
+from .flux2 import Flux2KleinModel, Flux2ReferenceImages, build_tiny_flux2
 from .in_memory_parts import text_hidden_layers_read, tiny_mistral3_encoder, tiny_mistral_tokenizer
 from .text_windows import MAX_SEQUENCE_LENGTH, TextWindow
 
@@ -54,6 +56,10 @@ class Flux2DevModel(Flux2KleinModel):
         return [len(row) for row in ids]
 
 
+class Flux2DevEditModel(Flux2ReferenceImages, Flux2DevModel):
+    """FLUX.2 [dev] with reference images (``Flux2Pipeline(image=...)``)."""
+
+
 def build_tiny_flux2_dev() -> Flux2Pipeline:
     """tiny-flux2's VAE and scheduler with a guidance-embedding transformer and a tiny Mistral3 encoder deep enough
     for the hidden layers the pipeline stacks, its tokenizer knowing the pipeline's system message."""
@@ -66,6 +72,6 @@ def build_tiny_flux2_dev() -> Flux2Pipeline:
                          tokenizer=tokenizer, transformer=transformer)
 
 
-FAMILY = Family(label="FLUX.2 [dev]", pipeline="Flux2Pipeline", model=Flux2DevModel,
-                tiny_builders={"tiny-flux2-dev": build_tiny_flux2_dev},
+FAMILY = Family(label="FLUX.2 [dev]", pipeline="Flux2Pipeline", model=Flux2DevModel, edit_model=Flux2DevEditModel,
+                max_input_images=3, tiny_builders={"tiny-flux2-dev": build_tiny_flux2_dev},
                 archs={"flux2-dev": "black-forest-labs/FLUX.2-dev"}, requires=("torchvision",))
