@@ -8,10 +8,12 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 
 import pytest
 
@@ -219,6 +221,24 @@ def test_a_crash_and_a_hang_leave_their_rows_and_the_next_step_still_runs(tmp_pa
     table = (tmp_path / "gpu_check.md").read_text()
     assert "| simulate-crash | 60 | crashed: killed by SIGSEGV |" in table
     assert "| simulate-hang | 3 | timed out" in table
+
+
+def test_a_stopped_check_takes_its_running_step_with_it(tmp_path):
+    """A step runs in a session of its own (a crash or a cap kills its children too), which Ctrl-C or a machine's
+    SIGTERM to the check would not reach: the check kills it on its way out."""
+    import psutil
+    check = subprocess.Popen([sys.executable, "-m", "jagg_core.gpu_check", "--reduced", "--out", str(tmp_path),
+                              "--only", "simulate-hang", "--cap", "simulate-hang=600", "--budget", "3600"], cwd=ROOT,
+                             env={**os.environ, **OFFLINE}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tmp_path / "simulate-hang.log"
+    while "waiting for a signal" not in (log.read_text() if log.is_file() else ""):  # the step runs
+        assert check.poll() is None, "the check ended before its step ran"
+        time.sleep(0.2)
+    [step] = psutil.Process(check.pid).children()
+    check.send_signal(signal.SIGTERM)
+    assert check.wait() == 128 + signal.SIGTERM
+    gone, left = psutil.wait_procs([step], timeout=60)  # a step left behind would hang on forever
+    assert gone == [step] and not left
 
 
 def test_the_steps_that_share_the_gpu_run_together_within_its_memory_and_the_parallel_bound():

@@ -78,6 +78,13 @@ class StepProcess:
         error = last_error(self.log_file)
         return [{"step": self.step.name, "status": "crashed", "reason": died + (f"; {error}" if error else "")}]
 
+    def stop(self) -> None:
+        """Kill its session if it still runs: a check stopped (Ctrl-C, SIGTERM) takes its steps with it, which
+        their own sessions would otherwise keep alive on the GPU."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
 
 def next_batch(queue: list[Step], parallel: int, room_gb: float | None) -> list[Step]:
     """The steps to run together next: the first of ``queue``, and when it shares the GPU (``Step.shares_gb``) the
@@ -154,20 +161,26 @@ def run_check(out: Path, options: CheckOptions, budget_s: float = DEFAULT_BUDGET
         log(f"[gpu-check] {' + '.join(f'{s.name} (cap {cap[s.name]:g} s)' for s in batch)}"
             f"{' side by side' if len(batch) > 1 else ''}, {left:.0f} s left")
         with tempfile.TemporaryDirectory() as tmp:
-            running = [StepProcess.start(s, options, cap[s.name], out / f"{s.name}.log", Path(tmp) / f"{s.name}.json")
-                       for s in batch]
-            for process in running:
-                step_rows = process.finish()
-                seconds = time.perf_counter() - process.started
-                name = process.step.name
-                record = {"date": process.date, "step": name, "cap_s": process.cap_s, "seconds": seconds,
-                          "options": asdict(options), "rows": step_rows,
-                          **({"beside": [s.name for s in batch if s is not process.step]} if len(batch) > 1 else {}),
-                          **({"settings": settings[name]} if settings[name] is not None else {})}
-                (out / f"{name}.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
-                ledger[name] = Outcome(step_status(step_rows), process.date, step_rows, seconds, settings[name])
-                log(f"[gpu-check] {name}: {ledger[name].status} in {seconds:.0f} s")
-                rows += step_rows
+            running = []
+            try:
+                running += [StepProcess.start(s, options, cap[s.name], out / f"{s.name}.log",
+                                              Path(tmp) / f"{s.name}.json") for s in batch]
+                for process in running:
+                    step_rows = process.finish()
+                    seconds = time.perf_counter() - process.started
+                    name = process.step.name
+                    record = {"date": process.date, "step": name, "cap_s": process.cap_s, "seconds": seconds,
+                              "options": asdict(options), "rows": step_rows,
+                              **({"beside": [s.name for s in batch if s is not process.step]}
+                                 if len(batch) > 1 else {}),
+                              **({"settings": settings[name]} if settings[name] is not None else {})}
+                    (out / f"{name}.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
+                    ledger[name] = Outcome(step_status(step_rows), process.date, step_rows, seconds, settings[name])
+                    log(f"[gpu-check] {name}: {ledger[name].status} in {seconds:.0f} s")
+                    rows += step_rows
+            finally:
+                for process in running:
+                    process.stop()
         tables()
         if batch[0].name == "device" and ledger["device"].status != "ok":
             log("[gpu-check] no GPU to check: the other steps would measure the CPU; stopping")
@@ -342,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
                 write_readme(args.readme, tables)
         print(tables, end="")
         return 0
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))  # its steps stop too (run_check)
     with exit_on_user_error(parser.prog):
         rows = run_check(out, options, args.budget, args.only.split(",") if args.only else None, args.ledger,
                          dict(args.cap), log=log_to_stderr,

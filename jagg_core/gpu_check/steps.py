@@ -283,8 +283,8 @@ def memory_recipe(preset: str, options: CheckOptions):
                  f"prompts.eval_count={min(chunk, generations)}", "sampling.eval_num_steps=4",
                  "train.iterations=2", "train.sample_every=2", "train.checkpoint_every=2",
                  f"prompts.limit={ENCODE_BATCH}", *options.overrides]
-    if options.resolution:
-        overrides.append(f"sampling.resolution={options.resolution}")
+    if options.resolution:  # an editing preset's input images too
+        overrides += [f"sampling.resolution={options.resolution}", f"model.condition_resolution={options.resolution}"]
     return load_config(preset=preset, overrides=overrides)
 
 
