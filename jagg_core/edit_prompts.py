@@ -92,15 +92,19 @@ def png_bytes(image: Image.Image) -> bytes:
     return buffer.getvalue()
 
 
-def edit_rows(prompts: list[str], family: str, input_images: int | None = None) -> list[EditPrompt]:
+def edit_rows(prompts: list[str], family: str, input_images: int | None = None,
+              generates_from_text_too: bool = False) -> list[EditPrompt]:
     """``prompts`` as editing rows, each with ``input_images`` input images when given (``model.input_images``); a
     prompt without an input image, or with another number of them, is a :class:`UserError` (``family``: the editing
-    model that needs them)."""
+    model that needs them; ``generates_from_text_too``: it edits only because ``model.input_images`` says so, FLUX.2,
+    and the message says how to generate from text instead)."""
     for prompt in prompts:
         if not isinstance(prompt, EditPrompt):
-            raise UserError(f"the {family} model edits images, but the prompt {str(prompt)[:80]!r} has no input image; "
-                            "give prompts.source an image folder with prompts.csv/prompts.jsonl, or "
-                            "hf://DATASET:TEXT_COLUMN,IMAGE_COLUMN")
+            because = f" (model.input_images is {input_images})" if generates_from_text_too else ""
+            or_text = "; or unset model.input_images to generate from text" if generates_from_text_too else ""
+            raise UserError(f"the {family} model edits images{because}, but the prompt {str(prompt)[:80]!r} has no "
+                            "input image; give prompts.source an image folder with prompts.csv/prompts.jsonl, or "
+                            f"hf://DATASET:TEXT_COLUMN,IMAGE_COLUMN{or_text}")
         if input_images is not None and len(prompt.images_bytes) != input_images:
             raise UserError(f"the prompt {str(prompt)[:80]!r} has {len(prompt.images_bytes)} input image(s), but "
                             f"model.input_images is {input_images}; every row must have model.input_images images")

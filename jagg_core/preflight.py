@@ -72,12 +72,8 @@ def check_prompt_kind(family: DeclaredFamily | None, prompts: list[str], input_i
     if family is None:
         return
     count = family.input_images(input_images)
-    if count and family.also_edits and not isinstance(prompts[0] if prompts else None, EditPrompt):
-        raise UserError(f"model.input_images is {count}, so the {family.label} run edits images, but the prompt "
-                        f"{str(prompts[0])[:80]!r} has no input image; give prompts.source an image folder (or "
-                        f"hf://DATASET:TEXT_COLUMN,IMAGE_COLUMN), or unset model.input_images to generate from text")
     if count:
-        edit_rows(prompts, family.label, count)
+        edit_rows(prompts, family.label, count, generates_from_text_too=family.also_edits)
     elif any(isinstance(prompt, EditPrompt) for prompt in prompts):
         editors = ", ".join(f.label for f in declared_families() if f.edits_images)
         also = " or ".join(f.label for f in declared_families() if f.also_edits)

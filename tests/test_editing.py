@@ -346,7 +346,8 @@ def test_the_plus_model_reads_every_input_image_as_the_pipeline_does(two_image_f
     ("tiny-qwen-edit-plus", 1, "pairs", "has 2 input image(s), but model.input_images is 1"),
     ("tiny-qwen-edit-plus", 2, EDIT_SET, "has 1 input image(s), but model.input_images is 2"),
     ("tiny-qwen-edit", 0, EDIT_SET, "model.input_images is 0, but the Qwen-Image-Edit model takes 1 input image(s)"),
-    ("tiny-flux2", 1, "shapes", "model.input_images is 1, so the FLUX.2 [klein] run edits images, but the prompt '"),
+    ("tiny-flux2", 1, "shapes", "the FLUX.2 [klein] model edits images (model.input_images is 1), but the prompt '"),
+    ("tiny-flux2", 1, "shapes", "; or unset model.input_images to generate from text"),
     ("tiny-flux2", 0, EDIT_SET, "but the FLUX.2 [klein] run generates from text alone"),
     ("tiny-flux2", "null", EDIT_SET, "but the FLUX.2 [klein] run generates from text alone"),
 ])
