@@ -321,9 +321,11 @@ def plan_memory(config: RunConfig, backward_traces: dict[tuple, int] | None = No
         plan.resident[f"text encoders ({encoder_names})"] = encoder_bytes
     device_judges = [] if cfg.eval.judges_on_cpu else cfg.eval.judges
     for role, spec in [*(("reward", spec) for spec in cfg.rewards), *(("judge", spec) for spec in device_judges)]:
-        params = reward_entry(spec.name).device_params_m * 1e6
+        entry = reward_entry(spec.name)
+        params, width = entry.device_params_m * 1e6, entry.device_bytes_per_param
         if params:
-            plan.resident[f"{role} {spec.name} ({params / 1e6:.0f} M, float32)"] = params * 4
+            dtype = {4: "float32", 2: "bfloat16"}[width]
+            plan.resident[f"{role} {spec.name} ({params / 1e6:.0f} M, {dtype})"] = params * width
 
     lora = model.add_lora(cfg.lora)
     lora_count = sum(p.numel() for p in lora)

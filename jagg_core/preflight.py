@@ -24,14 +24,16 @@ def check_references(config: RunConfig, disk: bool = True) -> DownloadPlan | Non
     :class:`~jagg_core.errors.UserError`. Returns the base model's :class:`~jagg_core.download.DownloadPlan`
     (``.left``: bytes still to download), None when it is not a Hub model or the Hub is offline. ``disk`` false (a
     memory plan, a dry run, an export): no refusal for the cache's disk room, nor for a Hub model offline that the
-    cache lacks."""
+    cache lacks, nor for a reward's package missing here."""
     from .judges import check_judges
     from .prompts import run_prompts
-    from .rewards.catalog import check_prompts_readable, check_reward_specs
+    from .rewards.catalog import check_prompts_readable, check_reward_packages, check_reward_specs
     from .tracking import check_trackers
     plan = check_model(config.model, disk)
     check_reward_specs(config.rewards)
     check_judges(config)
+    if disk:  # a launch: the rewards' models will load
+        check_reward_packages([spec.name for spec in [*config.rewards, *config.eval.judges]])
     check_trackers(config.train.report_to)
     train, held_out = run_prompts(config.prompts)
     check_prompt_kind(model_family(config.model), [*train, *held_out], config.model.input_images)

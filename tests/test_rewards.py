@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import base64
+import importlib.util
 import io
 import json
+import re
 import sys
 import threading
 import time
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import huggingface_hub.constants
@@ -16,9 +19,12 @@ import pytest
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
+from conftest import tiny_config
 from jagg_core.config import RewardSpec
 from jagg_core.errors import UserError
+from jagg_core.images import to_pil
 from jagg_core.rewards import available_rewards, build_reward, build_rewards
+from jagg_core.rewards import catalog
 from jagg_core.rewards import clip as clip_rewards
 from jagg_core.rewards.catalog import reward_entry
 from jagg_core.rewards.clip import AestheticHead
@@ -169,8 +175,10 @@ def test_models_load_lazily_and_once(tiny_clip, monkeypatch):
     ("clip_score", {"model_id": "jagg-test/no-such-clip"}, "jagg-test/no-such-clip"),
     ("pickscore", {}, "yuvalkirstain/PickScore_v1"),
     ("aesthetic", {}, "openai/clip-vit-large-patch14"),
+    ("vqa_score", {}, "Qwen/Qwen2.5-VL-3B-Instruct"),
 ])
 def test_offline_without_weights_is_a_one_line_error(name, options, model_id, monkeypatch, tmp_path):
+    monkeypatch.setitem(catalog.CATALOG, name, replace(reward_entry(name), requires=()))  # as if torchvision were here
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
@@ -203,6 +211,107 @@ def test_missing_optional_package_says_how_to_install(name, module, package, mon
 def test_bad_hpsv2_version_is_rejected():
     with pytest.raises(UserError, match="bad value .v3. for options.version of reward .hpsv2.: Input should be .v2.0. or .v2.1."):
         build_reward(spec("hpsv2", version="v3"))
+
+
+# --- VQAScore (a tiny random Qwen2.5-VL) -------------------------------------------------------------------------
+
+#: a Qwen2-VL-style chat template: user turns of images and text, then the assistant's turn
+VL_CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+                    "{% for part in message['content'] %}{% if part['type'] == 'image' %}"
+                    "<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ part['text'] }}{% endif %}{% endfor %}"
+                    "<|im_end|>\n{% endfor %}"
+                    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tiny_vlm():
+    """A tiny random Qwen2.5-VL chat model and its processor, "Yes" one token of its tokenizer."""
+    from jagg_core.models.in_memory_parts import (QWEN_VISION_TOKENS, tiny_qwen_processor, tiny_qwen_tokenizer,
+                                                  tiny_qwen_vl_encoder)
+    tokenizer = tiny_qwen_tokenizer("Yes No", tuple(QWEN_VISION_TOKENS.values()))
+    processor = tiny_qwen_processor(tokenizer)
+    processor.chat_template = VL_CHAT_TEMPLATE
+    processor.tokenizer.padding_side = "left"
+    torch.manual_seed(0)
+    return tiny_qwen_vl_encoder(tokenizer).eval(), processor
+
+
+def vqa_reward(tiny_vlm, **options):
+    reward = build_reward(spec("vqa_score", **options))
+    reward.__dict__["vlm"] = tiny_vlm  # what load_vlm returns for a model folder (it needs torchvision here)
+    return reward
+
+
+def test_vqa_score_is_the_probability_of_yes_as_generate_sees_it_whatever_the_batch(tiny_vlm):
+    """Three images of prompts of different lengths, two a forward pass (left padding): each score is the softmax
+    of the first reply token's logits at "Yes", as ``generate`` computes them for the image alone."""
+    model, processor = tiny_vlm
+    torch.manual_seed(1)
+    images, prompts = torch.rand(3, 3, 64, 64), ["a red circle", "two blue squares on the left", "a cat"]
+    reward = vqa_reward(tiny_vlm, batch_size=2)
+    scores = reward(images, prompts)
+    yes = processor.tokenizer.convert_tokens_to_ids("Yes")
+    for image, prompt, score in zip(images, prompts, scores):
+        question = f'Does this figure show "{prompt}"? Please answer yes or no.'
+        text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"},
+                                                                            {"type": "text", "text": question}]}],
+                                             add_generation_prompt=True, tokenize=False)
+        inputs = processor(text=[text], images=to_pil(image[None]), return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=1, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True)
+        torch.testing.assert_close(score, out.logits[0][0].float().softmax(-1)[yes], atol=1e-5, rtol=1e-4)
+    assert scores.shape == (3,) and ((scores > 0) & (scores < 1)).all()
+    assert not torch.allclose(scores, vqa_reward(tiny_vlm, question="Is this {prompt}?")(images, prompts))
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"question": "Is this an image?"}, "must hold {prompt}"),
+    ({"question": "Is this {prompt} {x}?"}, "may hold no braces but {prompt}"),
+    ({"batch_size": 0}, "options.batch_size"),
+])
+def test_vqa_options_are_checked_before_any_model_loads(options, message):
+    with pytest.raises(UserError, match=re.escape(message)):
+        build_reward(spec("vqa_score", **options))
+
+
+def test_a_vqa_answer_of_several_tokens_is_one_line(tiny_vlm):
+    with pytest.raises(UserError, match="the vqa_score answer 'Certainly' is 9 tokens .* such as Yes$"):
+        vqa_reward(tiny_vlm, answer="Certainly")(torch.rand(1, 3, 64, 64), ["a cat"])
+
+
+def test_a_reward_whose_package_is_missing_is_refused_before_launch_and_before_it_loads(monkeypatch, tmp_path):
+    """vqa_score's Qwen2.5-VL processor needs torchvision: a launch is refused in one line (a plan or a dry run is
+    not), and so is loading the reward."""
+    from jagg_core.preflight import check_references
+    from jagg_core.rewards.vqa import load_vlm
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchvision" else
+                        find_spec(name, *a))
+    config = tiny_config(eval__judges=[{"name": "vqa_score"}])
+    message = "the vqa_score reward needs torchvision, which is not installed: pip install torchvision"
+    with pytest.raises(UserError, match=re.escape(message)):
+        check_references(config)
+    check_references(config, disk=False)
+    with pytest.raises(UserError, match=re.escape(message)):
+        load_vlm("Qwen/Qwen2.5-VL-3B-Instruct", torch.device("cpu"))
+
+
+def test_a_model_that_is_not_a_chat_vision_language_model_is_one_line(tiny_clip, monkeypatch):
+    monkeypatch.setitem(catalog.CATALOG, "vqa_score", replace(reward_entry("vqa_score"), requires=()))
+    folder, _ = tiny_clip
+    with pytest.raises(UserError, match=f"^'{re.escape(folder)}' is not a chat vision-language model .* "
+                                        r"Qwen/Qwen2.5-VL-3B-Instruct \(options.model_id\)$"):
+        build_reward(spec("vqa_score", model_id=folder))(flat_and_noise(32), ["a", "b"])
+
+
+def test_the_plan_holds_a_vqa_judge_in_bfloat16():
+    from jagg_core.memory_plan import plan_memory
+    settings = dict(sampling__resolution=64, grpo__num_generations=4)
+    plain = plan_memory(tiny_config(**settings))
+    judged = plan_memory(tiny_config(**settings, eval__judges=[{"name": "vqa_score"}]))
+    assert judged.resident["judge vqa_score (3755 M, bfloat16)"] == 3755e6 * 2
+    assert judged.total - plain.total == pytest.approx(3755e6 * 2)
 
 
 # --- OCR with the real Tesseract ----------------------------------------------------------

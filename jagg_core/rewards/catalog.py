@@ -11,16 +11,21 @@ package, and add one :class:`RewardEntry` (and an options model if it takes opti
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..errors import UserError
 
 CLIP_L14 = "openai/clip-vit-large-patch14"
 PICKSCORE = "yuvalkirstain/PickScore_v1"
 PICKSCORE_PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
+#: VQAScore's default judge: a chat vision-language model small enough to sit beside a 24 GB recipe's model
+VQA_MODEL = "Qwen/Qwen2.5-VL-3B-Instruct"
+#: VQAScore's question (Lin et al. 2024)
+VQA_QUESTION = 'Does this figure show "{prompt}"? Please answer yes or no.'
 AESTHETIC_HEAD = "camenduru/improved-aesthetic-predictor/sac+logos+ava1-l14-linearMSE.pth"
 #: the shapes world's caption grammar (torch-free): the shapes reward and judge read nothing else
 SHAPES_GRAMMAR = "shapes_world:read_captions"
@@ -63,6 +68,27 @@ class ImageRewardOptions(RewardOptions):
     model: str = Field("ImageReward-v1.0", description="ImageReward checkpoint name")
 
 
+class VqaOptions(RewardOptions):
+    model_id: str = Field(VQA_MODEL, description="the chat vision-language model: a Hub id or a local folder (its "
+                          "AutoModelForImageTextToText and AutoProcessor)")
+    question: str = Field(VQA_QUESTION, description="what the model is asked about each image; {prompt} is the "
+                          "image's prompt")
+    answer: str = Field("Yes", min_length=1, description="the reply whose first-token probability is the score (one "
+                        "token of the model's tokenizer)")
+    batch_size: int = Field(4, ge=1, le=256, description="images a forward pass of the model scores")
+
+    @field_validator("question")
+    @classmethod
+    def _names_the_prompt(cls, question: str) -> str:
+        try:
+            asked = question.format(prompt="")
+        except (KeyError, IndexError, ValueError):
+            raise ValueError("may hold no braces but {prompt}") from None
+        if asked == question:
+            raise ValueError("must hold {prompt}, where each image's prompt goes")
+        return question
+
+
 class OcrOptions(RewardOptions):
     lang: str = Field("eng", pattern=r"^[A-Za-z_+]+$", description="Tesseract language(s), e.g. eng or eng+deu")
 
@@ -89,6 +115,10 @@ class RewardEntry:
     #: ``module:function`` of jagg_core that reads the prompts' grammar, called as ``function(prompts, reader)``
     #: before launch (it raises a :class:`UserError` naming ``reader``); None: the reward scores any prompt
     prompt_grammar: str | None = None
+    #: bytes a parameter of the scoring model takes on a GPU (4: float32; 2: a model loaded in bfloat16)
+    device_bytes_per_param: int = 4
+    #: packages its model needs beyond requirements.txt, refused before launch when missing
+    requires: tuple[str, ...] = ()
 
     def load_class(self):
         module, _, cls = self.implementation.partition(":")
@@ -116,6 +146,9 @@ CATALOG: dict[str, RewardEntry] = {entry.name: entry for entry in [
     RewardEntry("ocr", "ocr:OcrReward", OcrOptions, expected_range=(0.0, 1.0)),
     RewardEntry("clip_directional", "clip:ClipDirectional", ClipDirectionalOptions, 428, expected_range=(-1.0, 1.0)),
     RewardEntry("http", "remote:HttpReward", HttpOptions),
+    # Qwen2.5-VL-3B in bfloat16; its Qwen2.5-VL processor has a video part, which needs torchvision
+    RewardEntry("vqa_score", "vqa:VqaScore", VqaOptions, 3755, expected_range=(0.0, 1.0), device_bytes_per_param=2,
+                requires=("torchvision",)),
     RewardEntry("temporal_consistency", "temporal:TemporalConsistency", ClipOptions, 428, expected_range=(0.5, 1.0)),
 ]}
 
@@ -153,6 +186,19 @@ def check_reward_specs(specs) -> None:
     """Every :class:`~jagg_core.config.RewardSpec` names a known reward with valid options."""
     for spec in specs:
         reward_options(spec.name, spec.options)
+
+
+def missing_packages(name: str) -> list[str]:
+    """The packages reward ``name`` needs beyond requirements.txt (its entry's ``requires``) that are not installed."""
+    return [package for package in reward_entry(name).requires if importlib.util.find_spec(package) is None]
+
+
+def check_reward_packages(names: list[str]) -> None:
+    """The rewards (or judges) ``names`` have the packages their models need (before a launch loads them)."""
+    for name in names:
+        if missing := missing_packages(name):
+            raise UserError(f"the {name} reward needs {', '.join(missing)}, which is not installed: pip install "
+                            f"{' '.join(missing)} (the build that matches your torch)")
 
 
 def check_prompts_readable(config, train: list[str], held_out: list[str]) -> None:
