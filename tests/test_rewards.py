@@ -233,7 +233,12 @@ def tiny_vlm():
     processor.chat_template = VL_CHAT_TEMPLATE
     processor.tokenizer.padding_side = "left"
     torch.manual_seed(0)
-    return tiny_qwen_vl_encoder(tokenizer).eval(), processor
+    model = tiny_qwen_vl_encoder(tokenizer).eval()
+    with torch.no_grad():  # weights 5x their initial scale: the pictures move the answer far beyond float noise
+        for weight in model.parameters():
+            if weight.dim() > 1:
+                weight.mul_(5)
+    return model, processor
 
 
 def vqa_reward(tiny_vlm, **options):
@@ -242,27 +247,55 @@ def vqa_reward(tiny_vlm, **options):
     return reward
 
 
-def test_vqa_score_is_the_probability_of_yes_as_generate_sees_it_whatever_the_batch(tiny_vlm):
+def generated_yes_probability(vlm, pictures: torch.Tensor, question: str) -> torch.Tensor:
+    """The probability of "Yes" as the first token ``generate`` replies to the question about ``pictures``."""
+    model, processor = vlm
+    text = processor.apply_chat_template([{"role": "user", "content": [*[{"type": "image"}] * len(pictures),
+                                                                        {"type": "text", "text": question}]}],
+                                         add_generation_prompt=True, tokenize=False)
+    with torch.no_grad():
+        out = model.generate(**processor(text=[text], images=to_pil(pictures), return_tensors="pt"),
+                             max_new_tokens=1, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    return out.logits[0][0].float().softmax(-1)[processor.tokenizer.convert_tokens_to_ids("Yes")]
+
+
+@pytest.mark.parametrize("edit", [False, True])
+def test_vqa_score_is_the_probability_of_yes_as_generate_sees_it_whatever_the_batch(tiny_vlm, edit):
     """Three images of prompts of different lengths, two a forward pass (left padding): each score is the softmax
-    of the first reply token's logits at "Yes", as ``generate`` computes them for the image alone."""
-    model, processor = tiny_vlm
+    of the first reply token's logits at "Yes", as ``generate`` computes them for the image alone (an edit: shown
+    its input image, then the output, asked the edit question)."""
     torch.manual_seed(1)
     images, prompts = torch.rand(3, 3, 64, 64), ["a red circle", "two blue squares on the left", "a cat"]
+    inputs = torch.rand(3, 3, 64, 64) if edit else None
     reward = vqa_reward(tiny_vlm, batch_size=2)
-    scores = reward(images, prompts)
-    yes = processor.tokenizer.convert_tokens_to_ids("Yes")
-    for image, prompt, score in zip(images, prompts, scores):
-        question = f'Does this figure show "{prompt}"? Please answer yes or no.'
-        text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"},
-                                                                            {"type": "text", "text": question}]}],
-                                             add_generation_prompt=True, tokenize=False)
-        inputs = processor(text=[text], images=to_pil(image[None]), return_tensors="pt")
-        with torch.no_grad():
-            out = model.generate(**inputs, max_new_tokens=1, do_sample=False, output_logits=True,
-                                 return_dict_in_generate=True)
-        torch.testing.assert_close(score, out.logits[0][0].float().softmax(-1)[yes], atol=1e-5, rtol=1e-4)
+    scores = reward(images, prompts, inputs)
+    question = catalog.VQA_EDIT_QUESTION if edit else catalog.VQA_QUESTION
+    for i, prompt in enumerate(prompts):
+        pictures = torch.stack([inputs[i], images[i]]) if edit else images[i:i + 1]
+        expected = generated_yes_probability(tiny_vlm, pictures, question.format(prompt=prompt))
+        torch.testing.assert_close(scores[i], expected, atol=1e-8, rtol=2e-5)
     assert scores.shape == (3,) and ((scores > 0) & (scores < 1)).all()
-    assert not torch.allclose(scores, vqa_reward(tiny_vlm, question="Is this {prompt}?")(images, prompts))
+    other = {"edit_question": "Edited: {prompt}?"} if edit else {"question": "Is this {prompt}?"}
+    assert not torch.allclose(scores, vqa_reward(tiny_vlm, **other)(images, prompts, inputs))
+    if edit:  # the input image is seen
+        assert not torch.allclose(scores, reward(images, prompts, inputs.flip(0)))
+
+
+def test_an_editing_row_is_asked_about_its_instruction_with_its_input_image(tiny_vlm):
+    """Through the rewards' combination, as a run calls it: each row's instruction (not the row's text) and its
+    input image at the output's size."""
+    from jagg_core.edit_prompts import EditPrompt, input_images, png_bytes
+    from jagg_core.rewards import CombinedReward
+    torch.manual_seed(2)
+    pictures, images = torch.rand(2, 3, 80, 80), torch.rand(2, 3, 64, 64)
+    rows = [EditPrompt(text, png_bytes(picture), f"in{i}.png")
+            for i, (text, picture) in enumerate(zip(["make it blue", "add a hat"], to_pil(pictures)))]
+    reward = vqa_reward(tiny_vlm)
+    total, parts = CombinedReward([reward], [1.0], ["vqa_score"])(images, rows)
+    expected = reward(images, ["make it blue", "add a hat"], input_images(rows, 64))
+    torch.testing.assert_close(parts["vqa_score"], expected)
+    torch.testing.assert_close(total, expected)
+    assert not torch.allclose(expected, reward(images, ["make it blue", "add a hat"]))
 
 
 @pytest.mark.parametrize("options, message", [

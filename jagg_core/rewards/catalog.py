@@ -26,6 +26,9 @@ PICKSCORE_PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
 VQA_MODEL = "Qwen/Qwen2.5-VL-3B-Instruct"
 #: VQAScore's question (Lin et al. 2024)
 VQA_QUESTION = 'Does this figure show "{prompt}"? Please answer yes or no.'
+#: its question for an image-editing row, shown the input image then the output
+VQA_EDIT_QUESTION = ('The second image is meant to be the first image edited as instructed: "{prompt}". Does the '
+                     'second image follow the instruction? Please answer yes or no.')
 AESTHETIC_HEAD = "camenduru/improved-aesthetic-predictor/sac+logos+ava1-l14-linearMSE.pth"
 #: the shapes world's caption grammar (torch-free): the shapes reward and judge read nothing else
 SHAPES_GRAMMAR = "shapes_world:read_captions"
@@ -73,11 +76,13 @@ class VqaOptions(RewardOptions):
                           "AutoModelForImageTextToText and AutoProcessor)")
     question: str = Field(VQA_QUESTION, description="what the model is asked about each image; {prompt} is the "
                           "image's prompt")
+    edit_question: str = Field(VQA_EDIT_QUESTION, description="what it is asked about an image-editing row, shown "
+                               "the input image then the output; {prompt} is the instruction")
     answer: str = Field("Yes", min_length=1, description="the reply whose first-token probability is the score (one "
                         "token of the model's tokenizer)")
     batch_size: int = Field(4, ge=1, le=256, description="images a forward pass of the model scores")
 
-    @field_validator("question")
+    @field_validator("question", "edit_question")
     @classmethod
     def _names_the_prompt(cls, question: str) -> str:
         try:

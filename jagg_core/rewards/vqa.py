@@ -5,7 +5,9 @@ with its ``AutoProcessor``, Qwen2.5-VL-3B-Instruct by default) is shown the imag
 (by default VQAScore's ``Does this figure show "{prompt}"? Please answer yes or no.``) in its chat template; the
 score is the softmax probability, over the whole vocabulary, of the one token of ``options.answer`` ("Yes") as the
 first token of its reply. In ``[0, 1]``: a prompt-following reward (or judge) that reads counts, colours, positions
-and text, where CLIP's embeddings read a bag of words.
+and text, where CLIP's embeddings read a bag of words. For an image-editing row the model is shown the input image
+then the output and asked ``options.edit_question`` about the instruction (by default whether the second image is the
+first edited as it says), in the manner of VIEScore's instruction-following check.
 
 The model loads in bfloat16 on a GPU (float32 on the CPU), once, on first call; the images are scored
 ``options.batch_size`` at a time (their pixels in the model's dtype), left-padded so that every row's reply starts
@@ -60,29 +62,36 @@ class VqaScore(Reward):
     """``P(answer | image, question(prompt))`` of a chat vision-language model (module docstring)."""
 
     name = "vqa_score"
+    takes_inputs = True
 
     @cached_property
     def vlm(self):
         return load_vlm(self.options.model_id, self.device)
 
-    def chat_texts(self, prompts: list[str]) -> list[str]:
-        """Each prompt's question as the model's chat template writes a user turn of an image and the question,
-        with the assistant's reply opened."""
+    def chat_texts(self, prompts: list[str], images_a_row: int) -> list[str]:
+        """Each prompt's question as the model's chat template writes a user turn of ``images_a_row`` images and the
+        question (``options.question``; for an edit, input then output, ``options.edit_question``), with the
+        assistant's reply opened."""
         _, processor = self.vlm
+        question = self.options.question if images_a_row == 1 else self.options.edit_question
         return [processor.apply_chat_template(
-            [{"role": "user", "content": [{"type": "image"},
-                                          {"type": "text", "text": self.options.question.format(prompt=prompt)}]}],
+            [{"role": "user", "content": [*[{"type": "image"}] * images_a_row,
+                                          {"type": "text", "text": question.format(prompt=prompt)}]}],
             add_generation_prompt=True, tokenize=False) for prompt in prompts]
 
     @torch.no_grad()
-    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+    def __call__(self, images: torch.Tensor, prompts: list[str], inputs: torch.Tensor | None = None) -> torch.Tensor:
         model, processor = self.vlm
         answer = answer_token(processor.tokenizer, self.options.answer)
+        prompts = [getattr(prompt, "instruction", prompt) for prompt in prompts]  # an edit row: its instruction
+        shown = [images] if inputs is None else [inputs, images]  # a row's pictures, in the question's order
         scores = []
         for start in range(0, len(prompts), self.options.batch_size):
             end = start + self.options.batch_size
-            inputs = processor(text=self.chat_texts(prompts[start:end]), images=to_pil(images[start:end]),
-                               padding=True, return_tensors="pt").to(self.device, dtype=model.dtype)
-            logits = model(**inputs, logits_to_keep=1).logits[:, -1]  # left-padded: every reply's first token
+            rows = zip(*(to_pil(pictures[start:end]) for pictures in shown))
+            encoded = processor(text=self.chat_texts(prompts[start:end], len(shown)),
+                                images=[picture for row in rows for picture in row], padding=True,
+                                return_tensors="pt").to(self.device, dtype=model.dtype)
+            logits = model(**encoded, logits_to_keep=1).logits[:, -1]  # left-padded: every reply's first token
             scores.append(logits.float().softmax(-1)[:, answer].cpu())
         return torch.cat(scores)
