@@ -24,8 +24,9 @@ from jagg_core.config import (ALGORITHM_LABELS, DEFAULT_PRESET, RunConfig, apply
                               list_presets, preset_path, reset_other_algorithms, validate_config, yaml_value)
 from jagg_core.download import DownloadPlan
 from jagg_core.errors import UserError
-from jagg_core.prompts import ARCHIVE_SUFFIX, FILE_SUFFIXES, builtin_prompt_sets, load_prompts, unpack_image_folder
 from jagg_core.preflight import check_references
+from jagg_core.prompts import ARCHIVE_SUFFIX, FILE_SUFFIXES, builtin_prompt_sets, load_prompts, unpack_image_folder
+from jagg_core.rewards.catalog import available_rewards
 
 PROMPTS_BUILTIN, PROMPTS_UPLOAD, PROMPTS_TEXT = "Built-in set", "Upload a file", "Write my own"
 #: where a run keeps the image folder uploaded as a .zip (an editing model's prompt set)
@@ -40,7 +41,8 @@ PROMPT_MODES = (PROMPTS_BUILTIN, PROMPTS_UPLOAD, PROMPTS_TEXT)
 class Knob:
     """One form field that edits one config key.
 
-    ``kind`` picks the widget: an integer or float box, a checkbox, a choice, or several choices (``multi``). A checkbox may stand for two
+    ``kind`` picks the widget: an integer or float box, a checkbox, a choice, or several choices (``multi``; ``specs``:
+    rewards' names that the config holds as reward specs, e.g. the judges). A checkbox may stand for two
     config values (``on``/``off``), e.g. "8-bit AdamW" is ``train.optimizer`` = ``adamw8bit`` or ``adamw``. The
     help text under the widget (``info``) is the config schema's description of the key, as in the config
     reference (docs/config.md), so the two never say different things.
@@ -48,7 +50,7 @@ class Knob:
 
     key: str
     label: str
-    kind: Literal["int", "float", "bool", "choice", "multi"]
+    kind: Literal["int", "float", "bool", "choice", "multi", "specs"]
     choices: tuple[tuple[str, str], ...] = ()  # (shown label, config value)
     on: Any = True
     off: Any = False
@@ -74,6 +76,8 @@ class Knob:
             return self.on if value else self.off
         if self.kind == "multi":
             return list(value or [])
+        if self.kind == "specs":
+            return [{"name": name} for name in value or []]
         if value is None or value == "" or (self.optional and value == 0):
             if self.optional:
                 return None
@@ -87,6 +91,8 @@ class Knob:
         return value
 
     def from_config(self, value: Any) -> Any:
+        if self.kind == "specs":
+            return [spec["name"] for spec in value]
         return value == self.on if self.kind == "bool" else value
 
 
@@ -144,6 +150,7 @@ ADVANCED_KNOBS = (
                                                   "cosine_with_restarts"))),
     Knob("train.lr_warmup_steps", "Warm-up steps", "int"),
     Knob("train.ema_decay", "EMA decay", "float"),
+    Knob("eval.judges", "Judges", "specs", choices=tuple((name, name) for name in available_rewards())),
     Knob("eval.judges_on_cpu", "Judges on the CPU", "bool"),
     Knob("train.report_to", "Trackers", "multi",
          choices=(("TensorBoard", "tensorboard"), ("trackio", "trackio"), ("Weights & Biases", "wandb"))),
@@ -201,8 +208,9 @@ class Form:
 
 
 def _get(data: dict, key: str) -> Any:
+    """The value of the dotted config ``key`` in ``data``; None where a section or the key is missing."""
     for part in key.split("."):
-        data = data[part]
+        data = (data or {}).get(part)
     return data
 
 
@@ -352,7 +360,7 @@ def checked_config(form: Form, run_dir: Path, disk: bool = True) -> tuple[RunCon
     if not form.rewards:
         raise UserError("choose at least one reward")
     weights = {str(row[0]): row[1] for row in form.weights or [] if row and row[0]}
-    options = {spec.get("name"): spec.get("options", {}) for spec in data.get("rewards") or []}
+    options = preset_options(data)
     data["name"] = name
     apply_override(data, ["model", "name"], model)
     data["rewards"] = [{"name": reward, "weight": _weight(weights.get(reward, 1.0), reward),
@@ -364,7 +372,10 @@ def checked_config(form: Form, run_dir: Path, disk: bool = True) -> tuple[RunCon
         apply_override(data, ["prompts", "eval_source"], str(eval_file))
     for knob in KNOBS:
         if knob.key in form.knobs:
-            apply_override(data, knob.key.split("."), knob.to_config(form.knobs[knob.key]))
+            value = knob.to_config(form.knobs[knob.key])
+            if knob.kind == "specs":  # a reward the preset names keeps its options
+                value = [{**spec, "options": options.get(spec["name"], {})} for spec in value]
+            apply_override(data, knob.key.split("."), value)
     reset_other_algorithms(data)  # the hidden knobs of the algorithms not chosen keep their defaults
     try:
         config = validate_config(data)
@@ -372,6 +383,13 @@ def checked_config(form: Form, run_dir: Path, disk: bool = True) -> tuple[RunCon
     except UserError as err:
         raise UserError(with_labels(str(err))) from None
     return config, plan
+
+
+def preset_options(data: dict) -> dict[str, dict]:
+    """Reward name -> the options the preset ``data`` gives it, as a reward or a judge (a reward the form makes a
+    judge, or a judge it makes a reward, keeps them)."""
+    specs = [*(_get(data, "eval.judges") or []), *(data.get("rewards") or [])]
+    return {spec.get("name"): spec.get("options", {}) for spec in specs}
 
 
 def prompt_preview(source: str, limit: int = 200) -> str:

@@ -95,6 +95,8 @@ def _knob_component(knob: Knob, value: Any, algorithm: str) -> gr.components.Com
         return gr.Checkbox(value=value, **common)
     if knob.kind == "choice":
         return gr.Dropdown(choices=list(knob.choices), value=value, **common)
+    if knob.kind == "specs":
+        return gr.Dropdown(choices=list(knob.choices), value=value, multiselect=True, **common)
     if knob.kind == "multi":
         return gr.CheckboxGroup(choices=list(knob.choices), value=value, **common)
     return gr.Number(value=value, precision=0 if knob.kind == "int" else None, **common)

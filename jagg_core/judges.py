@@ -47,9 +47,9 @@ def check_judges(config: RunConfig) -> None:
     trained = {(spec.name, reward_options(spec.name, spec.options)) for spec in config.rewards}
     for judge in config.eval.judges:
         if (judge.name, reward_options(judge.name, judge.options)) in trained:
-            raise UserError(f"judge '{judge.name}' is also a training reward: a judge must measure what training "
-                            "does not optimize; choose another judge (e.g. shapes_fidelity, aesthetic, hpsv2, "
-                            "clip_score) or give it other options")
+            raise UserError(f"eval.judges: judge '{judge.name}' is also a training reward: a judge must measure what "
+                            "training does not optimize; choose another judge (e.g. shapes_fidelity, aesthetic, "
+                            "hpsv2, clip_score, vqa_score) or give it other options")
 
 
 def judges_device(config: RunConfig, device: torch.device | str) -> torch.device:

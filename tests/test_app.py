@@ -232,6 +232,20 @@ def test_form_values_become_config_values(tmp_path):
     assert len({k.elem_id for k in KNOBS}) == len(KNOBS)
 
 
+def test_the_judges_field_sets_the_judges_and_a_judge_the_preset_names_keeps_its_options(tmp_path):
+    form = preset_form("flux-dev-hpsv2")
+    assert form.knobs["eval.judges"] == ["aesthetic", "clip_score"]
+    form.rewards, form.knobs["eval.judges"] = ["pickscore"], ["hpsv2", "vqa_score"]  # hpsv2: the preset's reward
+    config = build_config(form, tmp_path)
+    assert [(judge.name, judge.options) for judge in config.eval.judges] == [("hpsv2", {"version": "v2.1"}),
+                                                                             ("vqa_score", {})]
+    form.knobs["eval.judges"] = []
+    assert build_config(form, tmp_path).eval.judges == []
+    form.knobs["eval.judges"] = ["pickscore"]
+    with pytest.raises(UserError, match="^'Judges': judge 'pickscore' is also a training reward"):
+        build_config(form, tmp_path)
+
+
 def test_form_refuses_a_bad_weight_and_an_unknown_reward(tmp_path):
     form = Form(preset="tiny-sd3", name="x", model="tiny-sd3", rewards=["jpeg_compressibility"],
                 weights=[["jpeg_compressibility", "heavy"]], prompt_set="general")

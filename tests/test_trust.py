@@ -55,7 +55,7 @@ def spec_named(name: str, **options):
 
 
 @pytest.mark.parametrize("judges,message", [
-    ("[{name: shapes}]", "judge 'shapes' is also a training reward"),
+    ("[{name: shapes}]", "eval.judges: judge 'shapes' is also a training reward"),
     ("[{name: nope}]", "eval.judges: unknown reward 'nope'"),
     ("[{name: clip_score, options: {size: 3}}]", "eval.judges: unknown option(s) size"),
 ])
