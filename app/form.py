@@ -360,11 +360,11 @@ def checked_config(form: Form, run_dir: Path, disk: bool = True) -> tuple[RunCon
     if not form.rewards:
         raise UserError("choose at least one reward")
     weights = {str(row[0]): row[1] for row in form.weights or [] if row and row[0]}
-    options = preset_options(data)
+    options = {key: preset_options(data, key) for key in ("rewards", *(k.key for k in KNOBS if k.kind == "specs"))}
     data["name"] = name
     apply_override(data, ["model", "name"], model)
     data["rewards"] = [{"name": reward, "weight": _weight(weights.get(reward, 1.0), reward),
-                        "options": options.get(reward, {})} for reward in form.rewards]
+                        "options": options["rewards"].get(reward, {})} for reward in form.rewards]
     apply_override(data, ["prompts", "source"], _prompt_source(form, run_dir))
     if form.eval_text.strip():
         eval_file = run_dir / "eval_prompts.txt"
@@ -374,7 +374,7 @@ def checked_config(form: Form, run_dir: Path, disk: bool = True) -> tuple[RunCon
         if knob.key in form.knobs:
             value = knob.to_config(form.knobs[knob.key])
             if knob.kind == "specs":  # a reward the preset names keeps its options
-                value = [{**spec, "options": options.get(spec["name"], {})} for spec in value]
+                value = [{**spec, "options": options[knob.key].get(spec["name"], {})} for spec in value]
             apply_override(data, knob.key.split("."), value)
     reset_other_algorithms(data)  # the hidden knobs of the algorithms not chosen keep their defaults
     try:
@@ -385,10 +385,11 @@ def checked_config(form: Form, run_dir: Path, disk: bool = True) -> tuple[RunCon
     return config, plan
 
 
-def preset_options(data: dict) -> dict[str, dict]:
-    """Reward name -> the options the preset ``data`` gives it, as a reward or a judge (a reward the form makes a
-    judge, or a judge it makes a reward, keeps them)."""
-    specs = [*(_get(data, "eval.judges") or []), *(data.get("rewards") or [])]
+def preset_options(data: dict, key: str) -> dict[str, dict]:
+    """Reward name -> the options the preset ``data`` gives it in the specs at ``key`` (``rewards``, ``eval.judges``),
+    else in the other list (a reward the form makes a judge, or a judge it makes a reward, keeps them)."""
+    other = "eval.judges" if key == "rewards" else "rewards"
+    specs = [*(_get(data, other) or []), *(_get(data, key) or [])]  # the key's own last: they win
     return {spec.get("name"): spec.get("options", {}) for spec in specs}
 
 

@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from app import live
-from app.form import KNOBS, PROMPTS_TEXT, Form, build_config, preset_form, weight_rows
+from app.form import KNOBS, PROMPTS_TEXT, Form, build_config, preset_form, preset_options, weight_rows
 from app.jobs import LOCK_NAME, JobControl, Placement, _group_alive
 from jagg_core import metrics
 from jagg_core.config import RunConfig, list_presets, load_config
@@ -244,6 +244,16 @@ def test_the_judges_field_sets_the_judges_and_a_judge_the_preset_names_keeps_its
     form.knobs["eval.judges"] = ["pickscore"]
     with pytest.raises(UserError, match="^'Judges': judge 'pickscore' is also a training reward"):
         build_config(form, tmp_path)
+
+
+def test_a_reward_that_is_also_a_judge_with_other_options_keeps_each_its_own():
+    data = {"rewards": [{"name": "clip_score", "options": {"model_id": "a/clip"}}, {"name": "pickscore"}],
+            "eval": {"judges": [{"name": "clip_score", "options": {"model_id": "b/clip"}},
+                                {"name": "hpsv2", "options": {"version": "v2.0"}}]}}
+    assert preset_options(data, "rewards") == {"clip_score": {"model_id": "a/clip"}, "pickscore": {},
+                                               "hpsv2": {"version": "v2.0"}}
+    assert preset_options(data, "eval.judges") == {"clip_score": {"model_id": "b/clip"}, "pickscore": {},
+                                                   "hpsv2": {"version": "v2.0"}}
 
 
 def test_form_refuses_a_bad_weight_and_an_unknown_reward(tmp_path):
