@@ -22,7 +22,7 @@ from ..errors import UserError
 CLIP_L14 = "openai/clip-vit-large-patch14"
 PICKSCORE = "yuvalkirstain/PickScore_v1"
 PICKSCORE_PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
-#: VQAScore's default judge: a chat vision-language model small enough to sit beside a 24 GB recipe's model
+#: VQAScore's default model: the smallest Qwen2.5-VL chat model (3.75 B parameters, 7.5 GB in bfloat16)
 VQA_MODEL = "Qwen/Qwen2.5-VL-3B-Instruct"
 #: VQAScore's question (Lin et al. 2024)
 VQA_QUESTION = 'Does this figure show "{prompt}"? Please answer yes or no.'
