@@ -241,6 +241,33 @@ def tiny_vlm():
     return model, processor
 
 
+@pytest.fixture(scope="module")
+def tiny_llava(tmp_path_factory) -> str:
+    """A tiny random LLaVA chat model saved with its processor (a CLIP image processor, which needs no torchvision):
+    a model folder as ``AutoModelForImageTextToText`` and ``AutoProcessor`` read it."""
+    from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                              LlavaForConditionalGeneration, LlavaProcessor)
+
+    from jagg_core.models.in_memory_parts import tiny_qwen_tokenizer
+    tokenizer = tiny_qwen_tokenizer("Yes No", ("<image>",))
+    template = VL_CHAT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>")
+    vision = CLIPVisionConfig(image_size=32, patch_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                              num_attention_heads=2)
+    text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=2, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(LlavaConfig(vision_config=vision, text_config=text, vision_feature_layer=-1,
+                                                      image_token_index=tokenizer.convert_tokens_to_ids("<image>")))
+    image_processor = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=8,
+                               image_token="<image>", vision_feature_select_strategy="default",
+                               num_additional_image_tokens=1, chat_template=template)
+    folder = tmp_path_factory.mktemp("tiny-llava")
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return str(folder)
+
+
 def vqa_reward(tiny_vlm, **options):
     reward = build_reward(spec("vqa_score", **options))
     reward.__dict__["vlm"] = tiny_vlm  # what load_vlm returns for a model folder (it needs torchvision here)
@@ -296,6 +323,22 @@ def test_an_editing_row_is_asked_about_its_instruction_with_its_input_image(tiny
     torch.testing.assert_close(parts["vqa_score"], expected)
     torch.testing.assert_close(total, expected)
     assert not torch.allclose(expected, reward(images, ["make it blue", "add a hat"]))
+
+
+def test_a_vlm_folder_loads_with_its_own_processor_and_scores_as_generate_does(tiny_llava, monkeypatch):
+    """The real loading path on a model folder (another architecture than Qwen2.5-VL): its model and processor load,
+    the tokenizer pads on the left, and the scores are the probabilities of "Yes" that ``generate`` sees."""
+    from transformers import LlavaForConditionalGeneration
+    monkeypatch.setitem(catalog.CATALOG, "vqa_score", replace(reward_entry("vqa_score"), requires=()))
+    torch.manual_seed(3)
+    images, prompts = torch.rand(3, 3, 32, 32), ["a red circle", "two blue squares on the left", "a cat"]
+    reward = build_reward(spec("vqa_score", model_id=tiny_llava, batch_size=2))
+    scores = reward(images, prompts)
+    model, processor = reward.vlm
+    assert isinstance(model, LlavaForConditionalGeneration) and processor.tokenizer.padding_side == "left"
+    for i, prompt in enumerate(prompts):
+        expected = generated_yes_probability(reward.vlm, images[i:i + 1], catalog.VQA_QUESTION.format(prompt=prompt))
+        torch.testing.assert_close(scores[i], expected, atol=1e-8, rtol=2e-5)
 
 
 @pytest.mark.parametrize("options, message", [

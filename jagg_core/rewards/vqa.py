@@ -31,17 +31,18 @@ from .catalog import check_reward_packages
 def load_vlm(model_id: str, device: torch.device):
     """``(model, processor)`` of a chat vision-language model, in eval mode on ``device`` without gradients, its
     tokenizer padding on the left."""
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
     check_reward_packages([VqaScore.name])
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     not_a_vlm = UserError(f"'{model_id}' is not a chat vision-language model with an image-and-text processor; "
                           "the vqa_score reward needs one, such as Qwen/Qwen2.5-VL-3B-Instruct (options.model_id)")
     with hub_model(model_id):
-        try:
-            model = AutoModelForImageTextToText.from_pretrained(model_id, dtype=dtype)
-        except ValueError:  # a config AutoModelForImageTextToText does not map
-            raise not_a_vlm from None
+        config = AutoConfig.from_pretrained(model_id)
+        if config.model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+            raise not_a_vlm
+        model = AutoModelForImageTextToText.from_pretrained(model_id, config=config, dtype=dtype)
         processor = AutoProcessor.from_pretrained(model_id)
     if not hasattr(processor, "tokenizer") or not hasattr(processor, "image_processor"):
         raise not_a_vlm
