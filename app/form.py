@@ -9,6 +9,7 @@ reward/prompt checks of :func:`jagg_core.preflight.check_references`. Any proble
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import shlex
@@ -348,7 +349,8 @@ def checked_config(form: Form, run_dir: Path, disk: bool = True) -> tuple[RunCon
     pre-flight check (``.left``: bytes still to download; None when it is not a Hub model or the Hub is offline)."""
     if not form.preset:
         raise UserError("choose a preset to start from")
-    data = yaml.safe_load(preset_path(form.preset).read_text())
+    preset = yaml.safe_load(preset_path(form.preset).read_text())
+    data = copy.deepcopy(preset)  # the preset stays as written: its rewards' and judges' options are looked up there
     name = form.name.strip()
     if not name:
         raise UserError("give the run a name")
@@ -360,11 +362,11 @@ def checked_config(form: Form, run_dir: Path, disk: bool = True) -> tuple[RunCon
     if not form.rewards:
         raise UserError("choose at least one reward")
     weights = {str(row[0]): row[1] for row in form.weights or [] if row and row[0]}
-    options = {key: preset_options(data, key) for key in ("rewards", *(k.key for k in KNOBS if k.kind == "specs"))}
+    options = preset_options(preset, "rewards")
     data["name"] = name
     apply_override(data, ["model", "name"], model)
     data["rewards"] = [{"name": reward, "weight": _weight(weights.get(reward, 1.0), reward),
-                        "options": options["rewards"].get(reward, {})} for reward in form.rewards]
+                        "options": options.get(reward, {})} for reward in form.rewards]
     apply_override(data, ["prompts", "source"], _prompt_source(form, run_dir))
     if form.eval_text.strip():
         eval_file = run_dir / "eval_prompts.txt"
@@ -374,7 +376,8 @@ def checked_config(form: Form, run_dir: Path, disk: bool = True) -> tuple[RunCon
         if knob.key in form.knobs:
             value = knob.to_config(form.knobs[knob.key])
             if knob.kind == "specs":  # a reward the preset names keeps its options
-                value = [{**spec, "options": options[knob.key].get(spec["name"], {})} for spec in value]
+                kept = preset_options(preset, knob.key)
+                value = [{**spec, "options": kept.get(spec["name"], {})} for spec in value]
             apply_override(data, knob.key.split("."), value)
     reset_other_algorithms(data)  # the hidden knobs of the algorithms not chosen keep their defaults
     try:
