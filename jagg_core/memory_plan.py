@@ -322,10 +322,10 @@ def plan_memory(config: RunConfig, backward_traces: dict[tuple, int] | None = No
     device_judges = [] if cfg.eval.judges_on_cpu else cfg.eval.judges
     for role, spec in [*(("reward", spec) for spec in cfg.rewards), *(("judge", spec) for spec in device_judges)]:
         entry = reward_entry(spec.name)
-        params, width = entry.device_params_m * 1e6, entry.device_bytes_per_param
+        params = entry.device_params_m * 1e6
         if params:
-            dtype = {4: "float32", 2: "bfloat16"}[width]
-            plan.resident[f"{role} {spec.name} ({params / 1e6:.0f} M, {dtype})"] = params * width
+            plan.resident[f"{role} {spec.name} ({params / 1e6:.0f} M, {entry.device_dtype})"] = \
+                params * DTYPES[entry.device_dtype].itemsize
 
     lora = model.add_lora(cfg.lora)
     lora_count = sum(p.numel() for p in lora)

@@ -120,8 +120,8 @@ class RewardEntry:
     #: ``module:function`` of jagg_core that reads the prompts' grammar, called as ``function(prompts, reader)``
     #: before launch (it raises a :class:`UserError` naming ``reader``); None: the reward scores any prompt
     prompt_grammar: str | None = None
-    #: bytes a parameter of the scoring model takes on a GPU (4: float32; 2: a model loaded in bfloat16)
-    device_bytes_per_param: int = 4
+    #: the dtype its scoring model is loaded in on a GPU (the memory plan counts its parameters in it)
+    device_dtype: Literal["float32", "bfloat16"] = "float32"
     #: packages its model needs beyond requirements.txt, refused before launch when missing
     requires: tuple[str, ...] = ()
 
@@ -152,7 +152,7 @@ CATALOG: dict[str, RewardEntry] = {entry.name: entry for entry in [
     RewardEntry("clip_directional", "clip:ClipDirectional", ClipDirectionalOptions, 428, expected_range=(-1.0, 1.0)),
     RewardEntry("http", "remote:HttpReward", HttpOptions),
     # Qwen2.5-VL-3B in bfloat16; its Qwen2.5-VL processor has a video part, which needs torchvision
-    RewardEntry("vqa_score", "vqa:VqaScore", VqaOptions, 3755, expected_range=(0.0, 1.0), device_bytes_per_param=2,
+    RewardEntry("vqa_score", "vqa:VqaScore", VqaOptions, 3755, expected_range=(0.0, 1.0), device_dtype="bfloat16",
                 requires=("torchvision",)),
     RewardEntry("temporal_consistency", "temporal:TemporalConsistency", ClipOptions, 428, expected_range=(0.5, 1.0)),
 ]}
