@@ -7,6 +7,7 @@ to fix it. Command-line entry points print that line and exit with code 2, witho
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import sys
 from contextlib import contextmanager
@@ -25,6 +26,14 @@ def exit_on_user_error(prog: str):
     except UserError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def require_packages(packages: tuple[str, ...], needed_by: str) -> None:
+    """The ``packages`` that ``needed_by`` needs beyond requirements.txt (a family's or a reward's ``requires``) are
+    installed, else one line naming the missing ones and the ``pip install`` that adds them."""
+    if missing := [package for package in packages if importlib.util.find_spec(package) is None]:
+        raise UserError(f"{needed_by} needs {', '.join(missing)}, which is not installed: pip install "
+                        f"{' '.join(missing)} (the build that matches your torch)")
 
 
 #: what torch appends to many of its errors, left out of the one-line messages

@@ -9,12 +9,11 @@ Hugging Face cache's disk (:mod:`jagg_core.download`).
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 from .config import ModelConfig, RunConfig
 from .download import DownloadPlan, check_cached, check_disk_room, plan_download
-from .errors import UserError
+from .errors import UserError, require_packages
 from .family_names import DeclaredFamily, declared_families, family_of_pipeline
 
 
@@ -86,14 +85,10 @@ def check_prompt_kind(family: DeclaredFamily | None, prompts: list[str], input_i
 
 
 def check_packages(model: ModelConfig) -> None:
-    """The packages the real pipeline of ``model`` needs beyond requirements.txt (its family's ``requires``) are
-    installed: a tiny or random-weight model has stand-ins for what needs them."""
-    family = model_family(model)
-    missing = [package for package in (family.requires if family else ()) if importlib.util.find_spec(package) is None]
-    if missing:
-        raise UserError(f"the {family.label} pipeline of model '{model.name}' needs {', '.join(missing)} (its "
-                        f"processor), which is not installed: pip install {' '.join(missing)} (the build that "
-                        "matches your torch)")
+    """The packages the real pipeline of ``model`` needs beyond requirements.txt (its family's ``requires``, for its
+    processor) are installed: a tiny or random-weight model has stand-ins for what needs them."""
+    if family := model_family(model):
+        require_packages(family.requires, f"the {family.label} pipeline of model '{model.name}' (its processor)")
 
 
 def check_model(model: ModelConfig, disk: bool = True) -> DownloadPlan | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import importlib.util
 import io
 import re
 import sys
@@ -499,11 +500,11 @@ def test_a_pipeline_whose_processor_needs_torchvision_asks_for_it_before_a_launc
     from jagg_core import preflight
 
     installed = {"torchvision": False}
-    find_spec = preflight.importlib.util.find_spec
-    monkeypatch.setattr(preflight.importlib.util, "find_spec", lambda package, *args: (
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda package, *args: (
         find_spec("json") if installed.get(package) else None) if package in installed else find_spec(package, *args))
-    with pytest.raises(UserError, match=rf"the {re.escape(label)} pipeline of model '{name}' needs torchvision \(its "
-                                        r"processor\), which is not installed: pip install torchvision"):
+    with pytest.raises(UserError, match=rf"the {re.escape(label)} pipeline of model '{name}' \(its processor\) "
+                                        r"needs torchvision, which is not installed: pip install torchvision"):
         preflight.check_model(ModelConfig(name=name))
     preflight.check_model(ModelConfig(name=name), disk=False)
     for stand_in in ("tiny-qwen-edit-plus", "random:qwen-image-edit-2511@1", "random:flux2-dev@2"):

@@ -11,13 +11,12 @@ package, and add one :class:`RewardEntry` (and an options model if it takes opti
 from __future__ import annotations
 
 import importlib
-import importlib.util
 from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ..errors import UserError
+from ..errors import UserError, require_packages
 
 CLIP_L14 = "openai/clip-vit-large-patch14"
 PICKSCORE = "yuvalkirstain/PickScore_v1"
@@ -193,17 +192,10 @@ def check_reward_specs(specs) -> None:
         reward_options(spec.name, spec.options)
 
 
-def missing_packages(name: str) -> list[str]:
-    """The packages reward ``name`` needs beyond requirements.txt (its entry's ``requires``) that are not installed."""
-    return [package for package in reward_entry(name).requires if importlib.util.find_spec(package) is None]
-
-
 def check_reward_packages(names: list[str]) -> None:
     """The rewards (or judges) ``names`` have the packages their models need (before a launch loads them)."""
     for name in names:
-        if missing := missing_packages(name):
-            raise UserError(f"the {name} reward needs {', '.join(missing)}, which is not installed: pip install "
-                            f"{' '.join(missing)} (the build that matches your torch)")
+        require_packages(reward_entry(name).requires, f"the {name} reward")
 
 
 def check_prompts_readable(config, train: list[str], held_out: list[str]) -> None:
