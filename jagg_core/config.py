@@ -367,8 +367,9 @@ class EvalConfig(_Section):
                                     "each judge's mean is a curve (eval/judge/NAME), a row of the model card and "
                                     "what the hacking alarm watches; [] = none")
     judges_on_cpu: bool = Field(False, description="true: the judges' models run on the CPU, off the GPU (each CLIP "
-                                "judge's 1.7 GB freed on a 16/24 GB card), and the eval takes longer; the training is "
-                                "the same; false: on the training device")
+                                "judge's 1.7 GB freed on a 16/24 GB card, held in float32 in each process's RAM, which "
+                                "must have room), and the eval takes longer; the training is the same; false: on the "
+                                "training device")
     best_by: str = Field("reward", description="the eval metric that picks the best adapter kept in RUN/best (higher "
                          "is better): reward = the training rewards' eval mean, or a judge's name (NAME_2 for a "
                          "judge named twice)")

@@ -26,9 +26,11 @@ from typing import TYPE_CHECKING
 
 from . import metrics
 from .config import RunConfig, term_names
+from .download import amount
 from .errors import UserError
+from .host import available_memory
 from .rewards import CombinedReward, build_reward
-from .rewards.catalog import check_reward_specs, reward_options
+from .rewards.catalog import check_reward_specs, reward_entry, reward_options
 
 if TYPE_CHECKING:
     import torch
@@ -56,6 +58,31 @@ def judges_device(config: RunConfig, device: torch.device | str) -> torch.device
     """Where the judges' models run: the training ``device``, or the CPU with ``eval.judges_on_cpu``."""
     import torch
     return torch.device("cpu") if config.eval.judges_on_cpu else torch.device(device)
+
+
+def cpu_judges(config: RunConfig) -> dict[str, float]:
+    """The judges whose models load into host memory (``eval.judges_on_cpu``) by name, each with the bytes of its
+    default model there (:attr:`~jagg_core.rewards.catalog.RewardEntry.cpu_bytes`); judges without a model left out."""
+    if not config.eval.judges_on_cpu:
+        return {}
+    names = term_names([spec.name for spec in config.eval.judges])
+    return {name: reward_entry(spec.name).cpu_bytes for name, spec in zip(names, config.eval.judges)
+            if reward_entry(spec.name).cpu_bytes}
+
+
+def check_judges_room(judges: dict[str, float], processes: int = 1, beside: float = 0) -> None:
+    """Refuse, in one line, judges on the CPU (:func:`cpu_judges`) whose models the host memory available cannot
+    hold, in each of this machine's ``processes`` (each loads every judge), ``beside`` the bytes a process holds
+    there too before they load (the plan's text-embedding cache)."""
+    size = sum(judges.values())
+    memory = available_memory()
+    if not size or (size + beside) * processes <= memory:
+        return
+    each = f" in each of the {processes} processes" if processes > 1 else ""
+    also = f" beside the text-embedding cache ({amount(beside)})" if beside else ""
+    raise UserError(f"the judges on the CPU ({', '.join(judges)}; eval.judges_on_cpu) take {amount(size)} of host "
+                    f"memory{each}{also}; this machine has {amount(memory)} available; set eval.judges_on_cpu=false "
+                    "(they then run on the GPU) or remove the largest judge from eval.judges")
 
 
 def build_judges(config: RunConfig, device: torch.device | str) -> CombinedReward | None:

@@ -20,11 +20,12 @@ How it is computed:
   (:func:`_int8_dequantizing`). A stack of identical blocks is traced at 2 and 4 blocks and extended linearly to
   its depth (:func:`_traced_in_depth`): the same bytes in seconds (an int8 base's backward: at its full depth).
 - **Fixed parts**: the rollout batch's trajectory (latents, velocities, reference velocities, float32),
-  its conditioning and decoded images; the reward and judge models (their catalog sizes, float32; no judge with
+  its conditioning and decoded images; the reward and judge models (their catalog sizes and dtypes; no judge with
   ``eval.judges_on_cpu``).
 - **Host**: with ``model.cache_text_embeddings`` every distinct prompt's conditioning stays in each process's
-  host memory and in the run folder (:func:`~jagg_core.models.text_embeddings.bytes_per_prompt` a prompt);
-  :func:`check_host` says whether this machine holds it.
+  host memory and in the run folder (:func:`~jagg_core.models.text_embeddings.bytes_per_prompt` a prompt); with
+  ``eval.judges_on_cpu`` each process holds the judges' models there too (float32);
+  :func:`check_host` says whether this machine holds them.
 - **Phases**: set-up, rollout forward, VAE decode, backward. The peak is the largest phase's resident parts plus
   its transient. The set-up holds first the text encoders alone while they encode the prompts, then, once they
   have left, the resident parts but the optimizer's states (made by its first step), the judges among them (they
@@ -55,6 +56,7 @@ from .config import RunConfig
 from .download import amount
 from .errors import UserError
 from .gpus import GB
+from .judges import check_judges_room, cpu_judges
 from .memory_meter import LiveBytes
 from .models import DTYPES, family_for
 from .models.base import ENCODE_BATCH, NEGATIVE, FlowModel
@@ -135,6 +137,9 @@ class MemoryPlan:
     #: and on the run folder's disk
     cached_prompts: int = 0
     bytes_per_cached_prompt: int = 0
+    #: the judges on the CPU (``eval.judges_on_cpu``) by name and the bytes of each one's model in each process's host
+    #: memory (:func:`~jagg_core.judges.cpu_judges`)
+    host_judges: dict[str, float] = field(default_factory=dict)
     #: the backward's traced transient by what it depends on (:func:`_backward_key`), shared with the plans that
     #: :func:`cheapest_fit` makes from this one: a change that leaves the backward alone does not trace it again
     backward_traces: dict[tuple, int] = field(default_factory=dict, repr=False, compare=False)
@@ -179,8 +184,12 @@ class MemoryPlan:
             lines.append(f"    {phase:<42} +{extra / GB:6.2f} +{self.phases[phase] / GB:6.2f} = "
                          f"{self.phase_total(phase) / GB:6.2f}")
         lines.append(f"  peak: {self.total / GB:.2f} GB ({self.peak_phase})")
+        if self.host_judges or self.cached_prompts:
+            disk = ", and disk in the run folder" if self.cached_prompts else ""
+            lines.append(f"  host memory of each process{disk}:")
+        for name, size in self.host_judges.items():
+            lines.append(f"    {f'judge {name} on the CPU ({size / 4e6:.0f} M, float32)':<58} {size / GB:8.2f}")
         if self.cached_prompts:
-            lines.append("  host memory of each process, and disk in the run folder:")
             lines.append(f"    {f'text-embedding cache ({self.cached_prompts} prompts)':<58} {self.host_cache / GB:8.2f}")
         return "\n".join(lines)
 
@@ -320,6 +329,7 @@ def plan_memory(config: RunConfig, backward_traces: dict[tuple, int] | None = No
     if not cfg.model.cache_text_embeddings:
         plan.resident[f"text encoders ({encoder_names})"] = encoder_bytes
     device_judges = [] if cfg.eval.judges_on_cpu else cfg.eval.judges
+    plan.host_judges = cpu_judges(cfg)
     for role, spec in [*(("reward", spec) for spec in cfg.rewards), *(("judge", spec) for spec in device_judges)]:
         entry = reward_entry(spec.name)
         params = entry.device_params_m * 1e6
@@ -505,15 +515,21 @@ def _changed(config: RunConfig, key: str, value) -> RunConfig:
 
 
 def check_host(plan: MemoryPlan, run_dir: Path, processes: int = 1) -> str:
-    """Whether the plan's text-embedding cache fits this host's memory and ``run_dir``'s disk, as the line to show
-    (empty without a cache); a run refuses at set-up the cache that does not (:func:`check_cache_room`)."""
-    if not plan.cached_prompts:
+    """Whether this host holds the plan's host parts, as the line to show (empty without any): the judges on the CPU
+    beside the text-embedding cache in memory, the cache on ``run_dir``'s disk too. A run refuses at set-up a cache
+    that does not fit (:func:`check_cache_room`), and judges that do not before they load
+    (:func:`~jagg_core.judges.check_judges_room`)."""
+    parts = [f"the judges on the CPU ({amount(sum(plan.host_judges.values()))}) in memory"] * bool(plan.host_judges)
+    parts += [f"the text-embedding cache ({amount(plan.host_cache)}) in memory and on disk"] * bool(plan.cached_prompts)
+    if not parts:
         return ""
     try:
-        check_cache_room(plan.bytes_per_cached_prompt, plan.cached_prompts, run_dir, processes)
+        if plan.cached_prompts:
+            check_cache_room(plan.bytes_per_cached_prompt, plan.cached_prompts, run_dir, processes)
+        check_judges_room(plan.host_judges, processes, beside=plan.host_cache)
     except UserError as err:
         return f"host: {err}"
-    return f"host: fits the text-embedding cache ({amount(plan.host_cache)}) in memory and on disk"
+    return f"host: fits {' and '.join(parts)}"
 
 
 def fits(plan: MemoryPlan, gpu_gb: float) -> bool:

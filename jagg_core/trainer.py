@@ -38,7 +38,8 @@ from .grpo import group_advantages
 from .host import cpu_name
 from .hubclient import resolve_lora
 from .images import captioned_grid, sample_pictures, still_frames, to_pil
-from .judges import BestAdapter, EvalScores, HackingAlarm, build_judges, load_judges
+from .judges import (BestAdapter, EvalScores, HackingAlarm, build_judges, check_judges_room, cpu_judges,
+                     load_judges)
 from .models import load_flow_model
 from .models.base import FlowModel
 from .models.text_embeddings import bytes_per_prompt, check_cache_room, load_embeddings, save_embeddings
@@ -199,6 +200,7 @@ class Trainer:
         the text encoders (gone by then under ``model.cache_text_embeddings``), and, under forked random number
         generators, the LoRA's initialisation and the whole run are the same with or without them."""
         cfg = self.config
+        check_judges_room(cpu_judges(cfg), self.accelerator.num_processes)
         judges = build_judges(cfg, self.accelerator.device)
         if judges is None:
             return None

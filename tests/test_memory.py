@@ -17,6 +17,8 @@ from jagg_core.config import list_presets, load_config, preset_path
 from jagg_core.errors import UserError
 from jagg_core.host import available_memory
 from jagg_core.gpu_check import CheckOptions, memory_recipe
+from jagg_core import judges
+from jagg_core.download import amount
 from jagg_core.judges import judges_device
 from jagg_core.memory_meter import PeakMemory, measured_peak
 from jagg_core import memory_plan
@@ -351,18 +353,42 @@ def test_the_cheapest_fits_plans_share_the_backwards_traces_and_equal_the_plans_
                       "train.optimizer=adamw8bit"]
 
 
-def test_judges_on_the_cpu_leave_the_plan_and_are_the_first_change_when_it_does_not_fit(offline):
-    """A CLIP judge's weights (float32) are on the device unless ``eval.judges_on_cpu``; the judges' move changes
-    no training, so the plan's cheapest fix names it first."""
+def test_judges_on_the_cpu_move_to_host_memory_and_are_the_first_change_when_the_plan_does_not_fit(
+        tmp_path, offline, monkeypatch):
+    """A CLIP judge's weights (float32) are on the device unless ``eval.judges_on_cpu``, then in each process's host
+    memory, which must hold them beside the text-embedding cache; the judges' move changes no training, so the
+    plan's cheapest fix names it first."""
     settings = dict(sampling__resolution=64, grpo__num_generations=4, eval__judges=[{"name": "aesthetic"}])
     config, cpu_config = tiny_config(**settings), tiny_config(**settings, eval__judges_on_cpu=True)
     on_device, on_cpu = plan_memory(config), plan_memory(cpu_config)
     judge = reward_entry("aesthetic").device_params_m * 1e6 * 4
     assert judge > 1e9 and on_device.total - on_cpu.total == pytest.approx(judge)
+    assert on_device.host_judges == {} and on_cpu.host_judges == {"aesthetic": judge}
+    assert "judge aesthetic on the CPU (429 M, float32)" in on_cpu.table()
+    assert "on the CPU" not in on_device.table() and "judge aesthetic (429 M, float32)" in on_device.table()
+    cache = amount(on_cpu.host_cache)
+    assert check_host(on_cpu, tmp_path) == (f"host: fits the judges on the CPU (1.7 GB) in memory and the "
+                                            f"text-embedding cache ({cache}) in memory and on disk")
+    monkeypatch.setattr(judges, "available_memory", lambda: int(1.5 * judge))  # one process's judges, not two
+    assert check_host(on_cpu, tmp_path).startswith("host: fits the judges")
+    assert check_host(on_cpu, tmp_path, processes=2) == (
+        f"host: the judges on the CPU (aesthetic; eval.judges_on_cpu) take 1.7 GB of host memory in each of the 2 "
+        f"processes beside the text-embedding cache ({cache}); this machine has 2.6 GB available; set "
+        "eval.judges_on_cpu=false (they then run on the GPU) or remove the largest judge from eval.judges")
     changes, plan = cheapest_fit(config, (on_cpu.total + 1e6) / GB + CUDA_CONTEXT_GB)
     assert changes == ["eval.judges_on_cpu=true"] and plan.total == on_cpu.total
     assert judges_device(config, "cuda") == torch.device("cuda")
     assert judges_device(cpu_config, "cuda") == torch.device("cpu")
+
+
+def test_a_run_whose_host_cannot_hold_its_judges_on_the_cpu_is_refused_before_they_load(tmp_path, offline,
+                                                                                          monkeypatch):
+    """Without the judge's weights here, loading it would fail in another line: the refusal comes first."""
+    config = tiny_config(eval__judges=[{"name": "aesthetic"}], eval__judges_on_cpu=True)
+    monkeypatch.setattr(judges, "available_memory", lambda: 10 ** 9)
+    with pytest.raises(UserError, match=r"^the judges on the CPU \(aesthetic; eval.judges_on_cpu\) take 1.7 GB of "
+                                        r"host memory; this machine has 1.0 GB available; set eval.judges_on_cpu=false"):
+        Trainer(config, tmp_path).setup()
 
 
 BUDGETS = {"16gb": 16, "24gb": 24}

@@ -111,7 +111,8 @@ class RewardEntry:
     name: str
     implementation: str
     options: type[RewardOptions] = NoOptions
-    #: millions of parameters of the default scoring model, held in float32 on the training device (memory plan)
+    #: millions of parameters of the default scoring model, held on the training device in ``device_dtype`` and on
+    #: the CPU in float32 (memory plan)
     device_params_m: float = 0.0
     #: (low, high): the scores a working base model's samples get (None: unbounded on that side); the first
     #: iteration's doctor checks the base eval against it
@@ -123,6 +124,11 @@ class RewardEntry:
     device_dtype: Literal["float32", "bfloat16"] = "float32"
     #: packages its model needs beyond requirements.txt, refused before launch when missing
     requires: tuple[str, ...] = ()
+
+    @property
+    def cpu_bytes(self) -> float:
+        """Bytes of the default scoring model on the CPU, where it loads in float32: 4 a parameter."""
+        return self.device_params_m * 1e6 * 4
 
     def load_class(self):
         module, _, cls = self.implementation.partition(":")
