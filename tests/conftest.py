@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from jagg_core.config import load_config
+from zygote import run_python
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,10 +25,9 @@ def tiny_config(model: str = "tiny-sd3", **overrides):
 
 
 def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    """``python -m jagg_core.run ARGS`` in the repository root, offline."""
+    """``python -m jagg_core.run ARGS`` in the repository root, offline (forked from :mod:`zygote`)."""
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "jagg_core.run", *args], cwd=ROOT, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    return run_python(["-m", "jagg_core.run", *args], cwd=ROOT, env=full_env, timeout=timeout)
 
 
 @pytest.fixture

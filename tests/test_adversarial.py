@@ -21,6 +21,7 @@ from jagg_core.errors import UserError
 from jagg_core.rundir import RunDirectory
 
 from conftest import ROOT
+from zygote import run_python
 
 ARGS = ["--preset", "tiny-sd3", "--set", "train.iterations=3", "--set", "sampling.num_steps=4",
         "--set", "grpo.num_generations=2", "--set", "grpo.prompts_per_iteration=1", "--set", "prompts.eval_count=2",
@@ -94,8 +95,7 @@ sys.exit(main(sys.argv[2:]))
 
 def run(run_dir: Path, *extra: str, hook: str | None = None, base: list[str] = ARGS) -> subprocess.CompletedProcess:
     args = [*base, "--output-dir", str(run_dir), *extra]
-    command = [sys.executable, "-c", INJECT, hook, *args] if hook else [sys.executable, "-m", "jagg_core.run", *args]
-    return subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True)
+    return run_python(["-c", INJECT, hook, *args] if hook else ["-m", "jagg_core.run", *args], cwd=ROOT, env=ENV)
 
 
 def adapter(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -261,8 +261,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path, setup, args, message):
     args = [a.replace("{d}", str(tmp_path)) for a in args]
     if "--config" not in args and "--resume" not in args:
         args = ["--preset", "tiny-sd3", *args]
-    result = subprocess.run([sys.executable, "-m", "jagg_core.run", *args, "--set", "train.iterations=1"],
-                            cwd=ROOT, env=ENV, capture_output=True, text=True)
+    result = run_python(["-m", "jagg_core.run", *args, "--set", "train.iterations=1"], cwd=ROOT, env=ENV)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and message in lines[-1] and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert lines[-1].startswith("jagg_core.run: error: ")
@@ -303,8 +302,7 @@ def test_a_run_killed_while_its_model_loads_resumes(tmp_path):
     process.kill()
     process.wait()
     assert phase == "loading" and run.is_run() and not run.read_metrics()
-    resumed = subprocess.run([sys.executable, "-m", "jagg_core.run", "--resume", "--output-dir", str(run_dir)],
-                             cwd=ROOT, env=ENV, capture_output=True, text=True)
+    resumed = run_python(["-m", "jagg_core.run", "--resume", "--output-dir", str(run_dir)], cwd=ROOT, env=ENV)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert run.read_status()["state"] == "finished"
 
@@ -400,6 +398,5 @@ def test_a_garbage_run_info_does_not_stop_the_model_card(tmp_path, run_info):
     run_dir.run_info_file.write_bytes(run_info)
     run_dir.lora_dir.mkdir()
     run_dir.lora_file.write_bytes(b"adapter")
-    result = subprocess.run([sys.executable, "-m", "jagg_core.hub", "card", str(run_dir.path), "--repo-id", "a/b"],
-                            cwd=ROOT, env=ENV, capture_output=True, text=True)
+    result = run_python(["-m", "jagg_core.hub", "card", str(run_dir.path), "--repo-id", "a/b"], cwd=ROOT, env=ENV)
     assert result.returncode == 0 and "base_model: some/model" in result.stdout, result.stderr[-2000:]

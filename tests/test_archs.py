@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -24,6 +23,7 @@ from jagg_core.models import load_flow_model
 from jagg_core.models.random_weights import build_random_pipeline
 
 from conftest import ROOT
+from zygote import run_python
 
 #: billions of parameters of each shipped component (the published sizes)
 SIZES = {
@@ -185,8 +185,7 @@ def test_random_weights_come_from_the_seed_alone():
 
 
 def run_bench(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "jagg_core.bench", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return run_python(["-m", "jagg_core.bench", *args], cwd=ROOT, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
 
 def test_the_bench_runs_a_random_weight_arch(tmp_path):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 import yaml
@@ -13,6 +11,7 @@ from jagg_core import compare, metrics
 from jagg_core.rundir import RunDirectory
 
 from conftest import ROOT
+from zygote import run_python
 
 
 def fabricated_run(root, name: str, evals: dict[int, float], judge: dict[int, float], seconds: float,
@@ -63,8 +62,7 @@ def test_the_curves_follow_iterations_and_minutes(runs):
 
 def test_the_cli_writes_the_plot_the_table_and_the_grids_side_by_side(runs, tmp_path):
     out = tmp_path / "out"
-    result = subprocess.run([sys.executable, "-m", "jagg_core.compare", *map(str, runs), "--out", str(out)],
-                            cwd=ROOT, capture_output=True, text=True)
+    result = run_python(["-m", "jagg_core.compare", *map(str, runs), "--out", str(out)], cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert (out / "compare.md").read_text() in result.stdout
     with Image.open(out / "compare.png") as plot:
@@ -82,8 +80,7 @@ def test_the_cli_writes_the_plot_the_table_and_the_grids_side_by_side(runs, tmp_
 def test_bad_input_is_one_line(runs, tmp_path, args, message):
     fast, slow = runs
     args = [a.format(fast=fast, slow=slow, tmp=tmp_path) for a in args]
-    result = subprocess.run([sys.executable, "-m", "jagg_core.compare", *args, "--out", str(tmp_path / "out")],
-                            cwd=ROOT, capture_output=True, text=True)
+    result = run_python(["-m", "jagg_core.compare", *args, "--out", str(tmp_path / "out")], cwd=ROOT)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("jagg_core.compare: error: ")
     assert message in lines[0]

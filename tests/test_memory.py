@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import ROOT, run_cli, tiny_config
+from zygote import run_python
 from jagg_core.config import list_presets, load_config, preset_path
 from jagg_core.errors import UserError
 from jagg_core.host import available_memory
@@ -129,8 +128,8 @@ sys.exit(main(sys.argv[1:]))
 
 def test_a_cache_the_host_cannot_hold_is_refused_in_one_line_before_any_prompt_is_encoded(tmp_path):
     run_dir = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-c", SMALL_HOST, "--preset", "tiny-sd3", "--output-dir", str(run_dir)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    done = run_python(["-c", SMALL_HOST, "--preset", "tiny-sd3", "--output-dir", str(run_dir)], cwd=ROOT, timeout=600,
+                      env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     line = done.stderr.strip().splitlines()[-1]
     prompts = len(set(sum(run_prompts(load_config(preset="tiny-sd3").prompts), [])))

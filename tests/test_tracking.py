@@ -23,6 +23,7 @@ from jagg_core.stopping import STOP, StopRequested
 from jagg_core.trainer import Trainer
 
 from conftest import ROOT, tiny_config
+from zygote import run_python
 
 TRACKED = ["--preset", "tiny-sd3", "--set", "train.iterations=3", "--set", "sampling.num_steps=4",
            "--set", "grpo.num_generations=2", "--set", "grpo.prompts_per_iteration=1", "--set", "prompts.eval_count=2",
@@ -35,9 +36,8 @@ TRACKED = ["--preset", "tiny-sd3", "--set", "train.iterations=3", "--set", "samp
 def tracked(tmp_path_factory):
     root = tmp_path_factory.mktemp("tracked")
     run_dir = root / "run"
-    result = subprocess.run([sys.executable, "-m", "jagg_core.run", *TRACKED, "--output-dir", str(run_dir)], cwd=ROOT,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1", "TRACKIO_DIR": str(root / "trackio")},
-                            capture_output=True, text=True)
+    result = run_python(["-m", "jagg_core.run", *TRACKED, "--output-dir", str(run_dir)], cwd=ROOT,
+                        env={**os.environ, "HF_HUB_OFFLINE": "1", "TRACKIO_DIR": str(root / "trackio")})
     assert result.returncode == 0, result.stderr[-3000:]
     return run_dir, root / "trackio"
 
