@@ -5,8 +5,8 @@ and what diffusers imports with it whenever it is installed (``torch._dynamo``, 
 imports those once; each run is a child forked from it, which imports the rest (diffusers, transformers, huggingface_hub,
 jagg_core) in about 1 s. The pre-imported modules read no setting a test changes: the Hugging Face libraries, which
 read ``HF_HOME``, ``HF_HUB_OFFLINE`` and ``HF_ENDPOINT`` as they import, are imported afresh by each child under its
-own environment, and a run whose environment differs from the server's in a setting torch reads
-(:data:`TORCH_SETTINGS`) starts a real process instead.
+own environment, and a run whose environment differs from the server's in a setting read as the interpreter starts
+or a native library loads (:data:`START_SETTINGS`) starts a real process instead.
 
 A child runs as a fresh interpreter would (:func:`run_request`): its environment, working folder and ``sys.argv``;
 stdin from /dev/null, stdout and stderr to files; and exits as one would (:func:`exit_as_the_interpreter`) but for
@@ -36,19 +36,20 @@ from pathlib import Path
 
 #: imported by the server once, shared by every child
 PRELOADED = ("torch", "torch._dynamo", "bitsandbytes", "torchao")
-#: environment variables that the interpreter reads as it starts and torch and its companions as they import: a run
-#: that sets them otherwise than the server's environment gets a real process
-TORCH_SETTINGS = ("OMP_", "MKL_", "KMP_", "TORCH", "PYTORCH", "CUDA", "NVIDIA", "BNB_", "LD_", "PYTHON", "TQDM")
+#: environment variables that the interpreter reads as it starts and the pre-imported modules' native libraries as
+#: they load: a run that sets them otherwise than the server's environment gets a real process. (torch's own
+#: settings are read when used, by the child; torch sets some for itself as it runs, TORCHINDUCTOR_CACHE_DIR.)
+START_SETTINGS = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "BNB_")
 
 
-def _torch_settings(env: dict[str, str]) -> dict[str, str]:
-    return {key: value for key, value in env.items() if key.startswith(TORCH_SETTINGS)}
+def _start_settings(env: dict[str, str]) -> dict[str, str]:
+    return {key: value for key, value in env.items() if key.startswith(START_SETTINGS)}
 
 
 def forks(args: list[str], env: dict[str, str]) -> bool:
     """Whether :func:`run_python` runs ``python ARGS`` under ``env`` in a child of the server: ``-m`` or ``-c``, and
-    the settings torch and the interpreter read as they start those of the server's environment."""
-    return args[0] in ("-m", "-c") and _torch_settings(env) == _torch_settings(_Server.environment)
+    :data:`START_SETTINGS` those of the server's environment."""
+    return args[0] in ("-m", "-c") and _start_settings(env) == _start_settings(_Server.environment)
 
 
 # ----- the server ------------------------------------------------------------------------------------------------
@@ -166,7 +167,7 @@ def run_python(args: list[str], *, cwd: Path | str, env: dict[str, str] | None =
                     returncode = json.loads(stream.readline())["returncode"]
                 except TimeoutError:
                     os.kill(pid, signal.SIGKILL)
-                    raise subprocess.TimeoutExpired(command, timeout, out.read_text(), err.read_text()) from None
+                    raise subprocess.TimeoutExpired(command, timeout, out.read_bytes(), err.read_bytes()) from None
         return subprocess.CompletedProcess(command, returncode, out.read_text(), err.read_text())
 
 
