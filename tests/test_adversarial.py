@@ -20,7 +20,7 @@ from jagg_core import metrics
 from jagg_core.errors import UserError
 from jagg_core.rundir import RunDirectory
 
-from conftest import ROOT
+from conftest import ROOT, run_cli
 from zygote import run_python
 
 ARGS = ["--preset", "tiny-sd3", "--set", "train.iterations=3", "--set", "sampling.num_steps=4",
@@ -95,7 +95,7 @@ sys.exit(main(sys.argv[2:]))
 
 def run(run_dir: Path, *extra: str, hook: str | None = None, base: list[str] = ARGS) -> subprocess.CompletedProcess:
     args = [*base, "--output-dir", str(run_dir), *extra]
-    return run_python(["-c", INJECT, hook, *args] if hook else ["-m", "jagg_core.run", *args], cwd=ROOT, env=ENV)
+    return run_python(["-c", INJECT, hook, *args], cwd=ROOT, env=ENV) if hook else run_cli(*args)
 
 
 def adapter(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -261,7 +261,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path, setup, args, message):
     args = [a.replace("{d}", str(tmp_path)) for a in args]
     if "--config" not in args and "--resume" not in args:
         args = ["--preset", "tiny-sd3", *args]
-    result = run_python(["-m", "jagg_core.run", *args, "--set", "train.iterations=1"], cwd=ROOT, env=ENV)
+    result = run_cli(*args, "--set", "train.iterations=1")
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and message in lines[-1] and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert lines[-1].startswith("jagg_core.run: error: ")
@@ -302,7 +302,7 @@ def test_a_run_killed_while_its_model_loads_resumes(tmp_path):
     process.kill()
     process.wait()
     assert phase == "loading" and run.is_run() and not run.read_metrics()
-    resumed = run_python(["-m", "jagg_core.run", "--resume", "--output-dir", str(run_dir)], cwd=ROOT, env=ENV)
+    resumed = run_cli("--resume", "--output-dir", str(run_dir))
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert run.read_status()["state"] == "finished"
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import signal
 import sqlite3
 import subprocess
@@ -22,8 +21,7 @@ from jagg_core.rundir import TRAINING_STATE_FILE, RunDirectory
 from jagg_core.stopping import STOP, StopRequested
 from jagg_core.trainer import Trainer
 
-from conftest import ROOT, tiny_config
-from zygote import run_python
+from conftest import ROOT, run_cli, tiny_config
 
 TRACKED = ["--preset", "tiny-sd3", "--set", "train.iterations=3", "--set", "sampling.num_steps=4",
            "--set", "grpo.num_generations=2", "--set", "grpo.prompts_per_iteration=1", "--set", "prompts.eval_count=2",
@@ -36,8 +34,7 @@ TRACKED = ["--preset", "tiny-sd3", "--set", "train.iterations=3", "--set", "samp
 def tracked(tmp_path_factory):
     root = tmp_path_factory.mktemp("tracked")
     run_dir = root / "run"
-    result = run_python(["-m", "jagg_core.run", *TRACKED, "--output-dir", str(run_dir)], cwd=ROOT,
-                        env={**os.environ, "HF_HUB_OFFLINE": "1", "TRACKIO_DIR": str(root / "trackio")})
+    result = run_cli(*TRACKED, "--output-dir", str(run_dir), env={"TRACKIO_DIR": str(root / "trackio")})
     assert result.returncode == 0, result.stderr[-3000:]
     return run_dir, root / "trackio"
 
