@@ -25,6 +25,7 @@ from jagg_core.config import (ALGORITHM_LABELS, DEFAULT_PRESET, RunConfig, apply
                               list_presets, preset_path, reset_other_algorithms, validate_config, yaml_value)
 from jagg_core.download import DownloadPlan
 from jagg_core.errors import UserError
+from jagg_core.image_size import COMMON_SIZES
 from jagg_core.preflight import check_references
 from jagg_core.prompts import ARCHIVE_SUFFIX, FILE_SUFFIXES, builtin_prompt_sets, load_prompts, unpack_image_folder
 from jagg_core.rewards.catalog import available_rewards
@@ -43,7 +44,8 @@ class Knob:
     """One form field that edits one config key.
 
     ``kind`` picks the widget: an integer or float box, a checkbox, a choice, or several choices (``multi``; ``specs``:
-    rewards' names that the config holds as reward specs, e.g. the judges). A checkbox may stand for two
+    rewards' names that the config holds as reward specs, e.g. the judges); ``size``: an image size, one of
+    ``choices`` or one's own typed in (``sampling.resolution``'s 512 or 832x480). A checkbox may stand for two
     config values (``on``/``off``), e.g. "8-bit AdamW" is ``train.optimizer`` = ``adamw8bit`` or ``adamw``. The
     help text under the widget (``info``) is the config schema's description of the key, as in the config
     reference (docs/config.md), so the two never say different things.
@@ -51,7 +53,7 @@ class Knob:
 
     key: str
     label: str
-    kind: Literal["int", "float", "bool", "choice", "multi", "specs"]
+    kind: Literal["int", "float", "bool", "choice", "multi", "specs", "size"]
     choices: tuple[tuple[str, str], ...] = ()  # (shown label, config value)
     on: Any = True
     off: Any = False
@@ -83,6 +85,8 @@ class Knob:
             if self.optional:
                 return None
             raise UserError(f"'{self.label}' needs a value")
+        if self.kind == "size":  # a square's side as the config writes it; the config reads the rest
+            return int(value) if str(value).strip().isdigit() else value
         if self.kind in ("int", "float"):
             try:
                 number = float(value)
@@ -94,6 +98,8 @@ class Knob:
     def from_config(self, value: Any) -> Any:
         if self.kind == "specs":
             return [spec["name"] for spec in value]
+        if self.kind == "size":
+            return str(value)
         return value == self.on if self.kind == "bool" else value
 
 
@@ -101,7 +107,7 @@ MAIN_KNOBS = (
     Knob("train.iterations", "Iterations", "int"),
     Knob("grpo.num_generations", "Group size", "int"),
     Knob("sampling.num_steps", "Sampling steps", "int"),
-    Knob("sampling.resolution", "Resolution", "int"),
+    Knob("sampling.resolution", "Resolution", "size", choices=tuple((size, size) for size in COMMON_SIZES)),
     Knob("train.learning_rate", "Learning rate", "float"),
     Knob("lora.rank", "LoRA rank", "int"),
 )

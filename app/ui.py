@@ -95,6 +95,8 @@ def _knob_component(knob: Knob, value: Any, algorithm: str) -> gr.components.Com
         return gr.Checkbox(value=value, **common)
     if knob.kind == "choice":
         return gr.Dropdown(choices=list(knob.choices), value=value, **common)
+    if knob.kind == "size":
+        return gr.Dropdown(choices=list(knob.choices), value=value, allow_custom_value=True, **common)
     if knob.kind == "specs":
         return gr.Dropdown(choices=list(knob.choices), value=value, multiselect=True, **common)
     if knob.kind == "multi":

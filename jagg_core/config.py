@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic.fields import FieldInfo
 
 from .errors import UserError
+from .image_size import SIDE_MULTIPLE, SIDE_RANGE, ImageSize, parse_resolution
 from .family_names import declared_families, declared_hub_ids, tiny_model_names
 from .placement import branch_splits, trained_count
 
@@ -120,7 +121,9 @@ class LoraConfig(_Section):
 class SamplingConfig(_Section):
     """Rollouts (the Flow-GRPO SDE sampler, which gives each step a log-probability) and eval samples (Euler ODE)."""
 
-    resolution: int = Field(64, ge=16, le=2048, description="side of the square images in pixels; a multiple of 16")
+    resolution: int | str = Field(64, description="size of the images (or video frames) in pixels: the side of a "
+                                  "square (512) or WIDTHxHEIGHT (832x480, Wan 2.1's own; 1024x576 landscape); each "
+                                  f"side a multiple of {SIDE_MULTIPLE}, {SIDE_RANGE[0]} to {SIDE_RANGE[1]}")
     num_steps: int = Field(10, ge=2, le=200, description="denoising steps T of each rollout, on the family's sigma "
                            "schedule from noise (sigma 1) to image (sigma 0)")
     eval_num_steps: int | None = Field(None, ge=2, le=200, description="Euler ODE steps of the fixed-seed eval "
@@ -164,10 +167,19 @@ class SamplingConfig(_Section):
         """Samples denoised together in an eval of ``prompts`` held-out prompts."""
         return min(prompts, self.rollout_chunk or EVAL_CHUNK)
 
+    @field_validator("resolution", mode="before")
+    @classmethod
+    def _one_way_to_write_a_size(cls, value):
+        """``512``, ``"512"`` and ``"512x512"`` are kept as ``512``; ``"832 X 480"`` as ``"832x480"``."""
+        return parse_resolution(value).text()
+
+    @property
+    def size(self) -> ImageSize:
+        """``resolution`` as ``(height, width)``."""
+        return parse_resolution(self.resolution)
+
     @model_validator(mode="after")
-    def _resolution_multiple(self):
-        if self.resolution % 16:
-            raise ValueError(f"resolution must be a multiple of 16, got {self.resolution}")
+    def _frames_of_a_video(self):
         if (self.num_frames - 1) % VIDEO_FRAME_GROUP:
             raise ValueError(f"num_frames must be 4k + 1 (1, 5, 9, ..., 81), got {self.num_frames}")
         return self

@@ -9,8 +9,8 @@ fixed-seed ODE sampler and sizes)::
 It writes one picture: the base model on the left, the adapter on the right, the same noise (of a video model, the
 videos' middle frames). An image-editing model (FLUX.1 Kontext, Qwen-Image-Edit) takes the prompt as the
 instruction applied to ``--image`` (given ``model.input_images`` times, 'Picture 1' first), prepared as the run's
-own input images are (centre-cropped to a square, ``model.condition_resolution``) and shown first, at the output's
-size. A prompt longer than a text encoder reads is said on stderr (``jagg_core.generate: note: ...``) and sampled
+own input images are (centre-cropped to a square, ``model.condition_resolution``) and shown first, as wide as the
+output. A prompt longer than a text encoder reads is said on stderr (``jagg_core.generate: note: ...``) and sampled
 cut, as the pipelines do. The page's "Try it" panel runs this in its own process, so the app never holds a model.
 """
 
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from .adapters import choose_adapter
-from .edit_prompts import EditPrompt, checked_image_bytes, image_tensor
+from .edit_prompts import EditPrompt, checked_image_bytes
 from .errors import UserError, exit_on_user_error
 from .preflight import model_family
 from .rundir import RunDirectory
@@ -78,7 +78,7 @@ def generate(run_dir: Path, prompt: str, checkpoint: str | None = None, seed: in
     model.encode_and_cache([row])
     model.release_text_encoders()
     model.add_lora(config.lora)
-    steps, size = config.sampling.eval_num_steps or config.sampling.num_steps, config.sampling.resolution
+    steps, size = config.sampling.eval_num_steps or config.sampling.num_steps, config.sampling.size
     sigmas = model.sigmas(steps, size)
     z0 = initial_noise(model, 1, size, torch.Generator().manual_seed(seed))
     cond = model.conditioning([row])
@@ -88,13 +88,13 @@ def generate(run_dir: Path, prompt: str, checkpoint: str | None = None, seed: in
         model.transformer.enable_adapters()
         model.load_lora(adapter.file)
         tuned = model.decode(ode_sample(model, cond, sigmas, z0))
-    panels, captions = [still_frames(base).cpu(), still_frames(tuned).cpu()], ["base model", adapter.label]
+    pictures, captions = to_pil(torch.cat([still_frames(base), still_frames(tuned)]).cpu()), ["base model",
+                                                                                              adapter.label]
     if editing:
-        inputs = row.images(size)
+        inputs = row.images(size.longest)
         names = ["input image"] if len(inputs) == 1 else [f"picture {k}" for k in range(1, len(inputs) + 1)]
-        panels, captions = [image_tensor(inputs), *panels], [*names, *captions]
-    return captioned_grid(to_pil(torch.cat(panels)), captions, title=prompt[:80], columns=len(captions),
-                          cell=max(256, size))
+        pictures, captions = [*inputs, *pictures], [*names, *captions]
+    return captioned_grid(pictures, captions, title=prompt[:80], columns=len(captions), cell=max(256, size.width))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,23 +24,26 @@ def to_pil(images: torch.Tensor) -> list[Image.Image]:
 
 def captioned_grid(images: list[Image.Image], captions: list[str], title: str, columns: int = 8,
                    cell: int = 128) -> Image.Image:
-    """The images tiled ``columns`` to a row, each scaled to ``cell`` pixels (small ones with sharp pixels) with its
-    caption under it, and ``title`` above: one picture of an eval to compare with another iteration's."""
+    """The images tiled ``columns`` to a row, each scaled to ``cell`` pixels wide and its own shape's height (small
+    ones with sharp pixels) with its caption under it, and ``title`` above: one picture of an eval to compare with
+    another iteration's. A row is as tall as the tallest scaled image."""
     font = ImageFont.load_default(size=10)
     line_height, lines = 12, 3
     wrap = max(8, cell // 6)  # characters per caption line
     header, footer = 22, line_height * lines + 4
+    heights = [max(1, round(cell * image.height / image.width)) for image in images]
+    cell_height = max(heights, default=cell)
     rows = -(-len(images) // columns)
     width = cell * min(columns, len(images))
-    sheet = Image.new("RGB", (width, header + rows * (cell + footer)), "white")
+    sheet = Image.new("RGB", (width, header + rows * (cell_height + footer)), "white")
     draw = ImageDraw.Draw(sheet)
     draw.text((4, 4), title, fill="black", font=ImageFont.load_default(size=14))
-    for i, (image, caption) in enumerate(zip(images, captions)):
-        x, y = (i % columns) * cell, header + (i // columns) * (cell + footer)
-        scaled = image.convert("RGB").resize((cell, cell), Image.NEAREST if image.width < cell else Image.LANCZOS)
+    for i, (image, height, caption) in enumerate(zip(images, heights, captions)):
+        x, y = (i % columns) * cell, header + (i // columns) * (cell_height + footer)
+        scaled = image.convert("RGB").resize((cell, height), Image.NEAREST if image.width < cell else Image.LANCZOS)
         sheet.paste(scaled, (x, y))
         for n, text in enumerate(textwrap.wrap(caption, wrap)[:lines]):
-            draw.text((x + 2, y + cell + 2 + n * line_height), text, fill="black", font=font)
+            draw.text((x + 2, y + cell_height + 2 + n * line_height), text, fill="black", font=font)
     return sheet
 
 

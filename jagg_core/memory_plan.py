@@ -56,6 +56,7 @@ from .config import RunConfig
 from .download import amount
 from .errors import UserError
 from .gpus import GB
+from .image_size import ImageSize
 from .judges import check_judges_room, cpu_judges
 from .memory_meter import LiveBytes
 from .models import DTYPES, family_for
@@ -125,7 +126,7 @@ class MemoryPlan:
 
     model: str
     family: str
-    resolution: int
+    size: ImageSize
     resident: dict[str, float] = field(default_factory=dict)
     #: of the resident bytes, those the optimizer's first step makes (AdamW's states): not there at set-up
     optimizer_states: float = 0.0
@@ -172,7 +173,7 @@ class MemoryPlan:
 
     def table(self) -> str:
         """The plan as text: the parts, the phases, the peak (GB = 10^9 bytes)."""
-        lines = [f"Memory plan: {self.model} ({self.family}, {self.resolution} px), GB of accelerator memory",
+        lines = [f"Memory plan: {self.model} ({self.family}, {self.size.text()} px), GB of accelerator memory",
                  "  resident during training:"]
         lines += [f"    {name:<58} {size / GB:8.2f}" for name, size in self.resident.items()]
         lines.append("  set-up (prompts encoded, text encoders then released):")
@@ -312,7 +313,7 @@ def plan_memory(config: RunConfig, backward_traces: dict[tuple, int] | None = No
     model = _meta_model(cfg, compute)
     pipe, transformer = model.pipe, model.transformer
     element = torch.tensor([], dtype=dtype).element_size()
-    plan = MemoryPlan(cfg.model.name, model.family, cfg.sampling.resolution,
+    plan = MemoryPlan(cfg.model.name, model.family, cfg.sampling.size,
                       backward_traces={} if backward_traces is None else backward_traces)
 
     # ----- resident weights
@@ -360,7 +361,7 @@ def plan_memory(config: RunConfig, backward_traces: dict[tuple, int] | None = No
 
     # ----- the rollout batch's tensors
     samples = cfg.grpo.num_generations * cfg.grpo.prompts_per_iteration
-    latent = model.latent_shape(cfg.sampling.resolution)
+    latent = model.latent_shape(cfg.sampling.size)
     latent_numel = math.prod(latent)
     steps = cfg.sampling.num_steps
     trainable = cfg.trainable_steps()
@@ -378,7 +379,7 @@ def plan_memory(config: RunConfig, backward_traces: dict[tuple, int] | None = No
     if model.use_cfg:
         cond_shapes.update({NEGATIVE + k: v for k, v in cond_shapes.items()})
     cond_bytes = samples * sum(math.prod(shape) for shape in cond_shapes.values()) * compute.itemsize
-    images = samples * model.num_frames * 3 * cfg.sampling.resolution ** 2 * 4  # decoded images or video frames
+    images = samples * model.num_frames * 3 * math.prod(cfg.sampling.size) * 4  # decoded images or video frames
 
     def conditioning(batch: int) -> dict[str, torch.Tensor]:
         return {k: torch.zeros((batch, *shape), dtype=compute, device=META) for k, shape in cond_shapes.items()}
@@ -503,7 +504,9 @@ def _memory_savers(config: RunConfig) -> list[tuple[str, object]]:
         savers.append(("model.quantize", "int8"))
     if cfg.model.quantize != "nf4":
         savers.append(("model.quantize", "nf4"))
-    savers += [("sampling.resolution", r) for r in (768, 512, 384, 256) if r < cfg.sampling.resolution]
+    size = cfg.sampling.size
+    savers += [("sampling.resolution", size.scaled_to(side).text()) for side in (768, 512, 384, 256)
+               if side < size.longest]
     return savers
 
 

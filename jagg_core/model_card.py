@@ -33,9 +33,10 @@ from huggingface_hub import ModelCard, ModelCardData
 
 from . import metrics
 from .adapters import BEST, Adapter, choose_adapter
-from .config import ModelConfig
+from .config import ModelConfig, SamplingConfig
 from .edit_prompts import instruction_of
 from .errors import UserError
+from .image_size import parse_resolution
 from .rundir import GRID_FILE as GRID_NAME
 from .rundir import LORA_FILE, ImageSet, RunDirectory, iteration_dirname
 
@@ -143,20 +144,23 @@ def reward_curve_png(rows: list[dict]) -> bytes:
 
 
 def sample_grid_png(before: ImageSet, after: ImageSet, cell: int = 256) -> bytes:
-    """Two rows of eval samples, the base model on top and the adapter below (same prompts and seeds)."""
+    """Two rows of eval samples, the base model on top and the adapter below (same prompts and seeds), each sample
+    ``cell`` pixels wide and as tall as its shape makes it (a landscape image, a video's frame strip)."""
     from PIL import Image, ImageDraw, ImageFont
 
     count = min(len(before.images), len(after.images), GRID_COLUMNS)
+    with Image.open(before.images[0]) as first:
+        height = max(1, round(cell * first.height / first.width))
     label_height, gap = 24, 4
-    grid = Image.new("RGB", ((cell + gap) * count - gap, 2 * (cell + label_height)), "white")
+    grid = Image.new("RGB", ((cell + gap) * count - gap, 2 * (height + label_height)), "white")
     draw = ImageDraw.Draw(grid)
     font = ImageFont.load_default(size=14)
     for row, (samples, label) in enumerate([(before, "base model"), (after, f"iteration {after.iteration}")]):
-        top = row * (cell + label_height)
+        top = row * (height + label_height)
         draw.text((4, top + 4), label, fill="black", font=font)
         for column, path in enumerate(samples.images[:count]):
             with Image.open(path) as image:
-                grid.paste(image.convert("RGB").resize((cell, cell)), (column * (cell + gap), top + label_height))
+                grid.paste(image.convert("RGB").resize((cell, height)), (column * (cell + gap), top + label_height))
     buffer = io.BytesIO()
     grid.save(buffer, format="PNG")
     return buffer.getvalue()
@@ -338,17 +342,19 @@ def _input_images(config: dict) -> int:
 
 
 def _sample_call(prompt: str, sampling: dict, videos: bool, input_images: int) -> tuple[str, str]:
-    """The usage snippet's imports and sampling lines: an image (an edit of ``input_images`` input images, 0 for a
-    text-to-image model), or a video written as an MP4 at the run's fps."""
+    """The usage snippet's imports and sampling lines, at the size the adapter was trained at: an image (an edit of
+    ``input_images`` input images, 0 for a text-to-image model), or a video written as an MP4 at the run's fps."""
+    size = parse_resolution(sampling.get("resolution", SamplingConfig().resolution))
+    at_size = f"height={size.height}, width={size.width}"
     if input_images:
         images = 'load_image("input.png")' if input_images == 1 else \
             "[" + ", ".join(f'load_image("picture{k}.png")' for k in range(1, input_images + 1)) + "]"
         return ("from diffusers import DiffusionPipeline\nfrom diffusers.utils import load_image",
-                f"image = pipe(image={images}, prompt={json.dumps(instruction_of(prompt))}).images[0]")
+                f"image = pipe(image={images}, prompt={json.dumps(instruction_of(prompt))}, {at_size}).images[0]")
     if not videos:
-        return "from diffusers import DiffusionPipeline", f"image = pipe({json.dumps(prompt)}).images[0]"
+        return "from diffusers import DiffusionPipeline", f"image = pipe({json.dumps(prompt)}, {at_size}).images[0]"
     return ("from diffusers import DiffusionPipeline\nfrom diffusers.utils import export_to_video",
-            f"frames = pipe({json.dumps(prompt)}, num_frames={sampling.get('num_frames')}).frames[0]\n"
+            f"frames = pipe({json.dumps(prompt)}, {at_size}, num_frames={sampling.get('num_frames')}).frames[0]\n"
             f"export_to_video(frames, \"sample.mp4\", fps={sampling.get('fps')})")
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .image_size import ImageSize
 from .models.base import Conditioning, FlowModel
 from .sde import STEPS
 
@@ -64,8 +65,9 @@ class Trajectory:
                           self.sigmas, self.std_t, ref, nodes, self.sde_type)
 
 
-def initial_noise(model: FlowModel, batch: int, resolution: int, generator: torch.Generator) -> torch.Tensor:
-    shape = (batch, *model.latent_shape(resolution))
+def initial_noise(model: FlowModel, batch: int, size: ImageSize, generator: torch.Generator) -> torch.Tensor:
+    """Standard normal latents of ``batch`` samples of ``size``, drawn on the CPU from ``generator``."""
+    shape = (batch, *model.latent_shape(size))
     return torch.randn(shape, generator=generator, dtype=torch.float32).to(model.device)
 
 

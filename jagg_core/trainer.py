@@ -120,9 +120,8 @@ class Trainer:
         optimizer = make_optimizer(cfg.train.optimizer, self.params, cfg.train.learning_rate, cfg.train.weight_decay)
         self.sharding = Sharding(self.accelerator)  # FSDP2 of the frozen transformer under an FSDP accelerate config
         self.optimizer = self.sharding.prepare(self.model, optimizer)
-        self.sigmas = self.model.sigmas(cfg.sampling.num_steps, cfg.sampling.resolution)
-        self.eval_sigmas = self.model.sigmas(cfg.sampling.eval_num_steps or cfg.sampling.num_steps,
-                                             cfg.sampling.resolution)
+        self.sigmas = self.model.sigmas(cfg.sampling.num_steps, cfg.sampling.size)
+        self.eval_sigmas = self.model.sigmas(cfg.sampling.eval_num_steps or cfg.sampling.num_steps, cfg.sampling.size)
         self.algorithm = make_algorithm(TrainingContext(
             cfg, self.model, self.params, self.sigmas, self.accelerator.device, self.accelerator.backward,
             self.accelerator.autocast, cfg.train.seed, self.rank, self.sharding))
@@ -208,7 +207,7 @@ class Trainer:
         frames = (cfg.sampling.num_frames,) if cfg.sampling.num_frames > 1 else ()
         device = self.accelerator.device
         with forked_rng(device):
-            load_judges(judges, torch.full((1, *frames, 3, cfg.sampling.resolution, cfg.sampling.resolution), 0.5),
+            load_judges(judges, torch.full((1, *frames, 3, *cfg.sampling.size), 0.5),
                         self.eval_prompts[:1])
         return judges
 
@@ -402,7 +401,7 @@ class Trainer:
         began = time.perf_counter()
         cfg = self.config
         generator = torch.Generator().manual_seed(cfg.train.eval_seed)
-        z0 = initial_noise(self.model, len(self.eval_prompts), cfg.sampling.resolution, generator)
+        z0 = initial_noise(self.model, len(self.eval_prompts), cfg.sampling.size, generator)
         images, chunk = [], cfg.sampling.eval_chunk(len(self.eval_prompts))
         with self.accelerator.autocast(), self.averaged_weights():
             for first in range(0, len(self.eval_prompts), chunk):

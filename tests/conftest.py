@@ -91,13 +91,29 @@ def pipeline_with_final_latents(pipe, **call):
     return output, final["latents"].float()
 
 
+def noise(model, batch: int, seed: int = 0, size=None):
+    """Seeded standard normal latents of ``batch`` samples of ``model`` at ``size`` (default 32 x 32 px, the tiny
+    models' tests' size)."""
+    import torch
+
+    from jagg_core.image_size import ImageSize
+    size = size or ImageSize.square(32)
+    return torch.randn((batch, *model.latent_shape(size)), generator=torch.Generator().manual_seed(seed))
+
+
 def pipeline_latents(model, z):
     """The pipeline's ``latents`` argument for the sampler's ``z``: FLUX.2 takes the patchified grid [B, 4C, h, w]
-    and packs it itself; the others (Z-Image, the editing pipelines but FLUX.2's) take ``z`` as it is."""
-    if not model.family.startswith("flux2"):
-        return z.clone()
-    side = model.token_grid(z)
-    return z.transpose(1, 2).reshape(z.shape[0], z.shape[2], side, side).clone()
+    and packs it itself; the others take them as their denoising loop holds them (:func:`loop_latents`)."""
+    if model.family.startswith("flux2"):
+        return z.permute(0, 3, 1, 2).clone()
+    return loop_latents(model, z).clone()
+
+
+def loop_latents(model, z):
+    """The sampler's ``z`` as the pipelines' denoising loop holds it: a packed family's grid [B, h, w, 4C] as its
+    tokens row by row [B, h w, 4C] (FLUX, Qwen-Image, FLUX.2, the editing families), the others as it is."""
+    from jagg_core.models.base import PackedFlowModel
+    return z.flatten(1, 2) if isinstance(model, PackedFlowModel) else z
 
 
 def add_moved_lora(model):

@@ -19,6 +19,7 @@ from jagg_core.bench import ROW_KEYS, arch_model, arch_options, arch_overrides
 from jagg_core.bench import main as bench_main
 from jagg_core.config import ModelConfig
 from jagg_core.errors import UserError
+from jagg_core.image_size import ImageSize
 from jagg_core.models import load_flow_model
 from jagg_core.models.random_weights import build_random_pipeline
 
@@ -167,7 +168,7 @@ def test_random_weight_models_condition_and_predict_at_the_real_widths(arch, wid
     assert cond["prompt_embeds"].shape[0] == 2 and cond["prompt_embeds"].shape[-1] == real["joint_attention_dim"]
     if hasattr(model, "release_text_encoders"):
         model.release_text_encoders()
-    z = torch.randn(2, *model.latent_shape(64), generator=torch.Generator().manual_seed(0))
+    z = torch.randn(2, *model.latent_shape(ImageSize.square(64)), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         velocity = model.velocity(z, torch.tensor(0.7), cond)
     assert velocity.shape == z.shape and torch.isfinite(velocity).all() and velocity.std() > 0

@@ -18,12 +18,13 @@ import torch
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
 from PIL import Image
 
-from conftest import pipeline_latents, run_cli, tiny_config
+from conftest import loop_latents, noise, pipeline_latents, run_cli, tiny_config
 from jagg_core import metrics
 from jagg_core.config import LoraConfig, ModelConfig, RewardSpec, list_presets, load_config
 from jagg_core.edit_prompts import EditPrompt, input_images, instruction_of, png_bytes
 from jagg_core.errors import UserError
 from jagg_core.hub import write_model_card
+from jagg_core.image_size import ImageSize
 from jagg_core.memory_meter import measured_peak
 from jagg_core.memory_plan import plan_memory
 from jagg_core.models import build_tiny_pipeline, load_flow_model
@@ -44,6 +45,8 @@ EDIT_RUNS = {"tiny-flux-kontext": {}, "tiny-qwen-edit": {}, "tiny-qwen-edit-plus
              "tiny-flux2": {"input_images": 1}}
 EDIT_MODELS = list(EDIT_RUNS)
 RES, CONDITION, STEPS = 32, 32, 3
+SIZE = ImageSize.square(RES)
+LANDSCAPE = ImageSize(height=32, width=64)
 #: the input image's side where a pipeline refuses CONDITION (Flux2KleinPipeline takes 64 px and more)
 PIPELINE_CONDITION = {"tiny-flux2": 64}
 #: text tokens: the longest example instruction, with the tiny Qwen-Image-Edit tokenizer's template tokens, fits
@@ -192,10 +195,6 @@ def editing_config(name: str, **overrides):
     return tiny_config(name, **{f"model__{key}": value for key, value in EDIT_RUNS[name].items()}, **overrides)
 
 
-def noise(model, batch: int, seed: int = 0) -> torch.Tensor:
-    return torch.randn((batch, *model.latent_shape(RES)), generator=torch.Generator().manual_seed(seed))
-
-
 @pytest.mark.parametrize("name", EDIT_MODELS)
 def test_each_row_is_encoded_once_with_its_image_latents(name, monkeypatch):
     model = load(name, guidance_scale=3.0, negative_prompt="blurry")
@@ -205,7 +204,8 @@ def test_each_row_is_encoded_once_with_its_image_latents(name, monkeypatch):
     monkeypatch.setattr(model, "encode_prompts", lambda prompts: encoded.extend(prompts) or encode(prompts))
     cond = model.conditioning([first, same_text, first])
     assert encoded == [first, same_text]  # a row twice in a batch: encoded once
-    tokens = model.image_seq_len(model.config.condition_resolution)  # (side / (2 x the VAE's factor))^2
+    # (side / (2 x the VAE's factor))^2
+    tokens = model.image_seq_len(ImageSize.square(model.config.condition_resolution))
     assert cond[IMAGE_LATENTS].shape == (3, tokens, model.transformer.config.in_channels)
     assert torch.equal(cond[IMAGE_LATENTS], cond[NEGATIVE + IMAGE_LATENTS])
     assert torch.equal(cond[IMAGE_LATENTS][0], cond[IMAGE_LATENTS][2])
@@ -244,14 +244,16 @@ def qwen_edit_condition_size(monkeypatch):
 
 
 @pytest.mark.parametrize("name", EDIT_MODELS)
-@pytest.mark.parametrize("guidance_scale", [1.0, 3.0])
-def test_euler_ode_reproduces_pipeline(name, guidance_scale, qwen_edit_condition_size):
+@pytest.mark.parametrize(("guidance_scale", "size"), [(1.0, SIZE), (3.0, SIZE), (3.0, LANDSCAPE)],
+                         ids=["square", "square-cfg", "landscape-cfg"])
+def test_euler_ode_reproduces_pipeline(name, guidance_scale, size, qwen_edit_condition_size):
     """z_{i+1} = z_i + (sigma_{i+1} - sigma_i) v(z_i, sigma_i, c) on two rows at once equals the pipeline's own
-    ``__call__`` on each row from the same noise and input image (true CFG included)."""
+    ``__call__`` on each row from the same noise and input image (true CFG included), the output square or
+    landscape (the input image square)."""
     model = load(name, guidance_scale=guidance_scale, negative_prompt="ugly", flux_guidance=2.5)
     prompts = rows()
-    z0 = noise(model, len(prompts), seed=1)
-    sigmas, cond = model.sigmas(STEPS, RES), model.conditioning(prompts)
+    z0 = noise(model, len(prompts), seed=1, size=size)
+    sigmas, cond = model.sigmas(STEPS, size), model.conditioning(prompts)
     z = z0
     with torch.no_grad():
         for i in range(STEPS):
@@ -259,7 +261,7 @@ def test_euler_ode_reproduces_pipeline(name, guidance_scale, qwen_edit_condition
         images = model.decode(z)
 
     true_cfg = {"true_cfg_scale": guidance_scale, "negative_prompt": "ugly" if model.use_cfg else None}
-    kontext = {"guidance_scale": 2.5, "_auto_resize": False, "max_area": RES * RES}  # the output keeps RES x RES
+    kontext = {"guidance_scale": 2.5, "_auto_resize": False, "max_area": size.height * size.width}  # kept as asked
     klein = {"guidance_scale": guidance_scale}  # its negative prompt is "" unless its embeddings are given
     if model.use_cfg and name == "tiny-flux2":
         klein["negative_prompt_embeds"] = model.encode_without_cfg([EditPrompt("ugly", (), "")])["prompt_embeds"]
@@ -273,11 +275,11 @@ def test_euler_ode_reproduces_pipeline(name, guidance_scale, qwen_edit_condition
             return {}
 
         output = model.pipe(image=row.image(model.config.condition_resolution), prompt=row.instruction,
-                            num_inference_steps=STEPS, latents=pipeline_latents(model, z0[i:i + 1]), height=RES,
-                            width=RES, output_type="pt", max_sequence_length=TEXT, callback_on_step_end=keep_latents,
-                            **family)
+                            num_inference_steps=STEPS, latents=pipeline_latents(model, z0[i:i + 1]),
+                            height=size.height, width=size.width, output_type="pt", max_sequence_length=TEXT,
+                            callback_on_step_end=keep_latents, **family)
         torch.testing.assert_close(model.pipe.scheduler.sigmas, sigmas, atol=1e-6, rtol=0)
-        torch.testing.assert_close(z[i:i + 1], final["latents"].float(), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(loop_latents(model, z[i:i + 1]), final["latents"].float(), atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(images[i:i + 1], output.images.float(), atol=1e-4, rtol=1e-4)
 
 
@@ -320,8 +322,8 @@ def test_the_plus_model_reads_every_input_image_as_the_pipeline_does(two_image_f
     model = load("tiny-qwen-edit-plus", input_images=2, guidance_scale=3.0, negative_prompt="ugly")
     prompts = load_prompts(str(two_image_folder))[:2]
     z0 = noise(model, len(prompts), seed=2)
-    sigmas, cond = model.sigmas(STEPS, RES), model.conditioning(prompts)
-    assert cond[IMAGE_LATENTS].shape[1] == 2 * model.image_seq_len(CONDITION)
+    sigmas, cond = model.sigmas(STEPS, SIZE), model.conditioning(prompts)
+    assert cond[IMAGE_LATENTS].shape[1] == 2 * model.image_seq_len(ImageSize.square(CONDITION))
     z = z0
     with torch.no_grad():
         for i in range(STEPS):
@@ -334,9 +336,10 @@ def test_the_plus_model_reads_every_input_image_as_the_pipeline_does(two_image_f
             return {}
 
         model.pipe(image=row.images(CONDITION), prompt=row.instruction, num_inference_steps=STEPS,
-                   latents=z0[i:i + 1].clone(), height=RES, width=RES, output_type="latent", true_cfg_scale=3.0,
-                   negative_prompt="ugly", max_sequence_length=TEXT, callback_on_step_end=keep_latents)
-        torch.testing.assert_close(z[i:i + 1], final["latents"].float(), atol=1e-4, rtol=1e-4)
+                   latents=pipeline_latents(model, z0[i:i + 1]), height=RES, width=RES, output_type="latent",
+                   true_cfg_scale=3.0, negative_prompt="ugly", max_sequence_length=TEXT,
+                   callback_on_step_end=keep_latents)
+        torch.testing.assert_close(loop_latents(model, z[i:i + 1]), final["latents"].float(), atol=1e-4, rtol=1e-4)
     with torch.no_grad():  # the second picture matters
         swapped = model.velocity(z0, sigmas[0], model.conditioning(load_prompts(str(two_image_folder))[3:5]))
         assert not torch.allclose(swapped, model.velocity(z0, sigmas[0], cond))
@@ -374,7 +377,8 @@ def test_a_two_image_run_trains_and_its_plan_counts_the_second_image(two_image_f
     trainer.fit()
     assert [r["iteration"] for r in RunDirectory(tmp_path / "run").read_metrics()] == [0, 1, 2]
     card = write_model_card(tmp_path / "run", "alice/pairs").text  # the snippet passes both pictures
-    assert 'pipe(image=[load_image("picture1.png"), load_image("picture2.png")], prompt="swap colours")' in card
+    assert ('pipe(image=[load_image("picture1.png"), load_image("picture2.png")], prompt="swap colours", height=32, '
+            'width=32)') in card
     from jagg_core.generate import generate
     tried = generate(tmp_path / "run", "swap colours", images=[two_image_folder / "red.png",
                                                                two_image_folder / "blue.png"])
@@ -458,7 +462,8 @@ def test_two_training_iterations_and_the_adapter_loads_in_diffusers(name, tmp_pa
 
     card = write_model_card(run.path, "alice/edit-lora")  # an edit's card: image-to-image, the call with an input
     assert card.data.pipeline_tag == "image-to-image" and "widget" not in card.data.to_dict()
-    call = re.search(r'image = pipe\(image=load_image\("input.png"\), prompt="(.*)"\)\.images\[0\]', card.text)
+    call = re.search(r'image = pipe\(image=load_image\("input.png"\), prompt="(.*)", height=32, width=32\)\.images\[0\]',
+                     card.text)  # at the size it was trained at
     assert call and call[1] in {row.instruction for row in load_prompts(EDIT_SET)}
     assert "from diffusers.utils import load_image" in card.text
 

@@ -10,6 +10,7 @@ import torch
 
 from jagg_core.config import BackwardConfig, ModelConfig
 from jagg_core.grpo import LossSettings, group_advantages, step_loss
+from jagg_core.image_size import ImageSize
 from jagg_core.jagg import (Window, interpolation_weights, linearity_score, make_plan, cover_with_windows,
                             route_windows, run_backward)
 from jagg_core.models import load_flow_model
@@ -36,7 +37,7 @@ class AffineJacobianModel(torch.nn.Module):
         self.device = torch.device("cpu")
         self.disabled = False
 
-    def latent_shape(self, resolution):
+    def latent_shape(self, size):
         return (12,)
 
     def velocity(self, z, sigma, cond):
@@ -58,7 +59,7 @@ class AffineJacobianModel(torch.nn.Module):
 def rollout(model, batch=6, kl=False, seed=0, sde_type="flow_grpo"):
     gen = torch.Generator().manual_seed(seed)
     sigmas = torch.linspace(1, 0, STEPS + 1) ** 1.5
-    z0 = torch.randn((batch, *model.latent_shape(0)), generator=gen)
+    z0 = torch.randn((batch, *model.latent_shape(ImageSize.square(16))), generator=gen)
     cond = {"c": torch.zeros(batch, 1)}
     traj = sde_rollout(model, cond, sigmas, 0.7, z0, gen, with_reference=kl, sde_type=sde_type)
     rewards = torch.randn(batch, generator=gen)
@@ -251,8 +252,8 @@ def tiny_rollout(model, steps=6):
     gen = torch.Generator().manual_seed(0)
     prompts = ["a red circle", "a blue square"]
     cond = model.conditioning([p for p in prompts for _ in range(2)])
-    sigmas = model.sigmas(steps, 32)
-    z0 = torch.randn((4, *model.latent_shape(32)), generator=gen)
+    sigmas = model.sigmas(steps, ImageSize.square(32))
+    z0 = torch.randn((4, *model.latent_shape(ImageSize.square(32))), generator=gen)
     traj = sde_rollout(model, cond, sigmas, 0.7, z0, gen)
     adv = group_advantages(torch.tensor([1.0, 0.0, 0.3, 0.9]), 2, 5.0)
     return traj, cond, adv

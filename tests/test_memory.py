@@ -18,6 +18,7 @@ from jagg_core.host import available_memory
 from jagg_core.gpu_check import CheckOptions, memory_recipe
 from jagg_core import judges
 from jagg_core.download import amount
+from jagg_core.image_size import ImageSize
 from jagg_core.judges import judges_device
 from jagg_core.memory_meter import PeakMemory, measured_peak
 from jagg_core import memory_plan
@@ -207,11 +208,11 @@ def test_rollouts_in_chunks_sample_the_same_trajectory_as_one_batch(model_name, 
     model.add_lora(tiny_config().lora)
     prompts = ["a red circle", "two cats", "a blue square"]
     cond = model.conditioning([p for p in prompts for _ in range(2)])
-    sigmas = model.sigmas(6, 32)
+    sigmas = model.sigmas(6, ImageSize.square(32))
 
     def rollout(chunk):
         generator = torch.Generator().manual_seed(3)
-        z0 = initial_noise(model, 6, 32, generator)
+        z0 = initial_noise(model, 6, ImageSize.square(32), generator)
         return sde_rollout(model, cond, sigmas, 0.7, z0, generator, with_reference=True, sde_steps=range(4),
                            chunk_size=chunk)
 

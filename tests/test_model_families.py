@@ -16,15 +16,19 @@ from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
 
 from jagg_core.config import LoraConfig, ModelConfig
 from jagg_core.errors import UserError
+from jagg_core.image_size import ImageSize
 from jagg_core.models import FAMILIES, build_tiny_pipeline, load_flow_model
 from jagg_core.models.base import NEGATIVE
 from jagg_core.models.flux import FluxModel
 
-from conftest import adapter_and_base_velocity, add_moved_lora, euler_ode, pipeline_with_final_latents
+from conftest import (adapter_and_base_velocity, add_moved_lora, euler_ode, loop_latents, noise, pipeline_latents,
+                      pipeline_with_final_latents)
 
 FAMILY = {"tiny-sd3": "sd3", "tiny-flux": "flux", "tiny-qwen": "qwen-image"}
 NAMES = list(FAMILY)
 RES, STEPS = 32, 3
+SIZE = ImageSize.square(RES)
+LANDSCAPE = ImageSize(height=32, width=64)  # twice as many tokens across as down
 PROMPTS = ["a red circle", "two blue squares on a green background"]
 
 
@@ -40,14 +44,11 @@ def schnell(config: ModelConfig) -> FluxModel:
     return FluxModel(pipe, config)
 
 
-def noise(model, batch: int, seed: int = 0, resolution: int = RES) -> torch.Tensor:
-    return torch.randn((batch, *model.latent_shape(resolution)), generator=torch.Generator().manual_seed(seed))
-
-
-def pipeline_kwargs(model) -> dict:
-    """The pipeline ``__call__`` arguments that mean what ``model.config`` means to the adapter."""
+def pipeline_kwargs(model, size: ImageSize = SIZE) -> dict:
+    """The pipeline ``__call__`` arguments that mean what ``model.config`` (and the sampler's ``size``) mean to the
+    adapter."""
     config, cfg = model.config, model.use_cfg
-    kwargs = {"height": RES, "width": RES, "max_sequence_length": config.max_sequence_length}
+    kwargs = {"height": size.height, "width": size.width, "max_sequence_length": config.max_sequence_length}
     if model.family == "sd3":
         return kwargs | {"guidance_scale": config.guidance_scale, "negative_prompt": config.negative_prompt}
     kwargs |= {"true_cfg_scale": config.guidance_scale, "negative_prompt": config.negative_prompt if cfg else None}
@@ -64,9 +65,9 @@ def _stop(*_args):
     raise _Stop
 
 
-def pipeline_sigmas(model, num_steps: int, resolution: int) -> torch.Tensor:
+def pipeline_sigmas(model, num_steps: int, size: ImageSize) -> torch.Tensor:
     """The sigmas the pipeline's own ``__call__`` sets on its scheduler (stopped after one step)."""
-    kwargs = pipeline_kwargs(model) | {"height": resolution, "width": resolution}
+    kwargs = pipeline_kwargs(model, size)
     with pytest.raises(_Stop):
         model.pipe(prompt=PROMPTS[:1], num_inference_steps=num_steps, callback_on_step_end=_stop, **kwargs)
     return model.pipe.scheduler.sigmas
@@ -142,18 +143,19 @@ def test_conditioning_is_batched_and_the_kept_prompts_come_from_the_cache(name, 
 
 # ----- sigmas -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize(("num_steps", "resolution"), [(4, 32), (10, 128)])
-def test_sigmas_are_the_pipelines_schedule(name, num_steps, resolution):
+@pytest.mark.parametrize(("num_steps", "size"), [(4, SIZE), (10, ImageSize.square(128)), (10, ImageSize(128, 64))])
+def test_sigmas_are_the_pipelines_schedule(name, num_steps, size):
     model = load(name)
-    sigmas = model.sigmas(num_steps, resolution)
+    sigmas = model.sigmas(num_steps, size)
     assert sigmas.shape == (num_steps + 1,)
     assert sigmas[0] > 0.9 and sigmas[-1] == 0 and bool((sigmas[1:] < sigmas[:-1]).all())
-    torch.testing.assert_close(sigmas, pipeline_sigmas(model, num_steps, resolution), atol=1e-6, rtol=0)
+    torch.testing.assert_close(sigmas, pipeline_sigmas(model, num_steps, size), atol=1e-6, rtol=0)
 
 
 def test_schnell_sigmas_are_the_pipelines_schedule():
     model = schnell(ModelConfig(name="tiny-flux", max_sequence_length=32))
-    torch.testing.assert_close(model.sigmas(4, 64), pipeline_sigmas(model, 4, 64), atol=1e-6, rtol=0)
+    size = ImageSize.square(64)
+    torch.testing.assert_close(model.sigmas(4, size), pipeline_sigmas(model, 4, size), atol=1e-6, rtol=0)
 
 
 # ----- velocity and decoding --------------------------------------------------------------------
@@ -165,7 +167,7 @@ def test_velocity_shape_cfg_and_decode(name):
         v = plain.velocity(z, sigma, plain.conditioning(PROMPTS))
         v_cfg = guided.velocity(z, sigma, guided.conditioning(PROMPTS))
         images = plain.decode(z)
-    assert v.shape == v_cfg.shape == z.shape == (2, *plain.latent_shape(RES))
+    assert v.shape == v_cfg.shape == z.shape == (2, *plain.latent_shape(SIZE))
     assert torch.isfinite(v_cfg).all() and not torch.allclose(v, v_cfg)
     assert images.shape == (2, 3, RES, RES) and images.dtype == torch.float32
     assert images.min() >= 0 and images.max() <= 1
@@ -192,20 +194,24 @@ def test_flux_guidance_embedding_is_used():
 
 
 @pytest.mark.parametrize("variant", [*NAMES, "tiny-flux-schnell"])
-@pytest.mark.parametrize("guidance_scale", [1.0, 3.0])
-def test_euler_ode_reproduces_pipeline(variant, guidance_scale):
-    """z_{i+1} = z_i + (sigma_{i+1} - sigma_i) v(z_i, sigma_i) equals the pipeline's sampling loop."""
+@pytest.mark.parametrize(("guidance_scale", "size"), [(1.0, SIZE), (3.0, SIZE), (3.0, LANDSCAPE)],
+                         ids=["square", "square-cfg", "landscape-cfg"])
+def test_euler_ode_reproduces_pipeline(variant, guidance_scale, size):
+    """z_{i+1} = z_i + (sigma_{i+1} - sigma_i) v(z_i, sigma_i) equals the pipeline's sampling loop, at a square size
+    and a landscape one (height 32, width 64: a packed family's token positions are (row, column) of its grid)."""
     config = ModelConfig(name=variant.removesuffix("-schnell"), guidance_scale=guidance_scale,
                          negative_prompt="ugly", flux_guidance=2.5, max_sequence_length=32)
     model = schnell(config) if variant.endswith("schnell") else load_flow_model(config)
-    z0 = noise(model, len(PROMPTS), seed=1)
-    sigmas = model.sigmas(STEPS, RES)
+    z0 = noise(model, len(PROMPTS), seed=1, size=size)
+    sigmas = model.sigmas(STEPS, size)
     z, images = euler_ode(model, z0, sigmas, model.conditioning(PROMPTS))
     output, latents = pipeline_with_final_latents(model.pipe, prompt=PROMPTS, num_inference_steps=STEPS,
-                                                  latents=z0.clone(), output_type="pt", **pipeline_kwargs(model))
+                                                  latents=pipeline_latents(model, z0), output_type="pt",
+                                                  **pipeline_kwargs(model, size))
     torch.testing.assert_close(model.pipe.scheduler.sigmas, sigmas, atol=1e-6, rtol=0)
-    torch.testing.assert_close(z, latents, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(loop_latents(model, z), latents, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(images, output.images.float(), atol=1e-4, rtol=1e-4)
+    assert images.shape[-2:] == size
 
 
 # ----- LoRA ---------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from jagg_core import metrics
+from jagg_core.image_size import ImageSize
 from jagg_core.models import build_tiny_pipeline
 from jagg_core.rundir import RunDirectory
 from jagg_core.errors import UserError
@@ -29,7 +30,7 @@ def train(config, run_dir, resume=False) -> Trainer:
 
 def probe_output(transformer_velocity, model, seed=5):
     gen = torch.Generator().manual_seed(seed)
-    z = torch.randn((2, *model.latent_shape(32)), generator=gen)
+    z = torch.randn((2, *model.latent_shape(ImageSize.square(32))), generator=gen)
     cond = model.conditioning(list(model.cached_embeddings)[:2])  # prompts of the run: the encoders are released
     with torch.no_grad():
         return transformer_velocity(z, torch.tensor([0.7, 0.3]), {k: v for k, v in cond.items()})

@@ -15,6 +15,7 @@ from PIL import Image
 from app import live
 from jagg_core.config import ModelConfig, RewardSpec, load_config
 from jagg_core.errors import UserError
+from jagg_core.image_size import ImageSize
 from jagg_core.memory_plan import plan_memory
 from jagg_core.model_card import build_model_card, publish_files, read_run
 from jagg_core.models import build_tiny_pipeline, load_flow_model
@@ -26,9 +27,11 @@ from jagg_core.rewards.catalog import NoOptions
 from jagg_core.rundir import RunDirectory
 from jagg_core.video import frame_indices
 
-from conftest import adapter_and_base_velocity, add_moved_lora, euler_ode, pipeline_with_final_latents, run_cli
+from conftest import adapter_and_base_velocity, add_moved_lora, euler_ode, noise, pipeline_with_final_latents, run_cli
 
 RES, FRAMES, STEPS = 32, 5, 3
+SIZE = ImageSize.square(RES)
+LANDSCAPE = ImageSize(height=32, width=64)  # as Wan 2.1's own 832x480
 PROMPTS = ["a red ball rolling", "two blue cubes spinning on a green floor"]
 
 
@@ -36,17 +39,13 @@ def load(num_frames: int = FRAMES, **overrides):
     return load_flow_model(ModelConfig(name="tiny-wan", max_sequence_length=16, **overrides), num_frames=num_frames)
 
 
-def noise(model, batch: int, seed: int = 0) -> torch.Tensor:
-    return torch.randn((batch, *model.latent_shape(RES)), generator=torch.Generator().manual_seed(seed))
-
-
 # ----- the family ---------------------------------------------------------------------------------
 def test_tiny_wan_is_a_video_family_with_wans_latent_layout():
     model = load()
     assert model.family == "wan" and model.is_video and model.num_frames == FRAMES
     # 16 channels -> 4 in tiny-wan; 5 frames -> 1 + 4/4 = 2 latent frames; 32 px / 8 = 4
-    assert model.latent_shape(RES) == (4, 2, 4, 4)
-    assert model.image_seq_len(RES) == 2 * 2 * 2
+    assert model.latent_shape(SIZE) == (4, 2, 4, 4)
+    assert model.image_seq_len(SIZE) == 2 * 2 * 2
     with torch.no_grad():
         frames = model.decode(noise(model, 2))
     assert frames.shape == (2, FRAMES, 3, RES, RES) and frames.min() >= 0 and frames.max() <= 1
@@ -65,31 +64,32 @@ def test_sigmas_are_the_euler_schedule_with_wans_flow_shift():
     assert model.pipe.scheduler.config.flow_shift == 3.0
     euler = FlowMatchEulerDiscreteScheduler(shift=3.0)
     euler.set_timesteps(10)
-    sigmas = model.sigmas(10, RES)
+    sigmas = model.sigmas(10, SIZE)
     torch.testing.assert_close(sigmas, euler.sigmas.float())
     unshifted = FlowMatchEulerDiscreteScheduler()
     unshifted.set_timesteps(10)
     assert bool((sigmas[1:-1] > unshifted.sigmas[1:-1]).all())  # the shift keeps more steps near the noise
 
 
-@pytest.mark.parametrize("guidance_scale", [1.0, 5.0])
-def test_euler_ode_reproduces_pipeline(guidance_scale):
+@pytest.mark.parametrize(("guidance_scale", "size"), [(1.0, SIZE), (5.0, SIZE), (5.0, LANDSCAPE)])
+def test_euler_ode_reproduces_pipeline(guidance_scale, size):
     """z_{i+1} = z_i + (sigma_{i+1} - sigma_i) v(z_i, sigma_i) from the same noise equals WanPipeline.__call__ with
     FlowMatchEulerDiscreteScheduler(shift=flow_shift) swapped in (timestep 1000 sigma, CFG with the negative prompt,
-    decoding with the VAE's latents_mean/std)."""
+    decoding with the VAE's latents_mean/std), square or landscape."""
     model = load(guidance_scale=guidance_scale, negative_prompt="ugly")
-    z0 = noise(model, len(PROMPTS), seed=1)
-    sigmas = model.sigmas(STEPS, RES)
+    z0 = noise(model, len(PROMPTS), seed=1, size=size)
+    sigmas = model.sigmas(STEPS, size)
     z, frames = euler_ode(model, z0, sigmas, model.conditioning(PROMPTS))
 
     model.pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=model.pipe.scheduler.config.flow_shift)
     output, latents = pipeline_with_final_latents(
         model.pipe, prompt=PROMPTS, negative_prompt=["ugly"] * len(PROMPTS), guidance_scale=guidance_scale,
-        height=RES, width=RES, num_frames=FRAMES, num_inference_steps=STEPS, latents=z0.clone(),
+        height=size.height, width=size.width, num_frames=FRAMES, num_inference_steps=STEPS, latents=z0.clone(),
         max_sequence_length=16, output_type="pt")
     torch.testing.assert_close(model.pipe.scheduler.sigmas, sigmas, atol=1e-6, rtol=0)
     torch.testing.assert_close(z, latents, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(frames, output.frames.float(), atol=1e-4, rtol=1e-4)
+    assert frames.shape == (len(PROMPTS), FRAMES, 3, *size)
 
 
 def test_saved_lora_loads_back_with_wan_load_lora_weights(tmp_path):
@@ -114,7 +114,7 @@ def test_the_real_arch_with_random_weights_conditions_and_predicts_at_the_real_w
     assert model.pipe.scheduler.config.flow_shift == 3.0 and len(model.transformer.blocks) == 1
     cond = model.conditioning(PROMPTS[:1])
     assert cond["prompt_embeds"].shape == (1, 16, 4096)
-    z = torch.randn(1, *model.latent_shape(64), generator=torch.Generator().manual_seed(0))
+    z = torch.randn(1, *model.latent_shape(ImageSize.square(64)), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         velocity = model.velocity(z, torch.tensor(0.7), cond)
     assert velocity.shape == z.shape == (1, 16, 2, 8, 8) and torch.isfinite(velocity).all()
@@ -125,7 +125,10 @@ def test_memory_plan_of_the_real_arch_counts_the_video_tokens():
     for time) holds the decoded frames of every video of the rollout batch."""
     name = "random:wan21-t2v-1.3b@1"
     model = WanModel(meta_pipeline(name), ModelConfig(name=name), "meta", num_frames=33)
-    assert model.latent_shape(480) == (16, 9, 60, 60) and model.image_seq_len(480) == 8100
+    assert model.latent_shape(ImageSize.square(480)) == (16, 9, 60, 60)
+    assert model.image_seq_len(ImageSize.square(480)) == 8100
+    assert model.latent_shape(ImageSize(480, 832)) == (16, 9, 60, 104)  # Wan 2.1's own 832x480
+    assert model.image_seq_len(ImageSize(480, 832)) == 9 * 30 * 52
     config = load_config(preset="wan21-t2v-1.3b-pickscore-24gb", overrides=[
         f"model.name={name}", "sampling.resolution=128", "sampling.num_frames=17", "grpo.num_generations=4"])
     plan = plan_memory(config)

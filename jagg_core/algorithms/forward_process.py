@@ -128,7 +128,7 @@ class ForwardProcessAlgorithm(Algorithm):
         """Euler ODE samples from independent noise, under :meth:`sampling_policy`."""
         cfg, model = self.config, self.ctx.model
         count = next(iter(cond.values())).shape[0]
-        z0 = initial_noise(model, count, cfg.sampling.resolution, generator)
+        z0 = initial_noise(model, count, cfg.sampling.size, generator)
         with self.sampling_policy():
             latents = ode_sample(model, cond, self.ctx.sigmas, z0, chunk_size=cfg.sampling.rollout_chunk)
         return Sampled(latents)

@@ -64,7 +64,7 @@ class GrpoAlgorithm(Algorithm):
         count = next(iter(cond.values())).shape[0]
         shared = group if cfg.grpo.shared_prefix or cfg.grpo.branch_factor else 1  # samples per initial noise
         splits = branch_splits(trained_steps(spans), group, cfg.grpo.branch_factor) if cfg.grpo.branch_factor else None
-        z0 = initial_noise(model, count // shared, cfg.sampling.resolution, generator)
+        z0 = initial_noise(model, count // shared, cfg.sampling.size, generator)
         traj = sde_rollout(model, cond, self.ctx.sigmas, cfg.sampling.noise_level, z0.repeat_interleave(shared, dim=0),
                            generator, with_reference=cfg.grpo.kl_beta > 0 and cfg.grpo.kl_reference == "rollout",
                            sde_steps=trained_steps(spans) if cfg.grpo.ode_after_trained else None,

@@ -29,7 +29,7 @@ def arch_model(arch: str | None, random_weights: bool, layers: int | None = None
     return name
 
 
-def arch_overrides(device_type: str, resolution: int | None = None, quantize: str | None = None) -> list[str]:
+def arch_overrides(device_type: str, resolution: int | str | None = None, quantize: str | None = None) -> list[str]:
     """Config overrides of the real-architecture bench: the resolution (default :data:`ARCH_RESOLUTION`),
     bf16 weights and bf16 autocast on a GPU (float32 on a CPU), and ``model.quantize``."""
     overrides = [f"sampling.resolution={resolution or ARCH_RESOLUTION.get(device_type, ARCH_RESOLUTION['cpu'])}"]

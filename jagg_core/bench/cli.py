@@ -87,9 +87,9 @@ def main(argv: list[str] | None = None) -> None:
                       help="the arch built from its shipped configs with random weights (model random:ARCH[@LAYERS])")
     real.add_argument("--layers", type=int,
                       help="transformer blocks of the random-weight model (default: the real depth)")
-    real.add_argument("--resolution", type=int,
-                      help=f"image side in pixels (default {ARCH_RESOLUTION['cuda']} on a GPU, "
-                      f"{ARCH_RESOLUTION['cpu']} on a CPU)")
+    real.add_argument("--resolution",
+                      help=f"image size: a square's side in pixels or WIDTHxHEIGHT, as sampling.resolution (default "
+                      f"{ARCH_RESOLUTION['cuda']} on a GPU, {ARCH_RESOLUTION['cpu']} on a CPU)")
     real.add_argument("--quantize", choices=("none", "nf4", "int8"), help="model.quantize of the transformer")
     parser.add_argument("--memory-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

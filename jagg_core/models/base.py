@@ -26,6 +26,7 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 
 from ..config import LoraConfig, ModelConfig
 from ..errors import UserError
+from ..image_size import ImageSize
 from .quantize import is_quantized
 from .text_windows import TextWindow, WindowReading, read_windows
 
@@ -269,19 +270,19 @@ class FlowModel(ABC):
         return cond if times == 1 else {k: torch.cat([v] * times) for k, v in cond.items()}
 
     # ----- sigmas ---------------------------------------------------------------------
-    def sigmas(self, num_steps: int, resolution: int) -> torch.Tensor:
+    def sigmas(self, num_steps: int, size: ImageSize) -> torch.Tensor:
         """``num_steps + 1`` sigmas from the pipeline's scheduler config (shift, dynamic shift), ending at 0."""
         scheduler = self.euler_scheduler()
         kwargs = {}
         if scheduler.config.get("use_dynamic_shifting", False):
-            kwargs["mu"] = self.dynamic_shift(num_steps, resolution)
+            kwargs["mu"] = self.dynamic_shift(num_steps, size)
         scheduler.set_timesteps(num_steps, device="cpu", **self.schedule_kwargs(num_steps), **kwargs)
         return scheduler.sigmas.float()
 
-    def dynamic_shift(self, num_steps: int, resolution: int) -> float:
+    def dynamic_shift(self, num_steps: int, size: ImageSize) -> float:
         """The ``mu`` of a dynamically shifted schedule: :func:`calculate_shift` of the image token count, as most
         pipelines compute it (FLUX.2 overrides it)."""
-        return calculate_shift(self.image_seq_len(resolution), self.pipe.scheduler.config)
+        return calculate_shift(self.image_seq_len(size), self.pipe.scheduler.config)
 
     def euler_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
         """A flow-matching Euler scheduler with the pipeline's schedule settings (its scheduler's config)."""
@@ -302,11 +303,11 @@ class FlowModel(ABC):
         """Shape of one prompt's conditioning tensors without CFG, from the configs alone (memory plan)."""
 
     @abstractmethod
-    def latent_shape(self, resolution: int) -> tuple[int, ...]:
-        """Shape of one sample's latent in the sampler's space."""
+    def latent_shape(self, size: ImageSize) -> tuple[int, ...]:
+        """Shape of one sample's latent in the sampler's space, for images (or frames) of ``size``."""
 
     @abstractmethod
-    def image_seq_len(self, resolution: int) -> int:
+    def image_seq_len(self, size: ImageSize) -> int:
         """Number of image tokens the transformer sees (for the dynamic shift)."""
 
     @abstractmethod
@@ -337,9 +338,10 @@ class FlowModel(ABC):
 class PackedFlowModel(FlowModel):
     """A family whose pipeline packs 2x2 latent patches into tokens (FLUX, Qwen-Image).
 
-    The sampler's latent of one sample is the token sequence ``[(h/2) (w/2), 4 C]`` the transformer
-    sees, with ``h = w = resolution / vae_scale_factor`` (square images); the pipeline's
-    ``_pack_latents`` / ``_unpack_latents`` convert. These pipelines pass
+    The sampler's latent of one sample is the grid of tokens ``[h/2, w/2, 4 C]`` the transformer sees,
+    ``h x w = height / f x width / f`` for the VAE's factor ``f``; the transformer reads it flattened row by row,
+    ``[(h/2) (w/2), 4 C]``, the pipeline's ``_pack_latents`` layout (the grid keeps the image's shape with its
+    tokens: :meth:`token_grid`). These pipelines pass
     ``sigmas = linspace(1, 1/n, n)`` to the scheduler, which then applies the dynamic shift
     ``mu(image_seq_len)`` (and the terminal stretch, if configured).
     """
@@ -360,11 +362,22 @@ class PackedFlowModel(FlowModel):
     def encode_without_cfg(self, prompts: list[str]) -> Conditioning:
         """The prompts' conditioning tensors (the negative prompt is encoded by the same call)."""
 
-    def latent_shape(self, resolution: int) -> tuple[int, ...]:
-        return (self.image_seq_len(resolution), self.transformer.config.in_channels)
+    def latent_shape(self, size: ImageSize) -> tuple[int, ...]:
+        return (*size.latent(self.pipe.vae_scale_factor * 2), self.transformer.config.in_channels)
 
-    def image_seq_len(self, resolution: int) -> int:
-        return (resolution // (self.pipe.vae_scale_factor * 2)) ** 2
+    def image_seq_len(self, size: ImageSize) -> int:
+        rows, cols = size.latent(self.pipe.vae_scale_factor * 2)
+        return rows * cols
+
+    def transformer_velocity(self, z: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        """The velocity of the grid ``z`` [B, h/2, w/2, 4C]: :meth:`token_velocity` of its tokens, row by row."""
+        return self.token_velocity(z.flatten(1, 2), self.token_grid(z), sigma, cond).view(z.shape)
+
+    @abstractmethod
+    def token_velocity(self, tokens: torch.Tensor, grid: tuple[int, int], sigma: torch.Tensor,
+                       cond: Conditioning) -> torch.Tensor:
+        """The transformer's output for the generated image's ``tokens`` [B, rows cols, 4C], a ``grid`` of
+        ``(rows, cols)`` tokens."""
 
     def schedule_kwargs(self, num_steps: int) -> dict:
         return linspace_sigmas(num_steps)
@@ -377,14 +390,21 @@ class PackedFlowModel(FlowModel):
         return torch.full((z.shape[0],), self.config.flux_guidance, device=z.device, dtype=torch.float32)
 
     @staticmethod
-    def token_grid(z: torch.Tensor) -> int:
-        """Tokens per side of packed latents ``z`` [B, side^2, 4C]."""
-        side = math.isqrt(z.shape[1])
-        if side * side != z.shape[1]:
-            raise ValueError(f"packed latents of {z.shape[1]} tokens are not a square grid")
-        return side
+    def token_grid(z: torch.Tensor) -> tuple[int, int]:
+        """``(rows, cols)`` of the grid of packed latents ``z`` [B, rows, cols, 4C]."""
+        return z.shape[1], z.shape[2]
+
+    @staticmethod
+    def square_grid(tokens: torch.Tensor) -> tuple[int, int]:
+        """``(side, side)`` of a square image's packed tokens [B, side^2, 4C] (an editing run's input images, which
+        are ``model.condition_resolution`` square)."""
+        side = math.isqrt(tokens.shape[1])
+        if side * side != tokens.shape[1]:
+            raise ValueError(f"packed latents of {tokens.shape[1]} tokens are not a square grid")
+        return side, side
 
     def unpacked(self, z: torch.Tensor) -> torch.Tensor:
-        """Packed latents -> the VAE's latent layout, through the pipeline's ``_unpack_latents``."""
-        resolution = self.token_grid(z) * 2 * self.pipe.vae_scale_factor
-        return self.pipe._unpack_latents(z, resolution, resolution, self.pipe.vae_scale_factor)
+        """Packed latents [B, h/2, w/2, 4C] -> the VAE's latent layout, through the pipeline's ``_unpack_latents``."""
+        rows, cols = self.token_grid(z)
+        factor = self.pipe.vae_scale_factor
+        return self.pipe._unpack_latents(z.flatten(1, 2), rows * 2 * factor, cols * 2 * factor, factor)

@@ -14,10 +14,11 @@ encoded once and cached like any prompt's text conditioning:
 
 With CFG the negative branch is the negative prompt on the same image (both pipelines condition both branches on
 it), so ``negative/image_latents`` is ``image_latents``. Every transformer call sees ``[z ; image_latents]`` along
-the token axis, the condition's tokens placed as the family's pipeline places them (:meth:`joint_velocity`), and
-the velocity is the output's first ``z.shape[1]`` tokens: the generated image's. The sampler, GRPO and JAGG see
-one more conditioning tensor and nothing else; the schedule's dynamic shift counts the generated tokens only, as
-the pipelines do.
+the token axis (``z``'s grid read row by row), the condition's tokens placed as the family's pipeline places them
+(:meth:`joint_velocity`), and the velocity is the output's first ``rows x cols`` tokens: the generated image's.
+The sampler, GRPO and JAGG see one more conditioning tensor and nothing else; the schedule's dynamic shift counts
+the generated tokens only, as the pipelines do. The output may be of any ``sampling.resolution``; the input images
+are ``model.condition_resolution`` square.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from PIL import Image
 
 from ..edit_prompts import EditPrompt, edit_rows
 from ..family_names import family_of_pipeline
+from ..image_size import ImageSize
 from .base import NEGATIVE, Conditioning, PackedFlowModel
 
 IMAGE_LATENTS = "image_latents"
@@ -81,15 +83,16 @@ class EditingFlowModel(PackedFlowModel):
         return pixels
 
     def conditioning_shapes(self) -> dict[str, tuple[int, ...]]:
-        tokens = self.input_images * self.image_seq_len(self.config.condition_resolution)
+        tokens = self.input_images * self.image_seq_len(ImageSize.square(self.config.condition_resolution))
         return {**super().conditioning_shapes(), IMAGE_LATENTS: (tokens, self.transformer.config.in_channels)}
 
-    def transformer_velocity(self, z: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
-        tokens = torch.cat([z, cond[IMAGE_LATENTS].to(z.dtype)], dim=1)
-        return self.joint_velocity(tokens, sigma, cond, z.shape[1])[:, :z.shape[1]]
+    def token_velocity(self, tokens: torch.Tensor, grid: tuple[int, int], sigma: torch.Tensor,
+                       cond: Conditioning) -> torch.Tensor:
+        joint = torch.cat([tokens, cond[IMAGE_LATENTS].to(tokens.dtype)], dim=1)
+        return self.joint_velocity(joint, grid, sigma, cond)[:, :tokens.shape[1]]
 
     @abstractmethod
-    def joint_velocity(self, tokens: torch.Tensor, sigma: torch.Tensor, cond: Conditioning,
-                       generated: int) -> torch.Tensor:
-        """The transformer's output for ``tokens``: the generated image's first ``generated`` tokens, then the input
-        image's."""
+    def joint_velocity(self, tokens: torch.Tensor, grid: tuple[int, int], sigma: torch.Tensor,
+                       cond: Conditioning) -> torch.Tensor:
+        """The transformer's output for ``tokens``: the generated image's ``grid`` of ``(rows, cols)`` tokens first,
+        then the input images' (each :meth:`square_grid`)."""

@@ -49,13 +49,13 @@ class FluxModel(PackedFlowModel):
                 TextWindow("T5", self.config.max_sequence_length, tokens_of(self.pipe.tokenizer_2),
                            MAX_SEQUENCE_LENGTH)]
 
-    def transformer_velocity(self, z: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
-        return self.flux_forward(z, sigma, cond, self.image_ids(z))
+    def token_velocity(self, tokens: torch.Tensor, grid: tuple[int, int], sigma: torch.Tensor,
+                       cond: Conditioning) -> torch.Tensor:
+        return self.flux_forward(tokens, sigma, cond, self.image_ids(grid, tokens.device))
 
-    def image_ids(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The ``(0, row, col)`` ids [seq, 3] of packed latents ``tokens`` [B, seq, 4C] (a square grid)."""
-        side = self.token_grid(tokens)
-        return self.pipe._prepare_latent_image_ids(tokens.shape[0], side, side, tokens.device, self.transformer.dtype)
+    def image_ids(self, grid: tuple[int, int], device: torch.device) -> torch.Tensor:
+        """The ``(0, row, col)`` ids [rows cols, 3] of a ``grid`` of ``(rows, cols)`` tokens, row by row."""
+        return self.pipe._prepare_latent_image_ids(1, *grid, device, self.transformer.dtype)
 
     def flux_forward(self, z: torch.Tensor, sigma: torch.Tensor, cond: Conditioning,
                      image_ids: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ from transformers import Qwen3ForCausalLM
 from ..config import ModelConfig
 from ..edit_prompts import EditPrompt
 from ..errors import UserError
+from ..image_size import ImageSize
 from .base import Conditioning, PackedFlowModel
 from .editing import EditingFlowModel
 from .family import Family
@@ -67,29 +68,29 @@ class Flux2KleinModel(PackedFlowModel):
         return [TextWindow("Qwen3", self.config.max_sequence_length,
                            chat_tokens(self.pipe.tokenizer, enable_thinking=False), MAX_SEQUENCE_LENGTH)]
 
-    def dynamic_shift(self, num_steps: int, resolution: int) -> float:
-        return compute_empirical_mu(image_seq_len=self.image_seq_len(resolution), num_steps=num_steps)
+    def dynamic_shift(self, num_steps: int, size: ImageSize) -> float:
+        return compute_empirical_mu(image_seq_len=self.image_seq_len(size), num_steps=num_steps)
 
     @staticmethod
-    def position_ids(image_side: int, text_length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(t, h, w, l) ids of the image tokens [side^2, 4] in row-major order and of the text tokens [L, 4]."""
-        zero, grid = torch.zeros(1, dtype=torch.long, device=device), torch.arange(image_side, device=device)
-        image_ids = torch.cartesian_prod(zero, grid, grid, zero)
-        text_ids = torch.cartesian_prod(zero, zero, zero, torch.arange(text_length, device=device))
-        return image_ids, text_ids
+    def grid_ids(time: int, grid: tuple[int, int], device: torch.device) -> torch.Tensor:
+        """(t, h, w, l) ids [rows cols, 4] of a ``grid`` of ``(rows, cols)`` image tokens in row-major order."""
+        zero, rows, cols = (torch.tensor([time], device=device), torch.arange(grid[0], device=device),
+                            torch.arange(grid[1], device=device))
+        return torch.cartesian_prod(zero, rows, cols, torch.zeros(1, dtype=torch.long, device=device))
 
-    def transformer_velocity(self, z: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
-        return self.flux2_forward(z, sigma, cond, [])
+    def token_velocity(self, tokens: torch.Tensor, grid: tuple[int, int], sigma: torch.Tensor,
+                       cond: Conditioning) -> torch.Tensor:
+        return self.flux2_forward(tokens, grid, sigma, cond, [])
 
-    def flux2_forward(self, tokens: torch.Tensor, sigma: torch.Tensor, cond: Conditioning,
+    def flux2_forward(self, tokens: torch.Tensor, grid: tuple[int, int], sigma: torch.Tensor, cond: Conditioning,
                       reference_ids: list[torch.Tensor]) -> torch.Tensor:
-        """The transformer's output for ``tokens``: the generated image's square grid of tokens at ids (0, i, j, 0),
-        then the reference images' tokens at ``reference_ids`` (none for a text-to-image run)."""
+        """The transformer's output for ``tokens``: the generated image's ``grid`` of tokens at ids (0, i, j, 0), then
+        the reference images' tokens at ``reference_ids`` (none for a text-to-image run); the text's at (0, 0, 0, l)."""
         dtype = self.transformer.dtype
         embeds = cond["prompt_embeds"]
-        generated = tokens.shape[1] - sum(len(ids) for ids in reference_ids)
-        image_ids, text_ids = self.position_ids(self.token_grid(tokens[:, :generated]), embeds.shape[1],
-                                                tokens.device)
+        zero, device = torch.zeros(1, dtype=torch.long, device=tokens.device), tokens.device
+        image_ids = self.grid_ids(0, grid, device)
+        text_ids = torch.cartesian_prod(zero, zero, zero, torch.arange(embeds.shape[1], device=device))
         return self.transformer(hidden_states=tokens.to(dtype), timestep=sigma.to(dtype),
                                 guidance=self.guidance(tokens), encoder_hidden_states=embeds.to(dtype),
                                 txt_ids=text_ids, img_ids=torch.cat([image_ids, *reference_ids]),
@@ -100,8 +101,7 @@ class Flux2KleinModel(PackedFlowModel):
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
         vae = self.pipe.vae
-        side = self.token_grid(z)
-        patches = z.transpose(1, 2).reshape(z.shape[0], z.shape[2], side, side)  # [B, 4C, h/2, w/2]
+        patches = z.permute(0, 3, 1, 2)  # [B, 4C, h/2, w/2]
         stats = {"device": patches.device, "dtype": patches.dtype}
         mean = vae.bn.running_mean.view(1, -1, 1, 1).to(**stats)
         std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(**stats)
@@ -126,15 +126,14 @@ class Flux2ReferenceImages(EditingFlowModel):
     def pack_latents(self, latents: torch.Tensor) -> torch.Tensor:
         return self.pipe._pack_latents(latents)
 
-    def joint_velocity(self, tokens: torch.Tensor, sigma: torch.Tensor, cond: Conditioning,
-                       generated: int) -> torch.Tensor:
+    def joint_velocity(self, tokens: torch.Tensor, grid: tuple[int, int], sigma: torch.Tensor,
+                       cond: Conditioning) -> torch.Tensor:
+        generated = grid[0] * grid[1]
         per_image = (tokens.shape[1] - generated) // self.input_images
-        side, device = self.token_grid(tokens[:, generated:generated + per_image]), tokens.device
-        grid = torch.arange(side, device=device)
-        zero = torch.zeros(1, dtype=torch.long, device=device)
-        reference_ids = [torch.cartesian_prod(torch.full((1,), self.REFERENCE_T_STEP * (1 + k), device=device),
-                                              grid, grid, zero) for k in range(self.input_images)]
-        return self.flux2_forward(tokens, sigma, cond, reference_ids)
+        reference = self.square_grid(tokens[:, generated:generated + per_image])
+        reference_ids = [self.grid_ids(self.REFERENCE_T_STEP * (1 + k), reference, tokens.device)
+                         for k in range(self.input_images)]
+        return self.flux2_forward(tokens, grid, sigma, cond, reference_ids)
 
 
 class Flux2KleinEditModel(Flux2ReferenceImages, Flux2KleinModel):

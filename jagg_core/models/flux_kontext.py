@@ -24,11 +24,11 @@ class FluxKontextModel(EditingFlowModel, FluxModel):
     def encode_without_cfg(self, prompts: list[str]) -> Conditioning:
         return super().encode_without_cfg([row.instruction for row in prompts])
 
-    def joint_velocity(self, tokens: torch.Tensor, sigma: torch.Tensor, cond: Conditioning,
-                       generated: int) -> torch.Tensor:
-        condition_ids = self.image_ids(tokens[:, generated:])
+    def joint_velocity(self, tokens: torch.Tensor, grid: tuple[int, int], sigma: torch.Tensor,
+                       cond: Conditioning) -> torch.Tensor:
+        condition_ids = self.image_ids(self.square_grid(tokens[:, grid[0] * grid[1]:]), tokens.device)
         condition_ids[:, 0] = 1
-        image_ids = torch.cat([self.image_ids(tokens[:, :generated]), condition_ids])
+        image_ids = torch.cat([self.image_ids(grid, tokens.device), condition_ids])
         return self.flux_forward(tokens, sigma, cond, image_ids)
 
 

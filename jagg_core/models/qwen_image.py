@@ -69,9 +69,9 @@ class QwenImageModel(PackedFlowModel):
                             "model is given; raise model.max_sequence_length or shorten the prompt")
         return {"prompt_embeds": F.pad(embeds, (0, 0, 0, pad)), "prompt_embeds_mask": F.pad(mask, (0, pad))}
 
-    def transformer_velocity(self, z: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
-        side = self.token_grid(z)
-        return self.qwen_forward(z, sigma, cond, [(1, side, side)])
+    def token_velocity(self, tokens: torch.Tensor, grid: tuple[int, int], sigma: torch.Tensor,
+                       cond: Conditioning) -> torch.Tensor:
+        return self.qwen_forward(tokens, sigma, cond, [(1, *grid)])
 
     def qwen_forward(self, z: torch.Tensor, sigma: torch.Tensor, cond: Conditioning,
                      img_shapes: list[tuple[int, int, int]]) -> torch.Tensor:

@@ -86,12 +86,11 @@ class QwenImageEditModel(EditingFlowModel, QwenImageModel):
     def vae_input(self, pixels: torch.Tensor) -> torch.Tensor:
         return pixels.unsqueeze(2)  # one frame
 
-    def joint_velocity(self, tokens: torch.Tensor, sigma: torch.Tensor, cond: Conditioning,
-                       generated: int) -> torch.Tensor:
-        images = self.input_images
-        side = self.token_grid(tokens[:, :generated])
-        condition_side = self.token_grid(tokens[:, generated:generated + (tokens.shape[1] - generated) // images])
-        return self.qwen_forward(tokens, sigma, cond, [(1, side, side)] + [(1, condition_side, condition_side)] * images)
+    def joint_velocity(self, tokens: torch.Tensor, grid: tuple[int, int], sigma: torch.Tensor,
+                       cond: Conditioning) -> torch.Tensor:
+        images, generated = self.input_images, grid[0] * grid[1]
+        condition = self.square_grid(tokens[:, generated:generated + (tokens.shape[1] - generated) // images])
+        return self.qwen_forward(tokens, sigma, cond, [(1, *grid)] + [(1, *condition)] * images)
 
 
 def build_tiny_qwen_edit() -> QwenImageEditPipeline:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 
+from ..image_size import ImageSize
 from .base import NEGATIVE, Conditioning, FlowModel, decode_scaled
 from .family import Family
 from .in_memory_parts import CLIP_HIDDEN, tiny_clip_text_encoder, tiny_clip_tokenizer, tiny_vae
@@ -44,12 +45,12 @@ class SD3Model(FlowModel):
         return {"prompt_embeds": (clip_tokens + self.config.max_sequence_length, config.joint_attention_dim),
                 "pooled_projections": (config.pooled_projection_dim,)}
 
-    def latent_shape(self, resolution: int) -> tuple[int, ...]:
-        size = resolution // self.pipe.vae_scale_factor
-        return (self.transformer.config.in_channels, size, size)
+    def latent_shape(self, size: ImageSize) -> tuple[int, ...]:
+        return (self.transformer.config.in_channels, *size.latent(self.pipe.vae_scale_factor))
 
-    def image_seq_len(self, resolution: int) -> int:
-        return (resolution // self.pipe.vae_scale_factor // self.transformer.config.patch_size) ** 2
+    def image_seq_len(self, size: ImageSize) -> int:
+        rows, cols = size.latent(self.pipe.vae_scale_factor * self.transformer.config.patch_size)
+        return rows * cols
 
     def transformer_velocity(self, z: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
         dtype = self.transformer.dtype

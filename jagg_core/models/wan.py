@@ -2,7 +2,8 @@
 
 One sample is ``sampling.num_frames = 4k + 1`` frames; the VAE (``AutoencoderKLWan``) encodes the first frame
 alone and every later group of 4 as one latent frame, so ``F' = (num_frames - 1) / 4 + 1``, and each frame
-``8x`` smaller per side (``h = w = resolution / 8``). The transformer patches ``(1, 2, 2)``: ``F' h w / 4`` tokens.
+``8x`` smaller per side (``h x w = height / 8 x width / 8``; Wan 2.1's own frames are 832x480). The transformer
+patches ``(1, 2, 2)``: ``F' h w / 4`` tokens.
 The sampler, GRPO and JAGG treat the latent as an opaque tensor of :meth:`WanModel.latent_shape`.
 
 Sigmas: the pipeline's default scheduler is UniPC with ``flow_shift``; the sampler takes Euler steps on the
@@ -24,6 +25,7 @@ from transformers import UMT5Config, UMT5EncoderModel
 
 from ..config import ModelConfig
 from ..errors import UserError
+from ..image_size import ImageSize
 from .base import NEGATIVE, Conditioning, FlowModel
 from .family import Family
 from .in_memory_parts import tiny_t5_tokenizer
@@ -80,12 +82,12 @@ class WanModel(FlowModel):
         """``F' = (num_frames - 1) / 4 + 1`` latent frames."""
         return (self.num_frames - 1) // self.pipe.vae_scale_factor_temporal + 1
 
-    def latent_shape(self, resolution: int) -> tuple[int, ...]:
-        size = resolution // self.pipe.vae_scale_factor_spatial
-        return (self.transformer.config.in_channels, self.latent_frames(), size, size)
+    def latent_shape(self, size: ImageSize) -> tuple[int, ...]:
+        rows, cols = size.latent(self.pipe.vae_scale_factor_spatial)
+        return (self.transformer.config.in_channels, self.latent_frames(), rows, cols)
 
-    def image_seq_len(self, resolution: int) -> int:
-        _, frames, height, width = self.latent_shape(resolution)
+    def image_seq_len(self, size: ImageSize) -> int:
+        _, frames, height, width = self.latent_shape(size)
         patch_t, patch_h, patch_w = self.transformer.config.patch_size
         return (frames // patch_t) * (height // patch_h) * (width // patch_w)
 

@@ -24,6 +24,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTra
 from torch.nn.utils.rnn import pad_sequence
 from transformers import Qwen3Model
 
+from ..image_size import ImageSize
 from .base import NEGATIVE, Conditioning, FlowModel, decode_scaled, linspace_sigmas
 from .family import Family
 from .in_memory_parts import draw_pad_tokens, tiny_qwen3_config, tiny_qwen3_tokenizer, tiny_vae
@@ -67,12 +68,14 @@ class ZImageModel(FlowModel):
         """Every caption at the full ``max_sequence_length`` (the memory plan's upper bound, no mask)."""
         return {"prompt_embeds": (self.config.max_sequence_length, self.transformer.config.cap_feat_dim)}
 
-    def latent_shape(self, resolution: int) -> tuple[int, ...]:
-        side = 2 * (resolution // (self.pipe.vae_scale_factor * 2))
-        return (self.transformer.config.in_channels, side, side)
+    def latent_shape(self, size: ImageSize) -> tuple[int, ...]:
+        """``[C, h, w]``, each side a whole number of the transformer's 2x2 patches, as the pipeline rounds it."""
+        rows, cols = size.latent(self.pipe.vae_scale_factor * 2)
+        return (self.transformer.config.in_channels, 2 * rows, 2 * cols)
 
-    def image_seq_len(self, resolution: int) -> int:
-        return (resolution // (self.pipe.vae_scale_factor * 2)) ** 2
+    def image_seq_len(self, size: ImageSize) -> int:
+        rows, cols = size.latent(self.pipe.vae_scale_factor * 2)
+        return rows * cols
 
     def schedule_kwargs(self, num_steps: int) -> dict:
         return linspace_sigmas(num_steps)
