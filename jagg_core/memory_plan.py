@@ -311,6 +311,7 @@ def plan_memory(config: RunConfig, backward_traces: dict[tuple, int] | None = No
     if cfg.model.quantize != "none":
         compute = torch.bfloat16
     model = _meta_model(cfg, compute)
+    model.check_size(cfg.sampling.size)
     pipe, transformer = model.pipe, model.transformer
     element = torch.tensor([], dtype=dtype).element_size()
     plan = MemoryPlan(cfg.model.name, model.family, cfg.sampling.size,

@@ -150,15 +150,15 @@ class Trainer:
         options = {"place_transformer": not fsdp_requested(),  # FSDP places each rank's shard itself
                    "num_frames": cfg.sampling.num_frames}
         prompts = self.train_prompts + self.eval_prompts
-        if not cfg.model.cache_text_embeddings:  # the encoders stay: each iteration encodes its prompts, unkept
-            model = load_flow_model(cfg.model, device, seed=cfg.train.seed, **options)
-            self._read_text_windows(model, prompts)
+        cached = cfg.model.cache_text_embeddings
+        saved = load_embeddings(self.run.text_embeddings_file, prompts, cfg.model,
+                                self.accelerator.num_processes) if cached and self.resume else None
+        model = load_flow_model(cfg.model, device, seed=cfg.train.seed, text_encoders=saved is None, **options)
+        model.check_size(cfg.sampling.size)
+        self._read_text_windows(model, prompts)
+        if not cached:  # the encoders stay: each iteration encodes its prompts, unkept
             model.encode_and_cache(self.eval_prompts)  # every eval samples them
             return model
-        saved = load_embeddings(self.run.text_embeddings_file, prompts, cfg.model,
-                                self.accelerator.num_processes) if self.resume else None
-        model = load_flow_model(cfg.model, device, seed=cfg.train.seed, text_encoders=saved is None, **options)
-        self._read_text_windows(model, prompts)
         if saved is not None:
             model.load_embeddings(saved)
             self._log(f"text embeddings of {len(saved)} prompts read from {self.run.text_embeddings_file.name}")

@@ -85,3 +85,15 @@ def test_the_pages_resolution_field_offers_sizes_and_takes_ones_own():
     assert knob.from_config(512) == "512" and knob.from_config("832x480") == "832x480"
     with pytest.raises(UserError, match="'Resolution' needs a value"):
         knob.to_config("")
+
+
+@pytest.mark.parametrize("command", [("--plan",), ("--output-dir", "RUN")])
+def test_a_size_beyond_the_transformers_positions_is_one_line_before_sampling(command, tmp_path):
+    """The embedded shapes model's SD3 position embedding covers 8 patches a side, 32 px: 64x32 is refused by the
+    plan and by a run as it loads, in one line naming the limit (it was a traceback from inside diffusers)."""
+    command = [str(tmp_path / "run") if part == "RUN" else part for part in command]
+    result = run_cli("--set", "sampling.resolution=64x32", *command)
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1] == (
+        "jagg_core.run: error: sampling.resolution 64x32 is too large for jagg-shapes: its position embedding covers "
+        "8 patches a side (pos_embed_max_size), 32 px at most; lower sampling.resolution"), result.stderr[-2000:]
+    assert "Traceback" not in result.stderr

@@ -252,7 +252,7 @@ def format_tables(ledger: dict[str, Outcome], steps: list[Step], options: CheckO
         parts.append(markdown_table(
             ["whole iteration (random weights)", "base", "px", "backward", "status", "rollout s", "train s",
              "train speed-up", "iteration speed-up", "grad cosine", "peak GB"],
-            [[r.get("model", r["step"]), r.get("quantize", "none"), _f(r.get("resolution"), "d"), _backward(r),
+            [[r.get("model", r["step"]), r.get("quantize", "none"), _f(r.get("resolution"), ""), _backward(r),
               _status(r), _f(r.get("rollout_s")), _f(r.get("train_s")), _f(r.get("speedup")),
               _f(r.get("iteration_speedup")), _f(r.get("grad_cosine"), ".4f"), _peak(r)]
              for r in rows.get("bench", []) + rows.get("quantize", [])]))

@@ -302,6 +302,18 @@ class FlowModel(ABC):
     def conditioning_shapes(self) -> dict[str, tuple[int, ...]]:
         """Shape of one prompt's conditioning tensors without CFG, from the configs alone (memory plan)."""
 
+    def largest_size(self) -> tuple[ImageSize, str] | None:
+        """The largest image (or frame) the transformer can place and why (its position table's extent); None: no
+        limit below the config's 2048 px (the real models)."""
+        return None
+
+    def check_size(self, size: ImageSize) -> None:
+        """A ``size`` beyond :meth:`largest_size` refused in one line (the transformer would fail mid-sampling)."""
+        if (limit := self.largest_size()) and (size.height > limit[0].height or size.width > limit[0].width):
+            largest, why = limit
+            raise UserError(f"sampling.resolution {size.text()} is too large for {self.config.name}: {why}, "
+                            f"{largest.text()} px at most; lower sampling.resolution")
+
     @abstractmethod
     def latent_shape(self, size: ImageSize) -> tuple[int, ...]:
         """Shape of one sample's latent in the sampler's space, for images (or frames) of ``size``."""

@@ -48,6 +48,15 @@ class SD3Model(FlowModel):
     def latent_shape(self, size: ImageSize) -> tuple[int, ...]:
         return (self.transformer.config.in_channels, *size.latent(self.pipe.vae_scale_factor))
 
+    def largest_size(self) -> tuple[ImageSize, str] | None:
+        """``pos_embed_max_size`` patches a side (SD3.5 Medium 384: 6144 px; the embedded shapes model 8: 32 px)."""
+        config = self.transformer.config
+        if config.pos_embed_max_size is None:
+            return None
+        side = config.pos_embed_max_size * config.patch_size * self.pipe.vae_scale_factor
+        return (ImageSize.square(side), f"its position embedding covers {config.pos_embed_max_size} patches a side "
+                "(pos_embed_max_size)")
+
     def image_seq_len(self, size: ImageSize) -> int:
         rows, cols = size.latent(self.pipe.vae_scale_factor * self.transformer.config.patch_size)
         return rows * cols

@@ -73,6 +73,13 @@ class ZImageModel(FlowModel):
         rows, cols = size.latent(self.pipe.vae_scale_factor * 2)
         return (self.transformer.config.in_channels, 2 * rows, 2 * cols)
 
+    def largest_size(self) -> tuple[ImageSize, str] | None:
+        """The rotary positions' rows and columns (``axes_lens``; Z-Image 512: 8192 px)."""
+        _, rows, cols = self.transformer.config.axes_lens
+        factor = self.pipe.vae_scale_factor * 2
+        return (ImageSize(rows * factor, cols * factor), f"its rotary positions cover {rows} x {cols} patches "
+                "(axes_lens)")
+
     def image_seq_len(self, size: ImageSize) -> int:
         rows, cols = size.latent(self.pipe.vae_scale_factor * 2)
         return rows * cols
