@@ -66,7 +66,7 @@ from .models.meta import META, meta_pipeline
 from .models.text_embeddings import bytes_per_prompt, check_cache_room
 from .placement import most_trained_steps
 from .prompts import run_prompts
-from .rewards.catalog import reward_entry
+from .rewards.catalog import CPU_DTYPE, DTYPE_BYTES, reward_entry
 
 #: bytes per weight of a quantized linear layer (see the module docstring)
 QUANTIZED_BYTES = {"nf4": 0.5 + 1 / 64 + 4 / (64 * 256), "int8": 1.0}
@@ -189,7 +189,8 @@ class MemoryPlan:
             disk = ", and disk in the run folder" if self.cached_prompts else ""
             lines.append(f"  host memory of each process{disk}:")
         for name, size in self.host_judges.items():
-            lines.append(f"    {f'judge {name} on the CPU ({size / 4e6:.0f} M, float32)':<58} {size / GB:8.2f}")
+            params = size / DTYPE_BYTES[CPU_DTYPE]
+            lines.append(f"    {f'judge {name} on the CPU ({params / 1e6:.0f} M, {CPU_DTYPE})':<58} {size / GB:8.2f}")
         if self.cached_prompts:
             lines.append(f"    {f'text-embedding cache ({self.cached_prompts} prompts)':<58} {self.host_cache / GB:8.2f}")
         return "\n".join(lines)

@@ -104,6 +104,11 @@ class HttpOptions(RewardOptions):
     retry_delay: float = Field(1.0, ge=0, le=600, description="seconds before the first retry, doubled each time")
 
 
+#: the dtype a scoring model loads in on the CPU (the judges under ``eval.judges_on_cpu``, any reward of a CPU run)
+CPU_DTYPE = "float32"
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
 @dataclass(frozen=True)
 class RewardEntry:
     """A reward: ``name`` in configs, ``implementation`` as ``module:Class`` in this package, its options."""
@@ -111,8 +116,8 @@ class RewardEntry:
     name: str
     implementation: str
     options: type[RewardOptions] = NoOptions
-    #: millions of parameters of the default scoring model, held on the training device in ``device_dtype`` and on
-    #: the CPU in float32 (memory plan)
+    #: millions of parameters of the default scoring model, held on a GPU in ``device_dtype`` and on the CPU in
+    #: :data:`CPU_DTYPE` (memory plan)
     device_params_m: float = 0.0
     #: (low, high): the scores a working base model's samples get (None: unbounded on that side); the first
     #: iteration's doctor checks the base eval against it
@@ -125,10 +130,15 @@ class RewardEntry:
     #: packages its model needs beyond requirements.txt, refused before launch when missing
     requires: tuple[str, ...] = ()
 
+    def dtype_on(self, device_type: str) -> str:
+        """The dtype its scoring model loads in on a device of ``device_type``: ``device_dtype`` on a GPU,
+        :data:`CPU_DTYPE` on the CPU."""
+        return self.device_dtype if device_type == "cuda" else CPU_DTYPE
+
     @property
     def cpu_bytes(self) -> float:
-        """Bytes of the default scoring model on the CPU, where it loads in float32: 4 a parameter."""
-        return self.device_params_m * 1e6 * 4
+        """Bytes of the default scoring model on the CPU (in :data:`CPU_DTYPE`)."""
+        return self.device_params_m * 1e6 * DTYPE_BYTES[CPU_DTYPE]
 
     def load_class(self):
         module, _, cls = self.implementation.partition(":")

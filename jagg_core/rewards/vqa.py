@@ -9,7 +9,7 @@ and text, where CLIP's embeddings read a bag of words. For an image-editing row 
 then the output and asked ``options.edit_question`` about the instruction (by default whether the second image is the
 first edited as it says), in the manner of VIEScore's instruction-following check.
 
-The model loads in the catalog's ``device_dtype`` (bfloat16) on a GPU, float32 on the CPU, once, on first call;
+The model loads in the catalog's ``dtype_on`` the device (bfloat16 on a GPU, float32 on the CPU), once, on first call;
 the images are scored ``options.batch_size`` at a time (their pixels in the model's dtype), left-padded so that every
 row's reply starts at the last position. Its processor is the model's own ``AutoProcessor`` (Qwen2.5-VL's has a
 video part, which needs torchvision: the catalog's ``requires``, checked before a launch).
@@ -35,7 +35,7 @@ def load_vlm(model_id: str, device: torch.device):
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
     check_reward_packages([VqaScore.name])
-    dtype = getattr(torch, reward_entry(VqaScore.name).device_dtype) if device.type == "cuda" else torch.float32
+    dtype = getattr(torch, reward_entry(VqaScore.name).dtype_on(device.type))
     not_a_vlm = UserError(f"'{model_id}' is not a chat vision-language model with an image-and-text processor; "
                           "the vqa_score reward needs one, such as Qwen/Qwen2.5-VL-3B-Instruct (options.model_id)")
     with hub_model(model_id):
