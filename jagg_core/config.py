@@ -171,7 +171,7 @@ class SamplingConfig(_Section):
     @classmethod
     def _one_way_to_write_a_size(cls, value):
         """``512``, ``"512"`` and ``"512x512"`` are kept as ``512``; ``"832 X 480"`` as ``"832x480"``."""
-        return parse_resolution(value).text()
+        return parse_resolution(value).config_value()
 
     @property
     def size(self) -> ImageSize:

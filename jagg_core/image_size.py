@@ -44,12 +44,9 @@ class ImageSize(NamedTuple):
             return max(SIDE_MULTIPLE, pixels * longest // self.longest // SIDE_MULTIPLE * SIDE_MULTIPLE)
         return ImageSize(side(self.height), side(self.width))
 
-    def text(self) -> str | int:
+    def config_value(self) -> str | int:
         """What ``sampling.resolution`` says for this size: the side of a square, else ``"WIDTHxHEIGHT"``."""
         return self.height if self.height == self.width else f"{self.width}x{self.height}"
-
-    def __str__(self) -> str:
-        return f"{self.width}x{self.height}"
 
 
 def parse_resolution(value: object) -> ImageSize:

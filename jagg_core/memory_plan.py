@@ -173,7 +173,7 @@ class MemoryPlan:
 
     def table(self) -> str:
         """The plan as text: the parts, the phases, the peak (GB = 10^9 bytes)."""
-        lines = [f"Memory plan: {self.model} ({self.family}, {self.size.text()} px), GB of accelerator memory",
+        lines = [f"Memory plan: {self.model} ({self.family}, {self.size.config_value()} px), GB of accelerator memory",
                  "  resident during training:"]
         lines += [f"    {name:<58} {size / GB:8.2f}" for name, size in self.resident.items()]
         lines.append("  set-up (prompts encoded, text encoders then released):")
@@ -507,7 +507,7 @@ def _memory_savers(config: RunConfig) -> list[tuple[str, object]]:
     if cfg.model.quantize != "nf4":
         savers.append(("model.quantize", "nf4"))
     size = cfg.sampling.size
-    savers += [("sampling.resolution", size.scaled_to(side).text()) for side in (768, 512, 384, 256)
+    savers += [("sampling.resolution", size.scaled_to(side).config_value()) for side in (768, 512, 384, 256)
                if side < size.longest]
     return savers
 

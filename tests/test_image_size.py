@@ -28,7 +28,7 @@ LANDSCAPE = "64x32"
 def test_a_resolution_is_a_side_or_width_by_height_and_is_kept_one_way(written, kept, size):
     sampling = SamplingConfig(resolution=written)
     assert sampling.resolution == kept and sampling.size == size
-    assert parse_resolution(sampling.size.text()) == size
+    assert parse_resolution(sampling.size.config_value()) == size
 
 
 @pytest.mark.parametrize(("written", "message"), [

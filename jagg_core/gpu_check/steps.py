@@ -219,7 +219,7 @@ def bench_rows(arch: str, options: CheckOptions, layers: int | None = None, quan
                          memory=device.type == "cuda", iterations=0)
     jagg = Variant("cached", window=BENCH_WINDOW, joint=True)
     rows = bench_train_phase(model, [EXACT, jagg], bench, options.threads, log=log_to_stderr)  # into STEP.log
-    resolution = next(parse_resolution(o.split("=")[1]).text() for o in overrides
+    resolution = next(parse_resolution(o.split("=")[1]).config_value() for o in overrides
                       if o.startswith("sampling.resolution="))
     return [{"status": "ok", "arch": arch, "resolution": resolution, "quantize": quantize or "none", **row}
             for row in rows if not jagg_only or row["mode"] != "exact"]

@@ -311,8 +311,8 @@ class FlowModel(ABC):
         """A ``size`` beyond :meth:`largest_size` refused in one line (the transformer would fail mid-sampling)."""
         if (limit := self.largest_size()) and (size.height > limit[0].height or size.width > limit[0].width):
             largest, why = limit
-            raise UserError(f"sampling.resolution {size.text()} is too large for {self.config.name}: {why}, "
-                            f"{largest.text()} px at most; lower sampling.resolution")
+            raise UserError(f"sampling.resolution {size.config_value()} is too large for {self.config.name}: {why}, "
+                            f"{largest.config_value()} px at most; lower sampling.resolution")
 
     @abstractmethod
     def latent_shape(self, size: ImageSize) -> tuple[int, ...]:
