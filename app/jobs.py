@@ -57,7 +57,10 @@ class Placement:
 
 def launch_command(run_dir: Path, mixed_precision: str, resume: bool, placement: Placement = Placement()) -> list[str]:
     """The ``accelerate launch`` command line of a job: one process, several data parallel (gloo on a CPU), or
-    several sharding the transformer with the FSDP config (``--cpu`` for one process without a CUDA GPU)."""
+    several sharding the transformer with the FSDP config (``--cpu`` for one process without a CUDA GPU). Several
+    processes meet on a free port accelerate picks (``--main_process_port 0``): its default, 29500, is taken while
+    another job of several processes runs on the machine (two jobs on two GPUs each, from the queue), and accelerate
+    would then warn in the run's log and fall back."""
     import psutil
     import torch
 
@@ -68,6 +71,8 @@ def launch_command(run_dir: Path, mixed_precision: str, resume: bool, placement:
         command += ["--config_file", str(FSDP_CONFIG)]
     elif placement.processes > 1:
         command += ["--multi_gpu"]
+    if placement.processes > 1:
+        command += ["--main_process_port", "0"]
     if not torch.cuda.is_available():  # the thread count accelerate picks; given, it keeps a warning out of the log
         cores = max(1, (psutil.cpu_count(logical=False) or 1) // placement.processes)
         command += (["--cpu"] if placement.processes == 1 else []) + ["--num_cpu_threads_per_process", str(cores)]
