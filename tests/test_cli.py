@@ -75,7 +75,7 @@ def test_two_processes_keep_identical_adapters(tmp_path):
     run_dir = tmp_path / "ddp"
     result = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+         "--num_machines", "1", "--main_process_port", "0", "--mixed_precision", "no", "--dynamo_backend", "no",
          "-m", "jagg_core.run", "--preset", "tiny-sd3", *SMALL, "--output-dir", str(run_dir)],
         cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=SAFETY_CAP_S)
     assert result.returncode == 0, result.stderr[-3000:]

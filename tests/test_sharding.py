@@ -42,7 +42,7 @@ SMALL = ["--preset", "tiny-sd3", "--set", "train.iterations=2", "--set", "sampli
 def launch(run_dir, *launcher_args: str, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", *launcher_args, "--num_processes", "2",
-         "-m", "jagg_core.run", *SMALL, *extra, "--output-dir", str(run_dir)],
+         "--main_process_port", "0", "-m", "jagg_core.run", *SMALL, *extra, "--output-dir", str(run_dir)],
         cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=SAFETY_CAP_S)
 
 
