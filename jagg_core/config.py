@@ -20,8 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic.fields import FieldInfo
 
 from .errors import UserError
-from .image_size import SIDE_MULTIPLE, SIDE_RANGE, ImageSize, parse_resolution
 from .family_names import declared_families, declared_hub_ids, tiny_model_names
+from .image_size import SIDE_MULTIPLE, SIDE_RANGE, ImageSize, parse_resolution
 from .placement import branch_splits, trained_count
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"
