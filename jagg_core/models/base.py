@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gc
 import json
-import math
 import os
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
@@ -405,15 +404,6 @@ class PackedFlowModel(FlowModel):
     def token_grid(z: torch.Tensor) -> tuple[int, int]:
         """``(rows, cols)`` of the grid of packed latents ``z`` [B, rows, cols, 4C]."""
         return z.shape[1], z.shape[2]
-
-    @staticmethod
-    def square_grid(tokens: torch.Tensor) -> tuple[int, int]:
-        """``(side, side)`` of a square image's packed tokens [B, side^2, 4C] (an editing run's input images, which
-        are ``model.condition_resolution`` square)."""
-        side = math.isqrt(tokens.shape[1])
-        if side * side != tokens.shape[1]:
-            raise ValueError(f"packed latents of {tokens.shape[1]} tokens are not a square grid")
-        return side, side
 
     def unpacked(self, z: torch.Tensor) -> torch.Tensor:
         """Packed latents [B, h/2, w/2, 4C] -> the VAE's latent layout, through the pipeline's ``_unpack_latents``."""

@@ -23,6 +23,7 @@ are ``model.condition_resolution`` square.
 
 from __future__ import annotations
 
+import math
 from abc import abstractmethod
 
 import torch
@@ -91,8 +92,17 @@ class EditingFlowModel(PackedFlowModel):
         joint = torch.cat([tokens, cond[IMAGE_LATENTS].to(tokens.dtype)], dim=1)
         return self.joint_velocity(joint, grid, sigma, cond)[:, :tokens.shape[1]]
 
+    def input_image_grid(self, tokens: torch.Tensor, grid: tuple[int, int]) -> tuple[int, int]:
+        """``(side, side)`` of each input image's tokens in ``tokens``: after the generated image's ``grid``, the
+        :attr:`input_images` images of ``model.condition_resolution`` square, as many tokens each."""
+        per_image = (tokens.shape[1] - grid[0] * grid[1]) // self.input_images
+        side = math.isqrt(per_image)
+        if side * side != per_image:
+            raise ValueError(f"an input image's {per_image} packed tokens are not a square grid")
+        return side, side
+
     @abstractmethod
     def joint_velocity(self, tokens: torch.Tensor, grid: tuple[int, int], sigma: torch.Tensor,
                        cond: Conditioning) -> torch.Tensor:
         """The transformer's output for ``tokens``: the generated image's ``grid`` of ``(rows, cols)`` tokens first,
-        then the input images' (each :meth:`square_grid`)."""
+        then the input images' (each :meth:`input_image_grid`)."""

@@ -128,9 +128,7 @@ class Flux2ReferenceImages(EditingFlowModel):
 
     def joint_velocity(self, tokens: torch.Tensor, grid: tuple[int, int], sigma: torch.Tensor,
                        cond: Conditioning) -> torch.Tensor:
-        generated = grid[0] * grid[1]
-        per_image = (tokens.shape[1] - generated) // self.input_images
-        reference = self.square_grid(tokens[:, generated:generated + per_image])
+        reference = self.input_image_grid(tokens, grid)
         reference_ids = [self.grid_ids(self.REFERENCE_T_STEP * (1 + k), reference, tokens.device)
                          for k in range(self.input_images)]
         return self.flux2_forward(tokens, grid, sigma, cond, reference_ids)

@@ -26,7 +26,7 @@ class FluxKontextModel(EditingFlowModel, FluxModel):
 
     def joint_velocity(self, tokens: torch.Tensor, grid: tuple[int, int], sigma: torch.Tensor,
                        cond: Conditioning) -> torch.Tensor:
-        condition_ids = self.image_ids(self.square_grid(tokens[:, grid[0] * grid[1]:]), tokens.device)
+        condition_ids = self.image_ids(self.input_image_grid(tokens, grid), tokens.device)
         condition_ids[:, 0] = 1
         image_ids = torch.cat([self.image_ids(grid, tokens.device), condition_ids])
         return self.flux_forward(tokens, sigma, cond, image_ids)

@@ -88,9 +88,8 @@ class QwenImageEditModel(EditingFlowModel, QwenImageModel):
 
     def joint_velocity(self, tokens: torch.Tensor, grid: tuple[int, int], sigma: torch.Tensor,
                        cond: Conditioning) -> torch.Tensor:
-        images, generated = self.input_images, grid[0] * grid[1]
-        condition = self.square_grid(tokens[:, generated:generated + (tokens.shape[1] - generated) // images])
-        return self.qwen_forward(tokens, sigma, cond, [(1, *grid)] + [(1, *condition)] * images)
+        condition = self.input_image_grid(tokens, grid)
+        return self.qwen_forward(tokens, sigma, cond, [(1, *grid)] + [(1, *condition)] * self.input_images)
 
 
 def build_tiny_qwen_edit() -> QwenImageEditPipeline:
