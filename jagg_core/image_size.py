@@ -38,6 +38,11 @@ class ImageSize(NamedTuple):
         """``(height / factor, width / factor)``: the grid a VAE of spatial factor ``factor`` (times a patch) makes."""
         return self.height // factor, self.width // factor
 
+    def tokens(self, factor: int) -> int:
+        """Cells of :meth:`latent`'s grid: a transformer's image tokens when each covers ``factor`` pixels a side."""
+        rows, cols = self.latent(factor)
+        return rows * cols
+
     def scaled_to(self, longest: int) -> "ImageSize":
         """The same shape with its longer side ``longest``, each side rounded down to a multiple of 16 (at least 16)."""
         def side(pixels: int) -> int:

@@ -377,8 +377,7 @@ class PackedFlowModel(FlowModel):
         return (*size.latent(self.pipe.vae_scale_factor * 2), self.transformer.config.in_channels)
 
     def image_seq_len(self, size: ImageSize) -> int:
-        rows, cols = size.latent(self.pipe.vae_scale_factor * 2)
-        return rows * cols
+        return size.tokens(self.pipe.vae_scale_factor * 2)
 
     def transformer_velocity(self, z: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
         """The velocity of the grid ``z`` [B, h/2, w/2, 4C]: :meth:`token_velocity` of its tokens, row by row."""

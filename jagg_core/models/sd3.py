@@ -58,8 +58,7 @@ class SD3Model(FlowModel):
                 "(pos_embed_max_size)")
 
     def image_seq_len(self, size: ImageSize) -> int:
-        rows, cols = size.latent(self.pipe.vae_scale_factor * self.transformer.config.patch_size)
-        return rows * cols
+        return size.tokens(self.pipe.vae_scale_factor * self.transformer.config.patch_size)
 
     def transformer_velocity(self, z: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
         dtype = self.transformer.dtype

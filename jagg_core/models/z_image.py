@@ -81,8 +81,7 @@ class ZImageModel(FlowModel):
                 "(axes_lens)")
 
     def image_seq_len(self, size: ImageSize) -> int:
-        rows, cols = size.latent(self.pipe.vae_scale_factor * 2)
-        return rows * cols
+        return size.tokens(self.pipe.vae_scale_factor * 2)
 
     def schedule_kwargs(self, num_steps: int) -> dict:
         return linspace_sigmas(num_steps)
