@@ -3,7 +3,8 @@ the product has since changed (a default, a preset, a kernel key) is known to be
 
 A step's settings are ``{label: {key: value}}``: each config it runs (:attr:`~.common.Step.configs`, e.g. one per
 base of a tiny run) as the flat ``section.key`` values ``--set`` reads, less those that change no figure
-(:data:`NOT_MEASURED`). A step without configs (the device, the triage's fixed kernels) is never stale.
+(:data:`NOT_MEASURED`), on both sides of a comparison. A step without configs (the device, the triage's fixed
+kernels) is never stale.
 """
 
 from __future__ import annotations
@@ -12,8 +13,16 @@ from .common import CheckOptions, Step
 
 #: changed keys named in a stale step's line, at most
 SHOWN_CHANGES = 3
-#: the top-level keys and sections that change no figure: the run's name, text and directory, the Hub push
-NOT_MEASURED = ("name", "description", "output_dir", "hub")
+#: the keys and sections that change no figure: the run's name, text and directory, the Hub push, and the first
+#: iteration's doctor (it leaves the run's losses and rewards as they are, and no step measures the first iteration's
+#: memory: :func:`~jagg_core.memory_meter.measured_peak` measures the second)
+NOT_MEASURED = ("name", "description", "output_dir", "hub", "train.doctor")
+
+
+def measured_settings(settings: dict) -> dict:
+    """The flat ``settings`` less the keys under :data:`NOT_MEASURED`."""
+    return {key: value for key, value in settings.items()
+            if not any(key == name or key.startswith(f"{name}.") for name in NOT_MEASURED)}
 
 
 def step_settings(step: Step, options: CheckOptions) -> dict[str, dict] | None:
@@ -21,16 +30,16 @@ def step_settings(step: Step, options: CheckOptions) -> dict[str, dict] | None:
     if step.configs is None:
         return None
     from ..config import flat_keys
-    return {label: {key: value for key, value in flat_keys(config.model_dump(mode="json")).items()
-                    if key.split(".")[0] not in NOT_MEASURED} for label, config in step.configs(options).items()}
+    return {label: measured_settings(flat_keys(config.model_dump(mode="json")))
+            for label, config in step.configs(options).items()}
 
 
-def changed_settings(measured: dict[str, dict] | None, current: dict[str, dict]) -> list[str]:
+def changed_settings(kept: dict[str, dict] | None, current: dict[str, dict]) -> list[str]:
     """``label: key old -> new`` for each setting that differs, written as ``--set`` reads it (a config or key only on
     one side: ``-``; the label only when the step has several configs); one line when the measurement kept no
     settings (a record older than them). A key added to the config since, at its default, is no change: a new key's
     default keeps what the product did before it."""
-    if measured is None:
+    if kept is None:
         return ["measured before the check kept its settings"]
     from ..config import RunConfig, flat_keys, yaml_value
     defaults = flat_keys(RunConfig().model_dump(mode="json"))
@@ -41,13 +50,13 @@ def changed_settings(measured: dict[str, dict] | None, current: dict[str, dict])
     def added_at_its_default(before: dict, now: dict, key: str) -> bool:
         return key not in before and key in now and key in defaults and now[key] == defaults[key]
 
-    changes, labels = [], sorted(set(measured) | set(current))
+    changes, labels = [], sorted(set(kept) | set(current))
     for label in labels:
-        before, now = measured.get(label, {}), current.get(label, {})
+        before, now = measured_settings(kept.get(label, {})), current.get(label, {})
         prefix = f"{label}: " if len(labels) > 1 else ""
         changes += [f"{prefix}{key} {shown(before, key)} -> {shown(now, key)}"
                     for key in sorted(set(before) | set(now))
-                    if shown(before, key) != shown(now, key) and not (label in measured
+                    if shown(before, key) != shown(now, key) and not (label in kept
                                                                       and added_at_its_default(before, now, key))]
     return changes
 

@@ -267,7 +267,8 @@ def step_quantize(base: str, options: CheckOptions) -> list[dict]:
 def memory_recipe(preset: str, options: CheckOptions):
     """The preset's config at real size with random weights, shrunk where the memory does not depend on it:
     one prompt with one rollout chunk of samples (at least 2), the same micro-batch, an eval of one chunk
-    of 4 steps, the weightless reward :data:`MEASURE_REWARD` and no judges, 2 iterations (the second is measured),
+    of 4 steps, the weightless reward :data:`MEASURE_REWARD` and no judges, 2 iterations (the second is measured,
+    so the first iteration's doctor is off: on a GPU its audit is whole backward passes at real size),
     one encoding batch of training prompts (the set-up's peak encodes one batch; its host cache is apart)."""
     from ..archs import arch_for_model
     from ..config import load_config
@@ -280,7 +281,7 @@ def memory_recipe(preset: str, options: CheckOptions):
     generations = max(2, chunk)
     layers = f"@{options.layers}" if options.layers else ""
     overrides = [f"model.name=random:{arch}{layers}", f"rewards=[{{name: {MEASURE_REWARD}}}]",
-                 "eval.judges=[]", "grpo.prompts_per_iteration=1", f"grpo.num_generations={generations}",
+                 "eval.judges=[]", "train.doctor=false", "grpo.prompts_per_iteration=1", f"grpo.num_generations={generations}",
                  f"train.gradient_accumulation_steps={math.ceil(generations / micro)}",
                  f"prompts.eval_count={min(chunk, generations)}", "sampling.eval_num_steps=4",
                  "train.iterations=2", "train.sample_every=2", "train.checkpoint_every=2",
