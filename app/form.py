@@ -103,11 +103,14 @@ class Knob:
         return value == self.on if self.kind == "bool" else value
 
 
+#: the sizes a size knob offers (one's own may be typed in)
+SIZE_CHOICES = tuple((size, size) for size in COMMON_SIZES)
+
 MAIN_KNOBS = (
     Knob("train.iterations", "Iterations", "int"),
     Knob("grpo.num_generations", "Group size", "int"),
     Knob("sampling.num_steps", "Sampling steps", "int"),
-    Knob("sampling.resolution", "Resolution", "size", choices=tuple((size, size) for size in COMMON_SIZES)),
+    Knob("sampling.resolution", "Resolution", "size", choices=SIZE_CHOICES),
     Knob("train.learning_rate", "Learning rate", "float"),
     Knob("lora.rank", "LoRA rank", "int"),
 )
@@ -169,7 +172,7 @@ ADVANCED_KNOBS = (
     Knob("sampling.num_frames", "Video frames", "int"),
     Knob("sampling.fps", "Video fps", "int"),
     Knob("sampling.reward_frames", "Frames an image reward scores", "int"),
-    Knob("model.condition_resolution", "Input image size (editing)", "int"),
+    Knob("model.condition_resolution", "Input image size (editing)", "size", choices=SIZE_CHOICES),
     Knob("model.input_images", "Input images a prompt row (editing)", "int", optional=True),
     Knob("sampling.rollout_chunk", "Rollout chunk", "int", optional=True),
 )

@@ -13,10 +13,10 @@ the schema as the config reference (docs/config.md), and the app's form shows th
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
 from .errors import UserError
@@ -43,6 +43,15 @@ def model_name_description() -> str:
             f"a Hub id owner/name, a local diffusers pipeline folder ({', '.join(f.label for f in declared_families())}"
             f"), or random:ARCH[@LAYERS], a real architecture with random weights for benchmarks "
             f"(ARCH: {', '.join(declared_hub_ids())})")
+
+
+def _one_way_to_write_a_size(value: object) -> int | str:
+    """``512``, ``"512"`` and ``"512x512"`` are kept as ``512``; ``"832 X 480"`` as ``"832x480"``."""
+    return parse_resolution(value).config_value()
+
+
+#: a size setting (``sampling.resolution``, ``model.condition_resolution``), kept one way (:func:`parse_resolution`)
+SizeSetting = Annotated[int | str, BeforeValidator(_one_way_to_write_a_size)]
 
 
 class ModelConfig(_Section):
@@ -76,10 +85,12 @@ class ModelConfig(_Section):
                                         "each iteration encodes its prompts, keeping only the eval prompts'")
     vae_slicing: bool = Field(True, description="the VAE decodes one image at a time (diffusers enable_slicing): "
                               "the decode's peak memory no longer grows with the batch")
-    condition_resolution: int = Field(512, ge=16, le=2048, multiple_of=16, description="image-editing runs (FLUX.1 "
-                                      "Kontext, Qwen-Image-Edit, FLUX.2 with model.input_images): side of "
-                                      "the square the prompt row's input image is centre-cropped and resized to "
-                                      "before the model encodes it (the pipelines use about 1024); a multiple of 16")
+    condition_resolution: SizeSetting = Field(512, description="image-editing runs (FLUX.1 Kontext, Qwen-Image-Edit, "
+                                            "FLUX.2 with model.input_images): the size each input image of a prompt "
+                                            "row is centre-cropped to (its shape) and resized to before the model "
+                                            "encodes it, a square's side (512) or WIDTHxHEIGHT (1024x768), as "
+                                            "sampling.resolution (the pipelines keep the input's shape at about "
+                                            "1024 x 1024 pixels)")
     input_images: int | None = Field(None, ge=0, le=3, description="input images of each prompt row, every row "
                                      "the same, 'Picture 1' first: the image-editing models take 1 (unset) to their "
                                      "most (Qwen-Image-Edit-2509/2511: 3; FLUX.1 Kontext, Qwen-Image-Edit: 1); FLUX.2 "
@@ -93,6 +104,11 @@ class ModelConfig(_Section):
         False, description="let cuBLAS reduce bf16 matmuls in bf16 (split-K; torch's default); off: in float32. Off "
         "by default: float32 sums are the more exact; the GPU check's triage cleared it of FLUX.1-dev's crash on an "
         "H200, and what turning it on gains is not measured")
+
+    @property
+    def condition_size(self) -> ImageSize:
+        """``condition_resolution`` as ``(height, width)``."""
+        return parse_resolution(self.condition_resolution)
 
     @model_validator(mode="before")
     @classmethod
@@ -121,7 +137,7 @@ class LoraConfig(_Section):
 class SamplingConfig(_Section):
     """Rollouts (the Flow-GRPO SDE sampler, which gives each step a log-probability) and eval samples (Euler ODE)."""
 
-    resolution: int | str = Field(64, description="size of the images (or video frames) in pixels: the side of a "
+    resolution: SizeSetting = Field(64, description="size of the images (or video frames) in pixels: the side of a "
                                   "square (512) or WIDTHxHEIGHT (832x480, Wan 2.1's own; 1024x576 landscape); each "
                                   f"side a multiple of {SIDE_MULTIPLE}, {SIDE_RANGE[0]} to {SIDE_RANGE[1]}")
     num_steps: int = Field(10, ge=2, le=200, description="denoising steps T of each rollout, on the family's sigma "
@@ -166,12 +182,6 @@ class SamplingConfig(_Section):
     def eval_chunk(self, prompts: int) -> int:
         """Samples denoised together in an eval of ``prompts`` held-out prompts."""
         return min(prompts, self.rollout_chunk or EVAL_CHUNK)
-
-    @field_validator("resolution", mode="before")
-    @classmethod
-    def _one_way_to_write_a_size(cls, value):
-        """``512``, ``"512"`` and ``"512x512"`` are kept as ``512``; ``"832 X 480"`` as ``"832x480"``."""
-        return parse_resolution(value).config_value()
 
     @property
     def size(self) -> ImageSize:

@@ -9,9 +9,9 @@ images' digests for several), so the sampler, GRPO, the per-prompt conditioning 
 two rows with the same instruction on different images stay apart. The row keeps the images' encoded bytes;
 :meth:`EditPrompt.images` decodes them.
 
-Geometry: an input image is centre-cropped to a square and resized (bicubic) to the side asked for: the model's
-``model.condition_resolution`` before its VAE (and, for Qwen-Image-Edit, its vision encoder) sees it, the output's
-side for the rewards' ``inputs`` (:func:`input_images`).
+Geometry: an input image is centre-cropped to the shape of the size asked for and resized (bicubic) to it
+(:class:`~jagg_core.image_size.ImageSize`): the model's ``model.condition_resolution`` before its VAE (and, for
+Qwen-Image-Edit, its vision encoder) sees it, the output's size for the rewards' ``inputs`` (:func:`input_images`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from .errors import UserError
+from .image_size import ImageSize
 
 if TYPE_CHECKING:
     import torch
@@ -43,19 +44,19 @@ class EditPrompt(str):
     def __getnewargs__(self):  # copies and pickles rebuild the row, not a bare string
         return self.instruction, self.images_bytes, self.label
 
-    def image(self, size: int) -> Image.Image:
-        """The (first) input image, RGB, centre-cropped to a square and resized to ``size`` x ``size``."""
-        return square_image(self.images_bytes[0], size)
+    def image(self, size: ImageSize) -> Image.Image:
+        """The (first) input image, RGB, centre-cropped to ``size``'s shape and resized to it."""
+        return fitted_image(self.images_bytes[0], size)
 
-    def images(self, size: int) -> list[Image.Image]:
+    def images(self, size: ImageSize) -> list[Image.Image]:
         """Every input image, as :meth:`image`."""
-        return [square_image(data, size) for data in self.images_bytes]
+        return [fitted_image(data, size) for data in self.images_bytes]
 
 
-def square_image(data: bytes, size: int) -> Image.Image:
-    """The encoded image ``data``, RGB, centre-cropped to a square and resized (bicubic) to ``size`` x ``size``."""
+def fitted_image(data: bytes, size: ImageSize) -> Image.Image:
+    """The encoded image ``data``, RGB, centre-cropped to ``size``'s shape and resized (bicubic) to ``size``."""
     with Image.open(io.BytesIO(data)) as picture:
-        return ImageOps.fit(picture.convert("RGB"), (size, size), method=Image.Resampling.BICUBIC)
+        return ImageOps.fit(picture.convert("RGB"), (size.width, size.height), method=Image.Resampling.BICUBIC)
 
 
 def images_digest(images_bytes: tuple[bytes, ...]) -> str:
@@ -119,8 +120,8 @@ def image_tensor(images: list[Image.Image]) -> torch.Tensor:
     return torch.from_numpy(arrays).permute(0, 3, 1, 2).float() / 255.0
 
 
-def input_images(prompts: list[str], size: int) -> torch.Tensor | None:
-    """The rows' input images as the rewards see them, float32 ``[N, 3, size, size]`` in [0, 1]; None when no
+def input_images(prompts: list[str], size: ImageSize) -> torch.Tensor | None:
+    """The rows' input images as the rewards see them, float32 ``[N, 3, height, width]`` in [0, 1]; None when no
     prompt is an editing row (text-to-image)."""
     if not any(isinstance(prompt, EditPrompt) for prompt in prompts):
         return None

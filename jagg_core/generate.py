@@ -9,9 +9,9 @@ fixed-seed ODE sampler and sizes)::
 It writes one picture: the base model on the left, the adapter on the right, the same noise (of a video model, the
 videos' middle frames). An image-editing model (FLUX.1 Kontext, Qwen-Image-Edit) takes the prompt as the
 instruction applied to ``--image`` (given ``model.input_images`` times, 'Picture 1' first), prepared as the run's
-own input images are (centre-cropped to a square, ``model.condition_resolution``) and shown first, as wide as the
-output. A prompt longer than a text encoder reads is said on stderr (``jagg_core.generate: note: ...``) and sampled
-cut, as the pipelines do. The page's "Try it" panel runs this in its own process, so the app never holds a model.
+own input images are (centre-cropped to ``model.condition_resolution``'s shape and resized to it) and shown first,
+as wide as the output. A prompt longer than a text encoder reads is said on stderr
+(``jagg_core.generate: note: ...``) and sampled cut, as the pipelines do. The page's "Try it" panel runs this in its own process, so the app never holds a model.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def generate(run_dir: Path, prompt: str, checkpoint: str | None = None, seed: in
     pictures, captions = to_pil(torch.cat([still_frames(base), still_frames(tuned)]).cpu()), ["base model",
                                                                                               adapter.label]
     if editing:
-        inputs = row.images(size.longest)
+        inputs = row.images(config.model.condition_size)
         names = ["input image"] if len(inputs) == 1 else [f"picture {k}" for k in range(1, len(inputs) + 1)]
         pictures, captions = [*inputs, *pictures], [*names, *captions]
     return captioned_grid(pictures, captions, title=prompt[:80], columns=len(captions), cell=max(256, size.width))

@@ -81,7 +81,7 @@ def test_an_image_folder_gives_one_row_per_instruction_keyed_by_its_image(image_
     assert all(isinstance(p, EditPrompt) and p.startswith(p.instruction + " [") for p in prompts)
     assert prompts[0] != prompts[1], "the same instruction on two images is two rows"
     assert [p.label for p in prompts] == ["red.png", "sub/blue.png", "red.png"]
-    square = prompts[1].image(16)
+    square = prompts[1].image(ImageSize.square(16))
     assert square.size == (16, 16) and square.getpixel((8, 8)) == (30, 30, 200)
     clone = copy.deepcopy(prompts[0])
     assert clone == prompts[0] and clone.images_bytes == prompts[0].images_bytes
@@ -90,6 +90,22 @@ def test_an_image_folder_gives_one_row_per_instruction_keyed_by_its_image(image_
     (image_folder / "prompts.csv").unlink()
     (image_folder / "prompts.jsonl").write_text('{"file": "red.png", "prompt": "make it blue"}\n')
     assert load_prompts(str(image_folder)) == prompts[:1]
+
+
+def test_an_input_image_is_centre_cropped_to_the_sizes_shape_not_squashed():
+    """Thirds of a 3:1 picture, red, green and blue: a 3:1 size keeps all three, a square or a portrait its
+    centre."""
+    stripes = Image.new("RGB", (60, 20), (200, 30, 30))
+    stripes.paste((30, 160, 60), (20, 0, 40, 20))
+    stripes.paste((30, 30, 200), (40, 0, 60, 20))
+    row = EditPrompt("make it blue", png_bytes(stripes), "stripes.png")
+    wide = row.image(ImageSize(height=16, width=48))
+    assert wide.size == (48, 16)
+    assert [wide.getpixel((x, 8)) for x in (2, 24, 45)] == [(200, 30, 30), (30, 160, 60), (30, 30, 200)]
+    for size in (ImageSize.square(16), ImageSize(height=32, width=16)):
+        centre = row.image(size)
+        assert centre.size == (size.width, size.height)
+        assert np.abs(np.asarray(centre, dtype=int) - (30, 160, 60)).max() <= 10  # green, bicubic at the edges
 
 
 @pytest.mark.parametrize("files, match", [
@@ -127,7 +143,7 @@ def test_a_hub_dataset_with_an_image_column(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=lambda name, split: Dataset()))
     edits = load_prompts("hf://user/edits:edit,good")
     assert [p.instruction for p in edits] == ["make it red", "make it green"]
-    assert [p.label for p in edits] == ["row 1", "row 2"] and edits[0].image(4).getpixel((2, 2)) == (0, 0, 255)
+    assert [p.label for p in edits] == ["row 1", "row 2"] and edits[0].image(ImageSize.square(4)).getpixel((2, 2)) == (0, 0, 255)
     with pytest.raises(UserError, match="row 2 of Hub dataset 'user/edits' is not a readable image"):
         load_prompts("hf://user/edits:edit,bad")
     with pytest.raises(UserError, match="has no column 'image'; it has: edit, good, bad, caption"):
@@ -153,17 +169,17 @@ class InputsProbe(Reward):
         return (images - inputs).abs().mean(dim=(1, 2, 3))
 
 
-def test_an_editing_reward_gets_the_input_images_and_old_rewards_do_not():
+def test_an_editing_reward_gets_the_input_images_at_the_outputs_size_and_old_rewards_do_not():
     prompts = rows()
-    expected = input_images(prompts, 16)
-    assert expected.shape == (2, 3, 16, 16) and 0 <= expected.min() and expected.max() <= 1
+    expected = input_images(prompts, ImageSize(height=16, width=32))  # a landscape output's
+    assert expected.shape == (2, 3, 16, 32) and 0 <= expected.min() and expected.max() <= 1
     combined = CombinedReward([InputsProbe(options=NoOptions()), JpegCompressibility()], [1.0, 0.0], ["probe", "jpeg"])
-    images = torch.rand(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    images = torch.rand(2, 3, 16, 32, generator=torch.Generator().manual_seed(0))
     _, parts = combined(images, prompts)
     torch.testing.assert_close(parts["probe"], (images - expected).abs().mean(dim=(1, 2, 3)))
     _, unchanged = combined(expected, prompts)
     assert unchanged["probe"].abs().max() == 0
-    assert input_images(["a red circle"], 16) is None
+    assert input_images(["a red circle"], ImageSize.square(16)) is None
 
 
 def test_clip_directional_is_the_cosine_of_the_image_and_text_directions(tiny_clip):
@@ -171,7 +187,7 @@ def test_clip_directional_is_the_cosine_of_the_image_and_text_directions(tiny_cl
     reward = build_reward(RewardSpec(name="clip_directional", options={"model_id": folder}))
     image = rows(1)[0].images_bytes[0]
     prompts = [EditPrompt("make it red", image, "a"), EditPrompt("add snow", image, "b")]
-    inputs = input_images(prompts, 32)
+    inputs = input_images(prompts, ImageSize.square(32))
     images = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     scores = reward(images, prompts, inputs)
     image_direction = reward.image_embeds(images) - reward.image_embeds(inputs)
@@ -205,7 +221,7 @@ def test_each_row_is_encoded_once_with_its_image_latents(name, monkeypatch):
     cond = model.conditioning([first, same_text, first])
     assert encoded == [first, same_text]  # a row twice in a batch: encoded once
     # (side / (2 x the VAE's factor))^2
-    tokens = model.image_seq_len(ImageSize.square(model.config.condition_resolution))
+    tokens = model.image_seq_len(model.config.condition_size)
     assert cond[IMAGE_LATENTS].shape == (3, tokens, model.transformer.config.in_channels)
     assert torch.equal(cond[IMAGE_LATENTS], cond[NEGATIVE + IMAGE_LATENTS])
     assert torch.equal(cond[IMAGE_LATENTS][0], cond[IMAGE_LATENTS][2])
@@ -217,6 +233,23 @@ def test_each_row_is_encoded_once_with_its_image_latents(name, monkeypatch):
     model.conditioning([same_text])
     with pytest.raises(UserError, match=f"the {model.family} model edits images, but the prompt 'a red circle'"):
         load(name).conditioning(["a red circle"])
+
+
+@pytest.mark.parametrize("name", EDIT_MODELS)
+def test_a_landscape_input_size_is_encoded_to_the_shapes_the_plan_counts(name):
+    """The input image's latents and (Qwen-Image-Edit) its vision tokens at a landscape ``condition_resolution``:
+    the tokens of its own grid, the shapes :meth:`conditioning_shapes` gives the memory plan."""
+    side = PIPELINE_CONDITION.get(name, CONDITION)
+    model = load(name, condition_resolution=f"{2 * side}x{side}")
+    cond, shapes = model.conditioning(rows(1)), model.conditioning_shapes()
+    assert {key: cond[key].shape[1:] for key in shapes} == shapes
+    assert cond[IMAGE_LATENTS].shape[1] == model.image_seq_len(ImageSize(height=side, width=2 * side))
+
+
+def test_the_plus_text_encoder_reads_the_input_at_its_384_px_area_in_the_inputs_shape():
+    """The Plus pipeline's ``calculate_dimensions(CONDITION_IMAGE_SIZE, width / height)``, sides of multiples of 32."""
+    assert load("tiny-qwen-edit-plus").vision_size == ImageSize.square(384)
+    assert load("tiny-qwen-edit-plus", condition_resolution="832x480").vision_size == ImageSize(height=288, width=512)
 
 
 def test_the_rows_conditioning_is_saved_for_a_resume_and_tied_to_the_input_size(tmp_path):
@@ -234,23 +267,31 @@ def test_the_rows_conditioning_is_saved_for_a_resume_and_tied_to_the_input_size(
 @pytest.fixture
 def qwen_edit_condition_size(monkeypatch):
     """QwenImageEditPipeline resizes its input to ``calculate_dimensions(1024 * 1024, ratio)``, QwenImageEditPlus's
-    to ``VAE_IMAGE_SIZE`` (1024 * 1024) for its VAE and ``CONDITION_IMAGE_SIZE`` (384 * 384) for its text encoder
-    (which the model reads too); here all to CONDITION, so that no resampling differs."""
-    original = pipeline_qwenimage_edit.calculate_dimensions
-    monkeypatch.setattr(pipeline_qwenimage_edit, "calculate_dimensions",
-                        lambda area, ratio: original(CONDITION * CONDITION, ratio))
-    for size in ("VAE_IMAGE_SIZE", "CONDITION_IMAGE_SIZE"):
-        monkeypatch.setattr(pipeline_qwenimage_edit_plus, size, CONDITION * CONDITION)
+    to ``calculate_dimensions`` of ``VAE_IMAGE_SIZE`` (1024 * 1024) for its VAE and of ``CONDITION_IMAGE_SIZE``
+    (384 * 384) for its text encoder (which the model reads too); here all to the model's
+    ``model.condition_resolution``, so that no resampling differs. Call it with the model."""
+    def keep(model) -> None:
+        size = model.config.condition_size
+        monkeypatch.setattr(pipeline_qwenimage_edit, "calculate_dimensions",
+                            lambda area, ratio: (size.width, size.height, None))
+        monkeypatch.setattr(pipeline_qwenimage_edit_plus, "calculate_dimensions",
+                            lambda area, ratio: (size.width, size.height))
+    return keep
 
 
 @pytest.mark.parametrize("name", EDIT_MODELS)
-@pytest.mark.parametrize(("guidance_scale", "size"), [(1.0, SIZE), (3.0, SIZE), (3.0, LANDSCAPE)],
-                         ids=["square", "square-cfg", "landscape-cfg"])
-def test_euler_ode_reproduces_pipeline(name, guidance_scale, size, qwen_edit_condition_size):
+@pytest.mark.parametrize(("guidance_scale", "size", "portrait_input"),
+                         [(1.0, SIZE, False), (3.0, SIZE, False), (3.0, LANDSCAPE, True)],
+                         ids=["square", "square-cfg", "landscape-cfg-portrait-input"])
+def test_euler_ode_reproduces_pipeline(name, guidance_scale, size, portrait_input, qwen_edit_condition_size):
     """z_{i+1} = z_i + (sigma_{i+1} - sigma_i) v(z_i, sigma_i, c) on two rows at once equals the pipeline's own
-    ``__call__`` on each row from the same noise and input image (true CFG included), the output square or
-    landscape (the input image square)."""
-    model = load(name, guidance_scale=guidance_scale, negative_prompt="ugly", flux_guidance=2.5)
+    ``__call__`` on each row from the same noise and input image (true CFG included): square, and a landscape output
+    of a portrait input (each grid its own shape: a transposed one would differ)."""
+    side = PIPELINE_CONDITION.get(name, CONDITION)
+    condition = f"{side}x{2 * side}" if portrait_input else side
+    model = load(name, guidance_scale=guidance_scale, negative_prompt="ugly", flux_guidance=2.5,
+                 condition_resolution=condition)
+    qwen_edit_condition_size(model)
     prompts = rows()
     z0 = noise(model, len(prompts), seed=1, size=size)
     sigmas, cond = model.sigmas(STEPS, size), model.conditioning(prompts)
@@ -274,7 +315,7 @@ def test_euler_ode_reproduces_pipeline(name, guidance_scale, size, qwen_edit_con
             final["latents"] = tensors["latents"]
             return {}
 
-        output = model.pipe(image=row.image(model.config.condition_resolution), prompt=row.instruction,
+        output = model.pipe(image=row.image(model.config.condition_size), prompt=row.instruction,
                             num_inference_steps=STEPS, latents=pipeline_latents(model, z0[i:i + 1]),
                             height=size.height, width=size.width, output_type="pt", max_sequence_length=TEXT,
                             callback_on_step_end=keep_latents, **family)
@@ -303,7 +344,7 @@ def two_image_folder(tmp_path):
 def test_a_row_may_name_several_images_and_a_single_image_rows_text_stays_as_it_was(two_image_folder, image_folder):
     rows = load_prompts(str(two_image_folder))
     assert len(rows) == 12 and rows[0].label == "red.png+blue.png" and len(rows[0].images_bytes) == 2
-    first, second = rows[0].images(8)
+    first, second = rows[0].images(ImageSize.square(8))
     assert first.getpixel((4, 4)) == COLOURS["red"] and second.getpixel((4, 4)) == COLOURS["blue"]
     assert rows[0] != rows[3], "the same images in the other order are another row"  # blue;red is row 3
     assert copy.deepcopy(rows[0]).images_bytes == rows[0].images_bytes
@@ -320,6 +361,7 @@ def test_the_plus_model_reads_every_input_image_as_the_pipeline_does(two_image_f
     tokens one after the other with a grid each in img_shapes; the Euler ODE equals the pipeline's __call__ given
     both images, with true CFG."""
     model = load("tiny-qwen-edit-plus", input_images=2, guidance_scale=3.0, negative_prompt="ugly")
+    qwen_edit_condition_size(model)
     prompts = load_prompts(str(two_image_folder))[:2]
     z0 = noise(model, len(prompts), seed=2)
     sigmas, cond = model.sigmas(STEPS, SIZE), model.conditioning(prompts)
@@ -335,7 +377,7 @@ def test_the_plus_model_reads_every_input_image_as_the_pipeline_does(two_image_f
             final["latents"] = tensors["latents"]
             return {}
 
-        model.pipe(image=row.images(CONDITION), prompt=row.instruction, num_inference_steps=STEPS,
+        model.pipe(image=row.images(ImageSize.square(CONDITION)), prompt=row.instruction, num_inference_steps=STEPS,
                    latents=pipeline_latents(model, z0[i:i + 1]), height=RES, width=RES, output_type="latent",
                    true_cfg_scale=3.0, negative_prompt="ugly", max_sequence_length=TEXT,
                    callback_on_step_end=keep_latents)
@@ -539,7 +581,7 @@ def test_the_example_set_is_small_pngs():
     for prompt in load_prompts(EDIT_SET):
         with Image.open(io.BytesIO(prompt.images_bytes[0])) as picture:
             assert picture.format == "PNG" and max(picture.size) <= 128
-    assert np.asarray(rows(1)[0].image(8)).shape == (8, 8, 3)
+    assert np.asarray(rows(1)[0].image(ImageSize.square(8))).shape == (8, 8, 3)
 
 
 def test_the_page_takes_an_image_folder_inside_the_prompt_dirs(image_folder, tmp_path, monkeypatch):

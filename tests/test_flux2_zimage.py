@@ -135,7 +135,7 @@ def test_reference_images_edit_as_the_pipeline_does(name, references, size):
     z, images = euler_ode(model, z0, model.sigmas(STEPS, size), model.conditioning(rows))
     for i, row in enumerate(rows):
         output, latents = pipeline_with_final_latents(
-            model.pipe, image=row.images(64), prompt=row.instruction, num_inference_steps=STEPS,
+            model.pipe, image=row.images(ImageSize.square(64)), prompt=row.instruction, num_inference_steps=STEPS,
             latents=pipeline_latents(model, z0[i:i + 1]), output_type="pt", **pipeline_kwargs(model, 1, size))
         torch.testing.assert_close(loop_latents(model, z[i:i + 1]), latents, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(images[i:i + 1], output.images.float(), atol=1e-4, rtol=1e-4)

@@ -4,12 +4,14 @@ pipeline does is in the families' own tests: ``test_euler_ode_reproduces_pipelin
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import yaml
 from PIL import Image
 
 from app.form import KNOBS
-from jagg_core.config import SamplingConfig
+from jagg_core.config import ModelConfig, SamplingConfig
 from jagg_core.errors import UserError
 from jagg_core.image_size import ImageSize, parse_resolution
 from jagg_core.model_card import build_model_card, read_run
@@ -29,6 +31,8 @@ def test_a_resolution_is_a_side_or_width_by_height_and_is_kept_one_way(written, 
     sampling = SamplingConfig(resolution=written)
     assert sampling.resolution == kept and sampling.size == size
     assert parse_resolution(sampling.size.config_value()) == size
+    model = ModelConfig(condition_resolution=written)  # an editing run's input images: the same kinds of size
+    assert model.condition_resolution == kept and model.condition_size == size
 
 
 @pytest.mark.parametrize(("written", "message"), [
@@ -78,12 +82,13 @@ def test_a_landscape_run_trains_and_its_samples_grid_card_and_try_it_are_landsca
     assert plan.returncode == 0 and f"(flux, {LANDSCAPE} px)" in plan.stdout, plan.stdout + plan.stderr
 
 
-def test_the_pages_resolution_field_offers_sizes_and_takes_ones_own():
-    knob = next(knob for knob in KNOBS if knob.key == "sampling.resolution")
+@pytest.mark.parametrize("key", ["sampling.resolution", "model.condition_resolution"])
+def test_the_pages_size_fields_offer_sizes_and_take_ones_own(key):
+    knob = next(knob for knob in KNOBS if knob.key == key)
     assert knob.kind == "size" and ("832x480", "832x480") in knob.choices and ("512", "512") in knob.choices
     assert knob.to_config("512") == 512 and knob.to_config("1024x576") == "1024x576"
     assert knob.from_config(512) == "512" and knob.from_config("832x480") == "832x480"
-    with pytest.raises(UserError, match="'Resolution' needs a value"):
+    with pytest.raises(UserError, match=re.escape(f"'{knob.label}' needs a value")):
         knob.to_config("")
 
 

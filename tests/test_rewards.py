@@ -312,6 +312,7 @@ def test_an_editing_row_is_asked_about_its_instruction_with_its_input_image(tiny
     """Through the rewards' combination, as a run calls it: each row's instruction (not the row's text) and its
     input image at the output's size."""
     from jagg_core.edit_prompts import EditPrompt, input_images, png_bytes
+    from jagg_core.image_size import ImageSize
     from jagg_core.rewards import CombinedReward
     torch.manual_seed(2)
     pictures, images = torch.rand(2, 3, 80, 80), torch.rand(2, 3, 64, 64)
@@ -319,7 +320,7 @@ def test_an_editing_row_is_asked_about_its_instruction_with_its_input_image(tiny
             for i, (text, picture) in enumerate(zip(["make it blue", "add a hat"], to_pil(pictures)))]
     reward = vqa_reward(tiny_vlm)
     total, parts = CombinedReward([reward], [1.0], ["vqa_score"])(images, rows)
-    expected = reward(images, ["make it blue", "add a hat"], input_images(rows, 64))
+    expected = reward(images, ["make it blue", "add a hat"], input_images(rows, ImageSize.square(64)))
     torch.testing.assert_close(parts["vqa_score"], expected)
     torch.testing.assert_close(total, expected)
     assert not torch.allclose(expected, reward(images, ["make it blue", "add a hat"]))

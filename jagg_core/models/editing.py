@@ -3,13 +3,13 @@
 A prompt is an :class:`~jagg_core.edit_prompts.EditPrompt` row: an instruction and its input image. A row is
 encoded once and cached like any prompt's text conditioning:
 
-* its input image, centre-cropped and resized to ``r = model.condition_resolution``, is preprocessed by the
-  pipeline's image processor to [-1, 1], encoded by the pipeline's ``_encode_vae_image`` (the posterior's mode,
-  normalised as the pipeline does: FLUX ``(x - shift) * scale``, Qwen-Image ``(x - mean) / std``, FLUX.2
-  patchified 2x2 then its batch-norm statistics) and packed by ``_pack_latents`` into ``(r / 2f)^2`` tokens
-  (``f``: the VAE's factor, 8 for the real models): ``image_latents`` [(r/2f)^2, 4C]; a row of
-  ``n = model.input_images`` images (Qwen-Image-Edit-2509/2511, FLUX.2) has each image's tokens one after
-  the other, [n (r/2f)^2, 4C], as those pipelines concatenate them;
+* its input image, centre-cropped to the shape of ``H x W = model.condition_resolution`` and resized to it, is
+  preprocessed by the pipeline's image processor to [-1, 1], encoded by the pipeline's ``_encode_vae_image`` (the
+  posterior's mode, normalised as the pipeline does: FLUX ``(x - shift) * scale``, Qwen-Image ``(x - mean) / std``,
+  FLUX.2 patchified 2x2 then its batch-norm statistics) and packed by ``_pack_latents`` into the
+  ``(H / 2f) x (W / 2f)`` grid's ``m`` tokens, row by row (``f``: the VAE's factor, 8 for the real models):
+  ``image_latents`` [m, 4C]; a row of ``n = model.input_images`` images (Qwen-Image-Edit-2509/2511, FLUX.2) has
+  each image's tokens one after the other, [n m, 4C], as those pipelines concatenate them;
 * its instruction is encoded by the family (Qwen-Image-Edit's text encoder sees the image too).
 
 With CFG the negative branch is the negative prompt on the same image (both pipelines condition both branches on
@@ -17,13 +17,12 @@ it), so ``negative/image_latents`` is ``image_latents``. Every transformer call 
 the token axis (``z``'s grid read row by row), the condition's tokens placed as the family's pipeline places them
 (:meth:`joint_velocity`), and the velocity is the output's first ``rows x cols`` tokens: the generated image's.
 The sampler, GRPO and JAGG see one more conditioning tensor and nothing else; the schedule's dynamic shift counts
-the generated tokens only, as the pipelines do. The output may be of any ``sampling.resolution``; the input images
-are ``model.condition_resolution`` square.
+the generated tokens only, as the pipelines do. The output may be of any ``sampling.resolution`` and the input
+images of any ``model.condition_resolution``, each its own shape.
 """
 
 from __future__ import annotations
 
-import math
 from abc import abstractmethod
 
 import torch
@@ -31,7 +30,6 @@ from PIL import Image
 
 from ..edit_prompts import EditPrompt, edit_rows
 from ..family_names import family_of_pipeline
-from ..image_size import ImageSize
 from .base import NEGATIVE, Conditioning, PackedFlowModel
 
 IMAGE_LATENTS = "image_latents"
@@ -62,15 +60,15 @@ class EditingFlowModel(PackedFlowModel):
         return [EditPrompt(self.config.negative_prompt, row.images_bytes, row.label) for row in prompts]
 
     def condition_latents(self, rows: list[EditPrompt]) -> torch.Tensor:
-        """The rows' packed, normalised VAE latents [N, n (r/2f)^2, 4C], image after image (module docstring)."""
-        images = [row.images(self.config.condition_resolution) for row in rows]
+        """The rows' packed, normalised VAE latents [N, n m, 4C], image after image (module docstring)."""
+        images = [row.images(self.config.condition_size) for row in rows]
         return torch.cat([self.image_latents([pictures[k] for pictures in images])
                           for k in range(self.input_images)], dim=1)
 
     def image_latents(self, images: list[Image.Image]) -> torch.Tensor:
-        """Packed, normalised VAE latents [N, (r/2f)^2, 4C] of one input image a row, at ``condition_resolution``."""
-        size, vae = self.config.condition_resolution, self.pipe.vae
-        pixels = self.pipe.image_processor.preprocess(images, size, size)
+        """Packed, normalised VAE latents [N, m, 4C] of one input image a row, at ``condition_resolution``."""
+        size, vae = self.config.condition_size, self.pipe.vae
+        pixels = self.pipe.image_processor.preprocess(images, size.height, size.width)
         latents = self.pipe._encode_vae_image(self.vae_input(pixels).to(vae.device, vae.dtype), generator=None)
         return self.pack_latents(latents)
 
@@ -84,7 +82,7 @@ class EditingFlowModel(PackedFlowModel):
         return pixels
 
     def conditioning_shapes(self) -> dict[str, tuple[int, ...]]:
-        tokens = self.input_images * self.image_seq_len(ImageSize.square(self.config.condition_resolution))
+        tokens = self.input_images * self.image_seq_len(self.config.condition_size)
         return {**super().conditioning_shapes(), IMAGE_LATENTS: (tokens, self.transformer.config.in_channels)}
 
     def token_velocity(self, tokens: torch.Tensor, grid: tuple[int, int], sigma: torch.Tensor,
@@ -92,17 +90,14 @@ class EditingFlowModel(PackedFlowModel):
         joint = torch.cat([tokens, cond[IMAGE_LATENTS].to(tokens.dtype)], dim=1)
         return self.joint_velocity(joint, grid, sigma, cond)[:, :tokens.shape[1]]
 
-    def input_image_grid(self, tokens: torch.Tensor, grid: tuple[int, int]) -> tuple[int, int]:
-        """``(side, side)`` of each input image's tokens in ``tokens``: after the generated image's ``grid``, the
-        :attr:`input_images` images of ``model.condition_resolution`` square, as many tokens each."""
-        per_image = (tokens.shape[1] - grid[0] * grid[1]) // self.input_images
-        side = math.isqrt(per_image)
-        if side * side != per_image:
-            raise ValueError(f"an input image's {per_image} packed tokens are not a square grid")
-        return side, side
+    @property
+    def input_image_grid(self) -> tuple[int, int]:
+        """``(rows, cols)`` of each input image's tokens, which follow the generated image's: the packed grid of
+        ``model.condition_resolution``, as :meth:`latent_shape` makes a generated image's."""
+        return self.latent_shape(self.config.condition_size)[:2]
 
     @abstractmethod
     def joint_velocity(self, tokens: torch.Tensor, grid: tuple[int, int], sigma: torch.Tensor,
                        cond: Conditioning) -> torch.Tensor:
         """The transformer's output for ``tokens``: the generated image's ``grid`` of ``(rows, cols)`` tokens first,
-        then the input images' (each :meth:`input_image_grid`)."""
+        then the input images' (each of :attr:`input_image_grid`)."""

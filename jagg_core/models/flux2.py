@@ -128,7 +128,7 @@ class Flux2ReferenceImages(EditingFlowModel):
 
     def joint_velocity(self, tokens: torch.Tensor, grid: tuple[int, int], sigma: torch.Tensor,
                        cond: Conditioning) -> torch.Tensor:
-        reference = self.input_image_grid(tokens, grid)
+        reference = self.input_image_grid
         reference_ids = [self.grid_ids(self.REFERENCE_T_STEP * (1 + k), reference, tokens.device)
                          for k in range(self.input_images)]
         return self.flux2_forward(tokens, grid, sigma, cond, reference_ids)

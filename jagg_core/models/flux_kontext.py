@@ -4,7 +4,9 @@ Everything is FLUX.1's (:mod:`.flux`: T5 + pooled CLIP conditioning of the instr
 timestep = sigma, true CFG), plus the input image (:mod:`.editing`): its packed latents follow the noisy tokens in
 the sequence, with image ids ``(1, row, col)`` where the generated image's are ``(0, row, col)``, as
 ``FluxKontextPipeline.prepare_latents`` makes them. The pipeline's own ``__call__`` also resizes the input to one of
-Kontext's preferred resolutions (``_auto_resize``); here it is ``model.condition_resolution`` square.
+Kontext's preferred resolutions (``_auto_resize``, the one nearest the input's shape); here it is
+``model.condition_resolution``, which may be one of them (``PREFERRED_KONTEXT_RESOLUTIONS``: 1024x1024, 1184x880,
+1248x832, ...).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ class FluxKontextModel(EditingFlowModel, FluxModel):
 
     def joint_velocity(self, tokens: torch.Tensor, grid: tuple[int, int], sigma: torch.Tensor,
                        cond: Conditioning) -> torch.Tensor:
-        condition_ids = self.image_ids(self.input_image_grid(tokens, grid), tokens.device)
+        condition_ids = self.image_ids(self.input_image_grid, tokens.device)
         condition_ids[:, 0] = 1
         image_ids = torch.cat([self.image_ids(grid, tokens.device), condition_ids])
         return self.flux_forward(tokens, sigma, cond, image_ids)

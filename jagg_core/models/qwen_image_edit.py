@@ -11,7 +11,7 @@ rescale), plus the input image (:mod:`.editing`):
   and ``img_shapes`` lists both grids: ``[(1, h, w), (1, h_in, w_in)]``.
 
 The pipeline's own ``__call__`` resizes the input to about 1024 x 1024 (``calculate_dimensions(1024 * 1024, ratio)``)
-for both the VAE and the text encoder; here both see it at ``model.condition_resolution`` square.
+for both the VAE and the text encoder, keeping its shape; here both see it at ``model.condition_resolution``.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from diffusers import QwenImageEditPipeline
 from PIL import Image
 
 from ..edit_prompts import EditPrompt
+from ..image_size import ImageSize
 from .base import Conditioning
 from .editing import EditingFlowModel
 from .family import Family
@@ -55,13 +56,13 @@ class QwenImageEditModel(EditingFlowModel, QwenImageModel):
         return self.input_images
 
     @property
-    def vision_side(self) -> int:
-        """Side of the square input image the text encoder reads: ``model.condition_resolution``, the VAE's."""
-        return self.config.condition_resolution
+    def vision_size(self) -> ImageSize:
+        """The size of the input image the text encoder reads: ``model.condition_resolution``, the VAE's."""
+        return self.config.condition_size
 
     def text_images(self, rows: list[EditPrompt]) -> list[Image.Image]:
-        """The rows' input images as the text encoder reads them, :attr:`vision_side` square."""
-        return [row.image(self.vision_side) for row in rows]
+        """The rows' input images as the text encoder reads them, at :attr:`vision_size`."""
+        return [row.image(self.vision_size) for row in rows]
 
     @property
     def text_length(self) -> int:
@@ -69,8 +70,8 @@ class QwenImageEditModel(EditingFlowModel, QwenImageModel):
         return self.config.max_sequence_length + self.input_images * self.vision_tokens()
 
     def vision_tokens(self) -> int:
-        """Tokens of a :attr:`vision_side` square image in the text encoder's sequence: Qwen2-VL scales it to a
-        multiple of ``patch * merge`` pixels within ``[min_pixels, max_pixels]`` (``smart_resize``), one token per
+        """Tokens of a :attr:`vision_size` image in the text encoder's sequence: Qwen2-VL scales it to a multiple of
+        ``patch * merge`` pixels a side within ``[min_pixels, max_pixels]`` (``smart_resize``), one token per
         ``merge x merge`` patches."""
         processor = getattr(self.pipe, "processor", None)
         vision = QWEN_EDIT_VISION
@@ -78,8 +79,8 @@ class QwenImageEditModel(EditingFlowModel, QwenImageModel):
             images = processor.image_processor
             vision = {"patch_size": images.patch_size, "merge_size": images.merge_size,
                       "min_pixels": images.size["shortest_edge"], "max_pixels": images.size["longest_edge"]}
-        side = self.vision_side
-        height, width = smart_resize(side, side, factor=vision["patch_size"] * vision["merge_size"],
+        size = self.vision_size
+        height, width = smart_resize(size.height, size.width, factor=vision["patch_size"] * vision["merge_size"],
                                      min_pixels=vision["min_pixels"], max_pixels=vision["max_pixels"])
         return height * width // (vision["patch_size"] * vision["merge_size"]) ** 2
 
@@ -88,7 +89,7 @@ class QwenImageEditModel(EditingFlowModel, QwenImageModel):
 
     def joint_velocity(self, tokens: torch.Tensor, grid: tuple[int, int], sigma: torch.Tensor,
                        cond: Conditioning) -> torch.Tensor:
-        condition = self.input_image_grid(tokens, grid)
+        condition = self.input_image_grid
         return self.qwen_forward(tokens, sigma, cond, [(1, *grid)] + [(1, *condition)] * self.input_images)
 
 

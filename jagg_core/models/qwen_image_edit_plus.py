@@ -4,9 +4,10 @@ Everything is Qwen-Image-Edit's (:mod:`.qwen_image_edit`: the input image's late
 ``img_shapes`` listing both grids, the Qwen2.5-VL encoder reading the image with the instruction, true CFG), except
 what the Plus pipeline changes:
 
-* its text encoder reads the input image at about 384 x 384 pixels (the pipeline's ``CONDITION_IMAGE_SIZE`` area),
-  whatever the size the VAE sees (``model.condition_resolution``; the pipeline's about 1024 x 1024), so a row's text
-  holds the vision tokens of a 384 px square (196) on top of ``model.max_sequence_length``;
+* its text encoder reads the input image at about 384 x 384 pixels (the pipeline's ``CONDITION_IMAGE_SIZE`` area,
+  the shape kept: ``calculate_dimensions``), whatever the size the VAE sees (``model.condition_resolution``; the
+  pipeline's about 1024 x 1024), so a row's text holds the vision tokens of about a 384 px square (196 for a
+  square) on top of ``model.max_sequence_length``;
 * the instruction follows ``Picture 1: <vision tokens>`` (then ``Picture 2: ...`` for a row of several input
   images, ``model.input_images``, up to 3) in the template's user turn (its system prefix is dropped as before);
   the pipeline's image list is every prompt's, so each row is encoded on its own; the images' latents follow the
@@ -19,14 +20,13 @@ what the Plus pipeline changes:
 
 from __future__ import annotations
 
-import math
-
 import torch
 from diffusers import QwenImageEditPlusPipeline, QwenImageTransformer2DModel
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus
 from PIL import Image
 
 from ..edit_prompts import EditPrompt
+from ..image_size import ImageSize
 from .base import Conditioning
 from .family import Family
 from .qwen_image_edit import QwenImageEditModel, build_tiny_qwen_edit
@@ -48,12 +48,16 @@ class QwenImageEditPlusModel(QwenImageEditModel):
 
     def text_images(self, rows: list[EditPrompt]) -> list[Image.Image]:
         """The row's input images (one row: :meth:`encode_without_cfg`), ``Picture 1`` first."""
-        return [image for row in rows for image in row.images(self.vision_side)]
+        return [image for row in rows for image in row.images(self.vision_size)]
 
     @property
-    def vision_side(self) -> int:
-        """The side of the pipeline's ``CONDITION_IMAGE_SIZE`` square (384), read from the pipeline's module."""
-        return math.isqrt(pipeline_qwenimage_edit_plus.CONDITION_IMAGE_SIZE)
+    def vision_size(self) -> ImageSize:
+        """``model.condition_resolution``'s shape at the pipeline's ``CONDITION_IMAGE_SIZE`` area (384 x 384 for a
+        square), as its ``calculate_dimensions`` makes it (sides rounded to multiples of 32)."""
+        condition = self.config.condition_size
+        width, height = pipeline_qwenimage_edit_plus.calculate_dimensions(
+            pipeline_qwenimage_edit_plus.CONDITION_IMAGE_SIZE, condition.width / condition.height)
+        return ImageSize(height, width)
 
 
 def build_tiny_qwen_edit_plus() -> QwenImageEditPlusPipeline:

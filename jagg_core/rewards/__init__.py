@@ -73,8 +73,9 @@ class CombinedReward:
         if images.ndim != 4 or not any(reward.takes_inputs for reward in self.rewards):
             return None
         from ..edit_prompts import input_images
+        from ..image_size import ImageSize
 
-        return input_images(prompts, images.shape[-1])
+        return input_images(prompts, ImageSize(*images.shape[-2:]))
 
 
 def build_rewards(specs: list[RewardSpec], device: str | torch.device = "cpu",
