@@ -11,7 +11,8 @@ videos' middle frames). An image-editing model (FLUX.1 Kontext, Qwen-Image-Edit)
 instruction applied to ``--image`` (given ``model.input_images`` times, 'Picture 1' first), prepared as the run's
 own input images are (centre-cropped to ``model.condition_resolution``'s shape and resized to it) and shown first,
 as wide as the output. A prompt longer than a text encoder reads is said on stderr
-(``jagg_core.generate: note: ...``) and sampled cut, as the pipelines do. The page's "Try it" panel runs this in its own process, so the app never holds a model.
+(``jagg_core.generate: note: ...``) and sampled cut, as the pipelines do. The page's "Try it" panel runs this in its
+own process, so the app never holds a model.
 """
 
 from __future__ import annotations

@@ -143,7 +143,8 @@ def test_a_hub_dataset_with_an_image_column(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=lambda name, split: Dataset()))
     edits = load_prompts("hf://user/edits:edit,good")
     assert [p.instruction for p in edits] == ["make it red", "make it green"]
-    assert [p.label for p in edits] == ["row 1", "row 2"] and edits[0].image(ImageSize.square(4)).getpixel((2, 2)) == (0, 0, 255)
+    assert [p.label for p in edits] == ["row 1", "row 2"]
+    assert edits[0].image(ImageSize.square(4)).getpixel((2, 2)) == (0, 0, 255)
     with pytest.raises(UserError, match="row 2 of Hub dataset 'user/edits' is not a readable image"):
         load_prompts("hf://user/edits:edit,bad")
     with pytest.raises(UserError, match="has no column 'image'; it has: edit, good, bad, caption"):

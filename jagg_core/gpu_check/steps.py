@@ -280,8 +280,8 @@ def memory_recipe(preset: str, options: CheckOptions):
     chunk = config.sampling.chunk(samples)
     generations = max(2, chunk)
     layers = f"@{options.layers}" if options.layers else ""
-    overrides = [f"model.name=random:{arch}{layers}", f"rewards=[{{name: {MEASURE_REWARD}}}]",
-                 "eval.judges=[]", "train.doctor=false", "grpo.prompts_per_iteration=1", f"grpo.num_generations={generations}",
+    overrides = [f"model.name=random:{arch}{layers}", f"rewards=[{{name: {MEASURE_REWARD}}}]", "eval.judges=[]",
+                 "train.doctor=false", "grpo.prompts_per_iteration=1", f"grpo.num_generations={generations}",
                  f"train.gradient_accumulation_steps={math.ceil(generations / micro)}",
                  f"prompts.eval_count={min(chunk, generations)}", "sampling.eval_num_steps=4",
                  "train.iterations=2", "train.sample_every=2", "train.checkpoint_every=2",
