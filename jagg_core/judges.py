@@ -30,7 +30,8 @@ from .download import amount
 from .errors import UserError
 from .host import available_memory
 from .rewards import CombinedReward, build_reward
-from .rewards.catalog import check_reward_specs, reward_entry, reward_options
+from .rewards.catalog import check_reward_specs, reward_options
+from .rewards.model_size import scoring_model_size
 
 if TYPE_CHECKING:
     import torch
@@ -62,12 +63,12 @@ def judges_device(config: RunConfig, device: torch.device | str) -> torch.device
 
 def cpu_judges(config: RunConfig) -> dict[str, float]:
     """The judges whose models load into host memory (``eval.judges_on_cpu``) by name, each with the bytes of its
-    default model there (:attr:`~jagg_core.rewards.catalog.RewardEntry.cpu_bytes`); judges without a model left out."""
+    model there (:func:`~jagg_core.rewards.model_size.scoring_model_size`); judges without a model left out."""
     if not config.eval.judges_on_cpu:
         return {}
     names = term_names([spec.name for spec in config.eval.judges])
-    return {name: reward_entry(spec.name).cpu_bytes for name, spec in zip(names, config.eval.judges)
-            if reward_entry(spec.name).cpu_bytes}
+    sizes = [scoring_model_size(spec.name, spec.options).cpu_bytes for spec in config.eval.judges]
+    return {name: size for name, size in zip(names, sizes) if size}
 
 
 def check_judges_room(judges: dict[str, float], processes: int = 1, beside: float = 0) -> None:

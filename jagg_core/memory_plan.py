@@ -67,6 +67,7 @@ from .models.text_embeddings import bytes_per_prompt, check_cache_room
 from .placement import most_trained_steps
 from .prompts import run_prompts
 from .rewards.catalog import CPU_DTYPE, DTYPE_BYTES, reward_entry
+from .rewards.model_size import scoring_model_size
 
 #: bytes per weight of a quantized linear layer (see the module docstring)
 QUANTIZED_BYTES = {"nf4": 0.5 + 1 / 64 + 4 / (64 * 256), "int8": 1.0}
@@ -334,11 +335,9 @@ def plan_memory(config: RunConfig, backward_traces: dict[tuple, int] | None = No
     device_judges = [] if cfg.eval.judges_on_cpu else cfg.eval.judges
     plan.host_judges = cpu_judges(cfg)
     for role, spec in [*(("reward", spec) for spec in cfg.rewards), *(("judge", spec) for spec in device_judges)]:
-        entry = reward_entry(spec.name)
-        params = entry.device_params_m * 1e6
-        if params:
-            plan.resident[f"{role} {spec.name} ({params / 1e6:.0f} M, {entry.device_dtype})"] = \
-                params * DTYPES[entry.device_dtype].itemsize
+        dtype, size = reward_entry(spec.name).device_dtype, scoring_model_size(spec.name, spec.options)
+        if size.params:
+            plan.resident[f"{role} {spec.name} ({size.describe()}, {dtype})"] = size.bytes_in(dtype)
 
     lora = model.add_lora(cfg.lora)
     lora_count = sum(p.numel() for p in lora)

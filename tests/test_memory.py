@@ -381,6 +381,30 @@ def test_judges_on_the_cpu_move_to_host_memory_and_are_the_first_change_when_the
     assert judges_device(cpu_config, "cuda") == torch.device("cpu")
 
 
+def test_a_reward_or_judge_of_another_model_is_planned_at_that_models_size(tiny_clip, tmp_path, offline):
+    """The catalog counts each reward's default model; a spec's ``options.model_id`` is counted from its own
+    safetensors headers (a local folder here; a Hub id in the local cache alike), and a model not found locally is
+    planned as the default, which the plan's line says."""
+    from transformers import CLIPModel
+    from jagg_core.rewards.model_size import scoring_model_size
+    folder, _ = tiny_clip
+    saved = sum(tensor.numel() for tensor in CLIPModel.from_pretrained(folder).state_dict().values())
+    assert scoring_model_size("clip_score", {"model_id": folder}).params == saved
+    assert scoring_model_size("clip_score", {}).params == 428e6 and scoring_model_size("ocr", {}).params == 0
+    elsewhere = scoring_model_size("vqa_score", {"model_id": "someone/vlm-not-downloaded"})
+    assert not elsewhere.counted and elsewhere.params == 3755e6
+    config = tiny_config(rewards=[{"name": "clip_score", "options": {"model_id": folder}}],
+                         eval__judges=[{"name": "vqa_score", "options": {"model_id": "someone/vlm-not-downloaded"}}],
+                         eval__judges_on_cpu=True)
+    plan = plan_memory(config)
+    reward = f"reward clip_score ({Path(folder).name}: 0 M, float32)"
+    assert plan.resident[reward] == saved * 4 and plan.host_judges == {"vqa_score": 3755e6 * 4}
+    assert "judge vqa_score on the CPU (3755 M, float32)" in plan.table()
+    in_device = plan_memory(config.model_copy(update={"eval": config.eval.model_copy(update={"judges_on_cpu": False})}))
+    line = "judge vqa_score (3755 M as its default; someone/vlm-not-downloaded not found locally, bfloat16)"
+    assert in_device.resident[line] == 3755e6 * 2
+
+
 def test_a_run_whose_host_cannot_hold_its_judges_on_the_cpu_is_refused_before_they_load(tmp_path, offline,
                                                                                           monkeypatch):
     """Without the judge's weights here, loading it would fail in another line: the refusal comes first."""

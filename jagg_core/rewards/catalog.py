@@ -135,11 +135,6 @@ class RewardEntry:
         :data:`CPU_DTYPE` on the CPU."""
         return self.device_dtype if device_type == "cuda" else CPU_DTYPE
 
-    @property
-    def cpu_bytes(self) -> float:
-        """Bytes of the default scoring model on the CPU (in :data:`CPU_DTYPE`)."""
-        return self.device_params_m * 1e6 * DTYPE_BYTES[CPU_DTYPE]
-
     def load_class(self):
         module, _, cls = self.implementation.partition(":")
         return getattr(importlib.import_module(f"{__package__}.{module}"), cls)
