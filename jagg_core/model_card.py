@@ -203,9 +203,19 @@ def _recipe(config: dict, snap: RunSnapshot) -> str:
 - **LoRA:** rank {lora.get('rank')}, alpha {lora.get('alpha')}{init}
 - **Sampling:** {sampling.get('resolution')} px, {sampling.get('num_steps')} steps{_sampler_words(config)}; \
 model dtype {model.get('dtype')}
-{_text_words(snap.run_info.get("text_windows") or [])}
+{_input_words(config)}{_text_words(snap.run_info.get("text_windows") or [])}
 The full resolved configuration is in [config.yaml](config.yaml).
 """
+
+
+def _input_words(config: dict) -> str:
+    """An editing run's line on the size its input images were trained at (``model.condition_resolution``), which
+    the pipelines would otherwise choose from each input's shape; empty for a text-to-image run."""
+    if not _input_images(config):
+        return ""
+    size = (config.get("model") or {}).get("condition_resolution", ModelConfig().condition_resolution)
+    return (f"- **Input images:** centre-cropped to {size} px (`model.condition_resolution`); give the pipeline "
+            "inputs of that shape\n")
 
 
 def _text_words(windows: list[dict]) -> str:
