@@ -86,11 +86,11 @@ class ModelConfig(_Section):
     vae_slicing: bool = Field(True, description="the VAE decodes one image at a time (diffusers enable_slicing): "
                               "the decode's peak memory no longer grows with the batch")
     condition_resolution: SizeSetting = Field(512, description="image-editing runs (FLUX.1 Kontext, Qwen-Image-Edit, "
-                                            "FLUX.2 with model.input_images): the size each input image of a prompt "
-                                            "row is centre-cropped to (its shape) and resized to before the model "
-                                            "encodes it, a square's side (512) or WIDTHxHEIGHT (1024x768), as "
-                                            "sampling.resolution (the pipelines keep the input's shape at about "
-                                            "1024 x 1024 pixels)")
+                                            "FLUX.2 with model.input_images): the size of a prompt row's input "
+                                            "images, a square's side (512) or WIDTHxHEIGHT (1024x768) as "
+                                            "sampling.resolution; each is centre-cropped to its shape and resized "
+                                            "to it before the model encodes it (the pipelines keep each input's own "
+                                            "shape at about 1024 x 1024 pixels)")
     input_images: int | None = Field(None, ge=0, le=3, description="input images of each prompt row, every row "
                                      "the same, 'Picture 1' first: the image-editing models take 1 (unset) to their "
                                      "most (Qwen-Image-Edit-2509/2511: 3; FLUX.1 Kontext, Qwen-Image-Edit: 1); FLUX.2 "
