@@ -31,7 +31,7 @@ from .errors import UserError
 from .host import available_memory
 from .rewards import CombinedReward, build_reward
 from .rewards.catalog import check_reward_specs, reward_options
-from .rewards.model_size import scoring_model_size
+from .rewards.model_size import ScoringModelSize, scoring_model_size
 
 if TYPE_CHECKING:
     import torch
@@ -61,21 +61,21 @@ def judges_device(config: RunConfig, device: torch.device | str) -> torch.device
     return torch.device("cpu") if config.eval.judges_on_cpu else torch.device(device)
 
 
-def cpu_judges(config: RunConfig) -> dict[str, float]:
-    """The judges whose models load into host memory (``eval.judges_on_cpu``) by name, each with the bytes of its
-    model there (:func:`~jagg_core.rewards.model_size.scoring_model_size`); judges without a model left out."""
+def cpu_judges(config: RunConfig) -> dict[str, ScoringModelSize]:
+    """The judges whose models load into host memory (``eval.judges_on_cpu``) by name, each with its model's size
+    (:func:`~jagg_core.rewards.model_size.scoring_model_size`); judges without a model left out."""
     if not config.eval.judges_on_cpu:
         return {}
     names = term_names([spec.name for spec in config.eval.judges])
-    sizes = [scoring_model_size(spec.name, spec.options).cpu_bytes for spec in config.eval.judges]
-    return {name: size for name, size in zip(names, sizes) if size}
+    sizes = [scoring_model_size(spec.name, spec.options) for spec in config.eval.judges]
+    return {name: size for name, size in zip(names, sizes) if size.params}
 
 
-def check_judges_room(judges: dict[str, float], processes: int = 1, beside: float = 0) -> None:
+def check_judges_room(judges: dict[str, ScoringModelSize], processes: int = 1, beside: float = 0) -> None:
     """Refuse, in one line, judges on the CPU (:func:`cpu_judges`) whose models the host memory available cannot
     hold, in each of this machine's ``processes`` (each loads every judge), ``beside`` the bytes a process holds
     there too before they load (the plan's text-embedding cache)."""
-    size = sum(judges.values())
+    size = sum(judge.cpu_bytes for judge in judges.values())
     memory = available_memory()
     if not size or (size + beside) * processes <= memory:
         return

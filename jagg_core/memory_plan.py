@@ -66,8 +66,8 @@ from .models.meta import META, meta_pipeline
 from .models.text_embeddings import bytes_per_prompt, check_cache_room
 from .placement import most_trained_steps
 from .prompts import run_prompts
-from .rewards.catalog import CPU_DTYPE, DTYPE_BYTES, reward_entry
-from .rewards.model_size import scoring_model_size
+from .rewards.catalog import CPU_DTYPE, reward_entry
+from .rewards.model_size import ScoringModelSize, scoring_model_size
 
 #: bytes per weight of a quantized linear layer (see the module docstring)
 QUANTIZED_BYTES = {"nf4": 0.5 + 1 / 64 + 4 / (64 * 256), "int8": 1.0}
@@ -139,9 +139,9 @@ class MemoryPlan:
     #: and on the run folder's disk
     cached_prompts: int = 0
     bytes_per_cached_prompt: int = 0
-    #: the judges on the CPU (``eval.judges_on_cpu``) by name and the bytes of each one's model in each process's host
-    #: memory (:func:`~jagg_core.judges.cpu_judges`)
-    host_judges: dict[str, float] = field(default_factory=dict)
+    #: the judges on the CPU (``eval.judges_on_cpu``) by name and the size of each one's model, in each process's
+    #: host memory (:func:`~jagg_core.judges.cpu_judges`)
+    host_judges: dict[str, ScoringModelSize] = field(default_factory=dict)
     #: the backward's traced transient by what it depends on (:func:`_backward_key`), shared with the plans that
     #: :func:`cheapest_fit` makes from this one: a change that leaves the backward alone does not trace it again
     backward_traces: dict[tuple, int] = field(default_factory=dict, repr=False, compare=False)
@@ -190,8 +190,8 @@ class MemoryPlan:
             disk = ", and disk in the run folder" if self.cached_prompts else ""
             lines.append(f"  host memory of each process{disk}:")
         for name, size in self.host_judges.items():
-            params = size / DTYPE_BYTES[CPU_DTYPE]
-            lines.append(f"    {f'judge {name} on the CPU ({params / 1e6:.0f} M, {CPU_DTYPE})':<58} {size / GB:8.2f}")
+            lines.append(f"    {f'judge {name} on the CPU ({size.describe()}, {CPU_DTYPE})':<58} "
+                         f"{size.cpu_bytes / GB:8.2f}")
         if self.cached_prompts:
             lines.append(f"    {f'text-embedding cache ({self.cached_prompts} prompts)':<58} {self.host_cache / GB:8.2f}")
         return "\n".join(lines)
@@ -523,7 +523,8 @@ def check_host(plan: MemoryPlan, run_dir: Path, processes: int = 1) -> str:
     beside the text-embedding cache in memory, the cache on ``run_dir``'s disk too. A run refuses at set-up a cache
     that does not fit (:func:`check_cache_room`), and judges that do not before they load
     (:func:`~jagg_core.judges.check_judges_room`)."""
-    parts = [f"the judges on the CPU ({amount(sum(plan.host_judges.values()))}) in memory"] * bool(plan.host_judges)
+    judges = sum(judge.cpu_bytes for judge in plan.host_judges.values())
+    parts = [f"the judges on the CPU ({amount(judges)}) in memory"] * bool(plan.host_judges)
     parts += [f"the text-embedding cache ({amount(plan.host_cache)}) in memory and on disk"] * bool(plan.cached_prompts)
     if not parts:
         return ""

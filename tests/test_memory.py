@@ -363,7 +363,8 @@ def test_judges_on_the_cpu_move_to_host_memory_and_are_the_first_change_when_the
     on_device, on_cpu = plan_memory(config), plan_memory(cpu_config)
     judge = reward_entry("aesthetic").device_params_m * 1e6 * 4
     assert judge > 1e9 and on_device.total - on_cpu.total == pytest.approx(judge)
-    assert on_device.host_judges == {} and on_cpu.host_judges == {"aesthetic": judge}
+    assert on_device.host_judges == {} and {name: size.cpu_bytes for name, size in on_cpu.host_judges.items()} == {
+        "aesthetic": judge}
     assert "judge aesthetic on the CPU (429 M, float32)" in on_cpu.table()
     assert "on the CPU" not in on_device.table() and "judge aesthetic (429 M, float32)" in on_device.table()
     cache = amount(on_cpu.host_cache)
@@ -398,8 +399,10 @@ def test_a_reward_or_judge_of_another_model_is_planned_at_that_models_size(tiny_
                          eval__judges_on_cpu=True)
     plan = plan_memory(config)
     reward = f"reward clip_score ({Path(folder).name}: 0 M, float32)"
-    assert plan.resident[reward] == saved * 4 and plan.host_judges == {"vqa_score": 3755e6 * 4}
-    assert "judge vqa_score on the CPU (3755 M, float32)" in plan.table()
+    assert plan.resident[reward] == saved * 4
+    assert {name: size.cpu_bytes for name, size in plan.host_judges.items()} == {"vqa_score": 3755e6 * 4}
+    assert "judge vqa_score on the CPU (3755 M as its default; someone/vlm-not-downloaded not found locally, float32)" \
+        in plan.table()
     in_device = plan_memory(config.model_copy(update={"eval": config.eval.model_copy(update={"judges_on_cpu": False})}))
     line = "judge vqa_score (3755 M as its default; someone/vlm-not-downloaded not found locally, bfloat16)"
     assert in_device.resident[line] == 3755e6 * 2
