@@ -172,8 +172,9 @@ def _eval_reward(rows: list[dict]) -> tuple[dict | None, dict | None]:
     return (evals[0], evals[-1]) if len(evals) >= 2 else (None, None)
 
 
-def _recipe(config: dict, snap: RunSnapshot) -> str:
-    """The training recipe section: rewards, prompts, iterations and the algorithm's settings."""
+def _recipe(config: dict, snap: RunSnapshot, editing: bool) -> str:
+    """The training recipe section: rewards, prompts, iterations and the algorithm's settings (``editing``: the
+    base model edits images, and the section says the size of their inputs)."""
     model, lora, sampling, train, prompts = (
         config.get(name) or {} for name in ["model", "lora", "sampling", "train", "prompts"])
     rewards = "\n".join(
@@ -203,16 +204,14 @@ def _recipe(config: dict, snap: RunSnapshot) -> str:
 - **LoRA:** rank {lora.get('rank')}, alpha {lora.get('alpha')}{init}
 - **Sampling:** {sampling.get('resolution')} px, {sampling.get('num_steps')} steps{_sampler_words(config)}; \
 model dtype {model.get('dtype')}
-{_input_words(config)}{_text_words(snap.run_info.get("text_windows") or [])}
+{_input_words(config) if editing else ""}{_text_words(snap.run_info.get("text_windows") or [])}
 The full resolved configuration is in [config.yaml](config.yaml).
 """
 
 
 def _input_words(config: dict) -> str:
     """An editing run's line on the size its input images were trained at (``model.condition_resolution``), which
-    the pipelines would otherwise choose from each input's shape; empty for a text-to-image run."""
-    if not _input_images(config):
-        return ""
+    the pipelines would otherwise choose from each input's shape."""
     size = (config.get("model") or {}).get("condition_resolution", ModelConfig().condition_resolution)
     return (f"- **Input images:** centre-cropped to {size} px (`model.condition_resolution`); give the pipeline "
             "inputs of that shape\n")
@@ -433,7 +432,7 @@ pipe.load_lora_weights("{repo_id}")
         results.append(f"![Reward per iteration]({CURVE_FILE})\n")
     if len(results) > 1:
         parts.append("\n".join(results))
-    parts.append(_recipe(snap.config, snap))
+    parts.append(_recipe(snap.config, snap, editing))
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(parts))
 
 
