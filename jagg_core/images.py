@@ -7,7 +7,7 @@ import textwrap
 
 import numpy as np
 import torch
-from PIL import Image, ImageDraw, ImageFont
+from PIL import Image, ImageDraw, ImageFont, ImageOps
 
 from .video import STRIP_FRAMES, frame_indices
 
@@ -20,6 +20,19 @@ def to_uint8(pixels: torch.Tensor) -> torch.Tensor:
 def to_pil(images: torch.Tensor) -> list[Image.Image]:
     """``[N, 3, H, W]`` floats in ``[0, 1]`` -> ``N`` RGB PIL images (rounded to 8 bits)."""
     return [Image.fromarray(np.ascontiguousarray(a.permute(1, 2, 0).cpu().numpy())) for a in to_uint8(images)]
+
+
+def fitted_to_square(pictures: list[Image.Image], fit: str, fill: tuple[float, float, float]) -> list[Image.Image]:
+    """The pictures as a square-input model (CLIP and its relatives) is to read them. ``fit`` pad: each picture
+    whole, centred on a square of its longest side filled with ``fill`` (RGB in ``[0, 1]``: the model's mean colour,
+    which its normalisation maps to 0), so the model's resize and centre crop keep all of it (OpenCLIP's
+    ``ResizeMaxSize``); a square picture is unchanged. ``fit`` crop: as they are, so the model's centre crop cuts the
+    long side of a wide or tall picture to the short side's length (the sides are not scored)."""
+    if fit == "crop":
+        return pictures
+    colour = tuple(round(255 * channel) for channel in fill)
+    return [picture if picture.width == picture.height else
+            ImageOps.pad(picture, (max(picture.size),) * 2, color=colour) for picture in pictures]
 
 
 def captioned_grid(images: list[Image.Image], captions: list[str], title: str, columns: int = 8,

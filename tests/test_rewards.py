@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image, ImageDraw, ImageFont
+from transformers import CLIPProcessor
 
 from conftest import tiny_config
 from jagg_core.config import RewardSpec
@@ -66,7 +67,8 @@ def test_option_types_are_checked_before_any_model_loads():
 def test_unknown_reward_and_option_are_one_line_user_errors():
     with pytest.raises(UserError, match=r"unknown reward 'nope'; available: .*jpeg_compressibility"):
         build_rewards([spec("nope")])
-    with pytest.raises(UserError, match=r"unknown option\(s\) colour for reward 'clip_score'; allowed: model_id"):
+    with pytest.raises(UserError, match=r"unknown option\(s\) colour for reward 'clip_score'; "
+                                        r"allowed: fit, model_id, processor_id"):
         build_rewards([spec("clip_score", colour="red")])
 
 
@@ -157,6 +159,63 @@ def test_aesthetic_reads_the_laion_head_format(tiny_clip, tmp_path):
     torch.save(shifted, tmp_path / "shifted.pth")
     moved = build_reward(spec("aesthetic", model_id=folder, head=str(tmp_path / "shifted.pth")))(images, ["", ""])
     torch.testing.assert_close(moved, scores + 1.0)
+
+
+def centred_on_a_square(images: torch.Tensor, fill) -> torch.Tensor:
+    """``[N, 3, H, W]`` centred on a square of their longest side filled with ``fill`` (8-bit, as the rewards'
+    pictures), the longer side's odd pixel of padding after the image, as PIL's ``ImageOps.pad`` places it."""
+    height, width = images.shape[-2:]
+    side = max(height, width)
+    square = torch.tensor([round(255 * c) / 255 for c in fill]).view(1, 3, 1, 1).repeat(len(images), 1, side, side)
+    top, left = (side - height) // 2, (side - width) // 2
+    square[..., top:top + height, left:left + width] = images
+    return square
+
+
+@pytest.mark.parametrize("height, width", [(32, 64), (64, 40)])
+def test_a_wide_or_tall_sample_is_scored_whole_and_with_fit_crop_at_its_centre_only(tiny_clip, height, width):
+    """With the processor's centre crop alone, a wide sample's sides are never scored, so RL leaves them untrained
+    and favours subjects in the centre: by default the CLIP rewards read the whole sample, centred on a square of
+    the model's mean colour."""
+    folder, _ = tiny_clip
+    torch.manual_seed(1)
+    images, prompts = torch.rand(2, 3, height, width), ["a red cat", "blue sky"]
+    sides = images.clone()
+    if width > height:  # the long side's first 4 pixels: the left edge of a wide sample, the top of a tall one
+        sides[..., :4] = 0.0
+    else:
+        sides[..., :4, :] = 0.0
+    whole, crop = build_reward(spec("clip_score", model_id=folder)), build_reward(spec("clip_score", model_id=folder,
+                                                                                        fit="crop"))
+    mean = CLIPProcessor.from_pretrained(folder).image_processor.image_mean
+    logits, scale = reference_logits(folder, centred_on_a_square(images, mean), prompts)
+    torch.testing.assert_close(whole(images, prompts), logits.diagonal() / scale, atol=1e-5, rtol=1e-4)
+    assert (whole(sides, prompts) - whole(images, prompts)).abs().min() > 1e-4
+    torch.testing.assert_close(crop(sides, prompts), crop(images, prompts))  # the edges lie outside its crop
+    square = torch.rand(2, 3, 48, 48)
+    torch.testing.assert_close(whole(square, prompts), crop(square, prompts))
+
+
+@pytest.mark.parametrize("options, padded", [({}, True), ({"fit": "crop"}, False)])
+def test_hpsv2_and_image_reward_give_their_packages_the_whole_sample_or_the_uncut_one(options, padded):
+    """Their packages' preprocessing (a resize and centre crop) gets each picture centred on a square of CLIP's
+    mean colour (fit pad, the default), or as it is (crop)."""
+    from transformers.image_utils import OPENAI_CLIP_MEAN
+
+    images = torch.rand(2, 3, 32, 64)
+    expected = to_pil(centred_on_a_square(images, OPENAI_CLIP_MEAN) if padded else images)
+    seen = []
+    hps = build_reward(spec("hpsv2", **options))
+    features = {"image_features": torch.ones(2, 4), "text_features": torch.ones(2, 4)}
+    hps.__dict__["model"] = (lambda pixels, tokens: features,
+                             lambda picture: seen.append(picture) or torch.zeros(3, 4, 4),
+                             lambda prompts: torch.zeros(len(prompts), 3, dtype=torch.long))
+    hps(images, ["a", "b"])
+    image_reward = build_reward(spec("image_reward", **options))
+    image_reward.__dict__["model"] = type("Scorer", (), {"score": lambda self, prompt, picture: seen.append(picture)
+                                                         or 0.0})()
+    image_reward(images, ["a", "b"])
+    assert [np.asarray(p).tolist() for p in seen] == [np.asarray(p).tolist() for p in expected * 2]
 
 
 def test_models_load_lazily_and_once(tiny_clip, monkeypatch):

@@ -43,7 +43,14 @@ class NoOptions(RewardOptions):
     """The reward takes no options."""
 
 
-class ClipOptions(RewardOptions):
+class SquareInputOptions(RewardOptions):
+    fit: Literal["pad", "crop"] = Field(
+        "pad", description="how a wide or tall sample meets the model's square input: pad = the whole sample, centred "
+        "on a square of the model's mean colour; crop = the model's own centre crop (its sides are not scored, so "
+        "nothing there is trained); a square sample is read whole either way")
+
+
+class ClipOptions(SquareInputOptions):
     model_id: str = Field(CLIP_L14, description="CLIP model: a Hub id or a folder saved with save_pretrained")
     processor_id: str | None = Field(None, description="its processor; default: model_id's")
 
@@ -62,11 +69,11 @@ class AestheticOptions(ClipOptions):
     head: str = Field(AESTHETIC_HEAD, description="the aesthetic MLP: a local .pth file or OWNER/REPO/FILENAME")
 
 
-class HpsOptions(RewardOptions):
+class HpsOptions(SquareInputOptions):
     version: Literal["v2.0", "v2.1"] = Field("v2.1", description="HPS checkpoint")
 
 
-class ImageRewardOptions(RewardOptions):
+class ImageRewardOptions(SquareInputOptions):
     model: str = Field("ImageReward-v1.0", description="ImageReward checkpoint name")
 
 

@@ -13,7 +13,9 @@ With unit-normalised embeddings ``e_img`` and ``e_txt``:
   caption (``reference_text``, default "a photo"); an output equal to its input scores 0.
 
 Options (:mod:`.catalog`): ``model_id`` / ``processor_id`` (and the aesthetic ``head``) accept a
-Hub id or a local folder (file), so a model saved with ``save_pretrained`` works too.
+Hub id or a local folder (file), so a model saved with ``save_pretrained`` works too. ``fit``: a wide or tall sample
+is read whole, centred on a square of the processor's mean colour (``pad``, the default), or cut to its centre square
+by the processor's crop (``crop``); see :func:`jagg_core.images.fitted_to_square`.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from torch import nn
 
 from ..errors import UserError
 from ..hubclient import download, hub_model
-from ..images import to_pil
+from ..images import fitted_to_square, to_pil
 from .base import Reward
 
 def load_clip(model_id: str, processor_id: str, device: torch.device):
@@ -50,7 +52,8 @@ class ClipReward(Reward):
     @torch.no_grad()
     def image_embeds(self, images: torch.Tensor) -> torch.Tensor:
         model, processor = self.clip
-        pixels = processor(images=to_pil(images), return_tensors="pt")["pixel_values"].to(self.device)
+        pictures = fitted_to_square(to_pil(images), self.options.fit, processor.image_processor.image_mean)
+        pixels = processor(images=pictures, return_tensors="pt")["pixel_values"].to(self.device)
         features = model.get_image_features(pixel_values=pixels).pooler_output
         return nn.functional.normalize(features.float(), dim=-1)
 

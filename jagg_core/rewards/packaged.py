@@ -6,6 +6,9 @@
   standardised over its training set (mean 0, std 1). Package ``image-reward``; weights
   ``THUDM/ImageReward``.
 
+Both read a wide or tall sample whole by default (option ``fit``, as the CLIP rewards: :mod:`.clip`), centred on a
+square of CLIP's mean colour, with which both models normalise, before their package's resize and centre crop.
+
 The packages pin old versions of some dependencies, so they are not in requirements.txt.
 """
 
@@ -15,10 +18,11 @@ import importlib
 from functools import cached_property
 
 import torch
+from transformers.image_utils import OPENAI_CLIP_MEAN  # both models normalise with CLIP's mean
 
 from ..errors import UserError
 from ..hubclient import download, hub_model
-from ..images import to_pil
+from ..images import fitted_to_square, to_pil
 from .base import Reward
 
 HPS_CHECKPOINTS = {"v2.0": "HPS_v2_compressed.pt", "v2.1": "HPS_v2.1_compressed.pt"}
@@ -50,7 +54,8 @@ class HPSv2(Reward):
     @torch.no_grad()
     def __call__(self, images, prompts):
         model, preprocess, tokenizer = self.model
-        pixels = torch.stack([preprocess(image) for image in to_pil(images)]).to(self.device)
+        pictures = fitted_to_square(to_pil(images), self.options.fit, OPENAI_CLIP_MEAN)
+        pixels = torch.stack([preprocess(picture) for picture in pictures]).to(self.device)
         outputs = model(pixels, tokenizer(prompts).to(self.device))
         return (outputs["image_features"] * outputs["text_features"]).sum(-1).float().cpu()
 
@@ -68,5 +73,6 @@ class ImageReward(Reward):
 
     @torch.no_grad()
     def __call__(self, images, prompts):
-        scores = [self.model.score(prompt, image) for prompt, image in zip(prompts, to_pil(images))]
+        pictures = fitted_to_square(to_pil(images), self.options.fit, OPENAI_CLIP_MEAN)
+        scores = [self.model.score(prompt, picture) for prompt, picture in zip(prompts, pictures)]
         return torch.tensor(scores, dtype=torch.float32)
