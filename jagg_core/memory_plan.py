@@ -302,9 +302,10 @@ def _backward_key(cfg: RunConfig, stacked: int) -> tuple:
             cfg.train.gradient_checkpointing, cfg.sampling.resolution, cfg.sampling.num_frames, stacked)
 
 
-def plan_memory(config: RunConfig, backward_traces: dict[tuple, int] | None = None) -> MemoryPlan:
+def plan_memory(config: RunConfig, backward_traces: dict[tuple, int] | None = None, trace: bool = True) -> MemoryPlan:
     """The memory plan of ``config`` (see the module docstring); ``backward_traces``: an earlier plan's
-    :attr:`MemoryPlan.backward_traces`, to reuse and extend."""
+    :attr:`MemoryPlan.backward_traces`, to reuse and extend. ``trace`` False: the phases' activations are left at 0
+    (no tracing, a fraction of a second), so the plan's total is a floor of the traced plan's."""
     cfg = config
     forward_process = ALGORITHMS[cfg.train.algorithm] if cfg.train.algorithm != "grpo" else None
     dtype = DTYPES[cfg.model.dtype]
@@ -385,6 +386,17 @@ def plan_memory(config: RunConfig, backward_traces: dict[tuple, int] | None = No
     def conditioning(batch: int) -> dict[str, torch.Tensor]:
         return {k: torch.zeros((batch, *shape), dtype=compute, device=META) for k, shape in cond_shapes.items()}
 
+    micro = math.ceil(rows / cfg.train.gradient_accumulation_steps)
+    stacked = micro * (2 if _joint_passes(cfg) else 1)
+    # a micro-batch of forward-process rows holds x0, eps, x_t and its companions' velocities, float32
+    rows_held = micro * latent_numel * 4 * (3 + len(forward_process.companion_names(cfg))) if forward_process else 0
+    plan.phase_parts["rollout forward"] = trajectory + cond_bytes
+    plan.phase_parts["VAE decode"] = trajectory + cond_bytes
+    plan.phase_parts["backward"] = trajectory + cond_bytes + images + lora_count * 4 + rows_held
+    if not trace:
+        plan.phases = dict.fromkeys(plan.phase_parts, 0)
+        return plan
+
     weights = [p for p in transformer.parameters()] + [b for b in transformer.buffers()] + \
         [p for p in pipe.vae.parameters()] + [b for b in pipe.vae.buffers()]
 
@@ -396,7 +408,6 @@ def plan_memory(config: RunConfig, backward_traces: dict[tuple, int] | None = No
         with torch.no_grad():
             model.velocity(torch.zeros((batch, *latent), device=META), sigma.expand(batch), conditioning(batch))
 
-    plan.phase_parts["rollout forward"] = trajectory + cond_bytes
     plan.phases["rollout forward"] = _traced_in_depth(lambda: forward(max(chunk, eval_chunk)), weights, transformer,
                                                       backward=False)
 
@@ -406,7 +417,6 @@ def plan_memory(config: RunConfig, backward_traces: dict[tuple, int] | None = No
                 model.decode(torch.zeros((count, *latent), device=META))
         return _traced(run, weights)
 
-    plan.phase_parts["VAE decode"] = trajectory + cond_bytes
     if cfg.model.vae_slicing and samples > 2:
         # one image at a time: every image adds its output to the one image's transient; traced for 1 and 2 images
         # and extended, instead of tracing all of them (the meta device's decode is slow: seconds an image)
@@ -415,10 +425,6 @@ def plan_memory(config: RunConfig, backward_traces: dict[tuple, int] | None = No
     else:
         plan.phases["VAE decode"] = decode(samples)
 
-    micro = math.ceil(rows / cfg.train.gradient_accumulation_steps)
-    stacked = micro * (2 if _joint_passes(cfg) else 1)
-    # a micro-batch of forward-process rows holds x0, eps, x_t and its companions' velocities, float32
-    rows_held = micro * latent_numel * 4 * (3 + len(forward_process.companion_names(cfg))) if forward_process else 0
     if cfg.train.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     transformer.train()
@@ -429,7 +435,6 @@ def plan_memory(config: RunConfig, backward_traces: dict[tuple, int] | None = No
             velocity = model.velocity(z, sigma.expand(stacked), conditioning(stacked))
             (velocity * torch.zeros_like(velocity)).sum().backward()
 
-    plan.phase_parts["backward"] = trajectory + cond_bytes + images + lora_count * 4 + rows_held
     key = _backward_key(cfg, stacked)
     if key not in plan.backward_traces:
         if cfg.model.quantize == "int8":  # the peak's moment moves with the depth: no extrapolation (seconds more)
@@ -546,12 +551,16 @@ def cheapest_fit(config: RunConfig, budget_gb: float,
                  backward_traces: dict[tuple, int] | None = None) -> tuple[list[str], MemoryPlan] | None:
     """The first changes of :func:`_memory_savers`, applied in turn, after which the plan fits ``budget_gb``: the
     ``--set`` overrides and the plan; None when even all of them do not fit. The plans share their backward traces
-    (and ``backward_traces``, the plan of ``config``'s): most changes leave the backward alone."""
+    (and ``backward_traces``, the plan of ``config``'s): most changes leave the backward alone. A change whose plan
+    without activations (``trace=False``, a floor of its plan) does not fit is not traced: on a card too small for
+    the weights, only the quantizing and resolution changes are."""
     changes: dict[str, object] = {}
     traces = {} if backward_traces is None else backward_traces
     for key, value in _memory_savers(config):
         config = _changed(config, key, value)
         changes[key] = value
+        if not fits(plan_memory(config, trace=False), budget_gb):
+            continue  # its weights and batch alone do not fit: its activations are not traced (seconds each)
         plan = plan_memory(config, traces)
         if fits(plan, budget_gb):
             return [f"{k}={json.dumps(v)}" for k, v in changes.items()], plan

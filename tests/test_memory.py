@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -351,6 +352,37 @@ def test_the_cheapest_fits_plans_share_the_backwards_traces_and_equal_the_plans_
             assert shared.totals == plan_memory(config).totals, reused[-1]
     assert reused == ["eval.judges_on_cpu=True", "sampling.rollout_chunk=2", "sampling.rollout_chunk=1",
                       "train.optimizer=adamw8bit"]
+
+
+def test_the_cheapest_fit_traces_only_the_changes_whose_weights_and_batch_alone_fit(offline, monkeypatch):
+    """A plan without its activations (``trace=False``: the weights and each phase's own tensors, a fraction of a
+    second) is a floor of the traced plan, so a change whose floor does not fit cannot fit, and the search traces
+    only the others: here 1 plan instead of 12 (a 10 GB card asked about FLUX.1-dev in bf16 waited 24 s for every
+    change to be traced)."""
+    config = tiny_config("tiny-flux", sampling__resolution=1024, grpo__num_generations=4)
+    prefixes = list(itertools.accumulate(memory_plan._memory_savers(config),
+                                         lambda cfg, change: memory_plan._changed(cfg, *change), initial=config))
+    for cfg in prefixes[::5]:
+        floor, traced = plan_memory(cfg, trace=False), plan_memory(cfg)
+        assert (floor.resident, floor.setup, floor.phase_parts) == (traced.resident, traced.setup, traced.phase_parts)
+        assert set(floor.phases.values()) == {0} and floor.phases.keys() == traced.phases.keys()
+        assert floor.total <= traced.total
+    keys = [key for key, _ in memory_plan._memory_savers(config)]
+    at_768 = prefixes[keys.index("sampling.resolution") + 1]
+    budget = plan_memory(at_768).total / GB + CUDA_CONTEXT_GB
+    before_768 = prefixes[1:keys.index("sampling.resolution") + 1]
+    assert not any(fits(plan_memory(cfg, trace=False), budget) for cfg in before_768)
+    traced_plans = []
+    real_plan = memory_plan.plan_memory
+
+    def recorded_plan(cfg, traces=None, trace=True):
+        traced_plans.append(trace)
+        return real_plan(cfg, traces, trace)
+
+    monkeypatch.setattr(memory_plan, "plan_memory", recorded_plan)
+    changes, plan = cheapest_fit(config, budget)
+    assert changes[-1] == "sampling.resolution=768" and plan.totals == real_plan(at_768).totals
+    assert traced_plans.count(True) == 1 and len(traced_plans) == 13
 
 
 def test_judges_on_the_cpu_move_to_host_memory_and_are_the_first_change_when_the_plan_does_not_fit(
