@@ -25,9 +25,9 @@ def to_pil(images: torch.Tensor) -> list[Image.Image]:
 def fitted_to_square(pictures: list[Image.Image], fit: str, fill: tuple[float, float, float]) -> list[Image.Image]:
     """The pictures as a square-input model (CLIP and its relatives) is to read them. ``fit`` pad: each picture
     whole, centred on a square of its longest side filled with ``fill`` (RGB in ``[0, 1]``: the model's mean colour,
-    which its normalisation maps to 0), so the model's resize and centre crop keep all of it (OpenCLIP's
-    ``ResizeMaxSize``); a square picture is unchanged. ``fit`` crop: as they are, so the model's centre crop cuts the
-    long side of a wide or tall picture to the short side's length (the sides are not scored)."""
+    which its normalisation maps to 0), so the model's resize and centre crop keep all of it (a letterbox, as
+    OpenCLIP's ``ResizeMaxSize`` makes); a square picture is unchanged. ``fit`` crop: as they are, so the model's
+    centre crop cuts the long side of a wide or tall picture to the short side's length (the sides are not scored)."""
     if fit == "crop":
         return pictures
     colour = tuple(round(255 * channel) for channel in fill)
