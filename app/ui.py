@@ -833,7 +833,8 @@ def build_app(root: Path | None = None) -> gr.Blocks:
 
                 gr.Markdown("## 4 · Try it\nA prompt of your own, with the adapter chosen above, beside the base model "
                             "(same seed, the run's sampler and size); for an image-editing model, an instruction and "
-                            "the image it applies to (or the images, Picture 1 first).")
+                            "the image it applies to (or the images, Picture 1 first), edited whole: at the run's "
+                            "sizes' areas in the picture's shape.")
                 with gr.Row():
                     try_prompt = gr.Textbox(label="Prompt", placeholder="a red circle on a blue background, top left",
                                             scale=3, elem_id="try-prompt")

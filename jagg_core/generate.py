@@ -8,9 +8,12 @@ fixed-seed ODE sampler and sizes)::
 
 It writes one picture: the base model on the left, the adapter on the right, the same noise (of a video model, the
 videos' middle frames). An image-editing model (FLUX.1 Kontext, Qwen-Image-Edit) takes the prompt as the
-instruction applied to ``--image`` (given ``model.input_images`` times, 'Picture 1' first), prepared as the run's
-own input images are (centre-cropped to ``model.condition_resolution``'s shape and resized to it) and shown first,
-as wide as the output. A prompt longer than a text encoder reads is said on stderr
+instruction applied to ``--image`` (given ``model.input_images`` times, 'Picture 1' first), shown first, as wide as
+the output. By default (``--shape input``) the whole picture is edited, as the pipelines edit one: the output and
+the input take the run's sizes' areas (``sampling.resolution``, ``model.condition_resolution``) in the shape of
+'Picture 1' (:meth:`~jagg_core.image_size.ImageSize.shaped_like`; the other pictures are centre-cropped to it);
+``--shape run`` samples at the run's own sizes, each picture centre-cropped to the input's shape, as the run's evals
+and rollouts saw their inputs. A prompt longer than a text encoder reads is said on stderr
 (``jagg_core.generate: note: ...``) and sampled cut, as the pipelines do. The page's "Try it" panel runs this in its
 own process, so the app never holds a model.
 """
@@ -18,6 +21,7 @@ own process, so the app never holds a model.
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 from pathlib import Path
 
@@ -41,11 +45,26 @@ def input_image_bytes(image: Path) -> bytes:
     return checked_image_bytes(data, f"the input image {image}")
 
 
+def shaped_like_picture(config, picture: bytes):
+    """``config`` with its output and input sizes (``sampling.resolution``, ``model.condition_resolution``) at their
+    areas in the shape of the encoded ``picture`` (:meth:`~jagg_core.image_size.ImageSize.shaped_like`)."""
+    from PIL import Image
+
+    from .config import validate_config
+    with Image.open(io.BytesIO(picture)) as opened:
+        width, height = opened.size
+    data = config.model_dump(mode="json")
+    data["sampling"]["resolution"] = config.sampling.size.shaped_like(width, height).config_value()
+    data["model"]["condition_resolution"] = config.model.condition_size.shaped_like(width, height).config_value()
+    return validate_config(data)
+
+
 def generate(run_dir: Path, prompt: str, checkpoint: str | None = None, seed: int = 0,
-             images: list[Path] | tuple[Path, ...] = ()):
+             images: list[Path] | tuple[Path, ...] = (), shape: str = "input"):
     """A PIL image of ``prompt``: the base model's sample beside the adapter's (the latest, ``best`` or ``iter_N``:
     :func:`~jagg_core.adapters.choose_adapter`), from the same noise; for an image-editing run, ``prompt`` is the
-    instruction applied to ``images``, shown first."""
+    instruction applied to ``images``, shown first, at the run's sizes' areas in the shape of the first (``shape``
+    input) or at the run's sizes (``run``)."""
     from .config import validate_config
     from .quiet import log_to_stderr, quiet_libraries
     quiet_libraries()
@@ -72,8 +91,11 @@ def generate(run_dir: Path, prompt: str, checkpoint: str | None = None, seed: in
         raise UserError(f"the run's model ({family.label}) edits images: give {what} the instruction applies to ({how})")
     if images and family is not None and not editing:
         raise UserError(f"the run's model ({family.label}) generates from the prompt alone; leave out the input image")
+    if editing and shape == "input":
+        config = shaped_like_picture(config, row.images_bytes[0])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = load_flow_model(config.model, device, seed=config.train.seed, num_frames=config.sampling.num_frames)
+    model.check_size(config.sampling.size)
     for note in prompt_notes(model.read_text_windows([row])):
         log_to_stderr(f"{PROG}: {NOTE} {note}")
     model.encode_and_cache([row])
@@ -109,9 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image", type=Path, metavar="PATH", action="append", default=[],
                         help="an image-editing run's input image, to which the prompt's instruction applies "
                              "(repeat for a run of several input images a row, 'Picture 1' first)")
+    parser.add_argument("--shape", choices=("input", "run"), default="input",
+                        help="an image-editing run's sizes: input = the run's sizes' areas in the shape of the (first) "
+                             "input image, which is edited whole (default); run = the run's own sizes, the input "
+                             "centre-cropped to them")
     args = parser.parse_args(argv)
     with exit_on_user_error(PROG):
-        generate(Path(args.run_dir), args.prompt, args.checkpoint, args.seed, args.image).save(args.out)
+        generate(Path(args.run_dir), args.prompt, args.checkpoint, args.seed, args.image, args.shape).save(args.out)
         print(args.out)
     return 0
 

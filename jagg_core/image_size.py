@@ -8,6 +8,7 @@ compute with (height first, as tensors and the pipelines' ``height=, width=`` ar
 
 from __future__ import annotations
 
+import math
 import re
 from typing import NamedTuple
 
@@ -48,6 +49,17 @@ class ImageSize(NamedTuple):
         def side(pixels: int) -> int:
             return max(SIDE_MULTIPLE, pixels * longest // self.longest // SIDE_MULTIPLE * SIDE_MULTIPLE)
         return ImageSize(side(self.height), side(self.width))
+
+    def shaped_like(self, width: int, height: int) -> "ImageSize":
+        """About this size's area ``A`` in the shape ``width : height`` (a picture's), each side the nearest multiple
+        of 16 within the sides' range: ``h = sqrt(A height / width)``, ``w = A / h``; a square picture gives a square
+        of this area (this size itself, when it is one)."""
+        area = self.height * self.width
+        exact_height = math.sqrt(area * height / width)
+
+        def side(pixels: float) -> int:
+            return min(SIDE_RANGE[1], max(SIDE_RANGE[0], round(pixels / SIDE_MULTIPLE) * SIDE_MULTIPLE))
+        return ImageSize(side(exact_height), side(area / exact_height))
 
     def config_value(self) -> str | int:
         """What ``sampling.resolution`` says for this size: the side of a square, else ``"WIDTHxHEIGHT"``."""

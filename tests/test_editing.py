@@ -645,6 +645,29 @@ def test_try_it_edits_ones_own_image_with_the_base_model_and_the_adapter(edit_ru
         generate(edit_run, "make it green", images=[tmp_path / "bad.png"])
 
 
+def test_try_it_edits_the_whole_picture_in_its_shape_and_with_shape_run_its_centre_as_the_run_did(edit_run, tmp_path,
+                                                                                                      offline):
+    """A 3:1 picture of red, green and blue thirds in a run of 32 px outputs and 16 px inputs: by default the output
+    is 48 x 16 and the input 32 x 16 (the run's areas in the picture's shape, sides in multiples of 16), which shows
+    all three colours; ``shape="run"`` samples the run's 32 x 32 from its 16 x 16 centre, green alone."""
+    from jagg_core.generate import generate
+
+    stripes = Image.new("RGB", (60, 20), (200, 30, 30))
+    stripes.paste((30, 160, 60), (20, 0, 40, 20))
+    stripes.paste((30, 30, 200), (40, 0, 60, 20))
+    stripes.save(tmp_path / "stripes.png")
+    whole, centre = (generate(edit_run, "make it blue", images=[tmp_path / "stripes.png"], shape=shape)
+                     for shape in ("input", "run"))
+    cell, top = whole.width // 3, 22  # the grid's cells are 256 px wide, each image at its own shape's height
+    shown = np.asarray(whole.crop((0, top, cell, top + cell // 2)))  # the 32 x 16 input, scaled to 256 x 128
+    assert [tuple(shown[64, x]) for x in (8, 128, 248)] == [(200, 30, 30), (30, 160, 60), (30, 30, 200)]
+    edit = np.asarray(whole.crop((cell, top, 2 * cell, top + cell)))  # the 48 x 16 output: 256 x 85, white below
+    assert not (edit[:85] == 255).all(axis=(1, 2)).any() and (edit[86:128] == 255).all()
+    shown, edit = (np.asarray(centre.crop((i * cell, top, (i + 1) * cell, top + cell))) for i in (0, 1))
+    assert (shown[:, 32:224] == (30, 160, 60)).all()  # 16 x 16 of green (bicubic rings at its edges)
+    assert not (edit == 255).all(axis=(1, 2)).any()  # 32 x 32
+
+
 def test_try_it_on_the_page_sends_the_uploaded_image(edit_run, tmp_path):
     """The page's Try it runs ``python -m jagg_core.generate ... --image UPLOAD`` for an editing run; a second
     picture for a run of one image a row is refused in generate's line (a run of two: the two-image run's test)."""

@@ -54,6 +54,19 @@ def test_a_smaller_size_keeps_the_shape_in_whole_multiples_of_16():
     assert ImageSize(16, 2048).scaled_to(256) == ImageSize(16, 256)  # never below 16
 
 
+@pytest.mark.parametrize("size, picture, shaped", [
+    (ImageSize.square(512), (1920, 1080), ImageSize(384, 688)),  # 16:9 at 512 x 512's area
+    (ImageSize.square(512), (300, 300), ImageSize.square(512)),  # a square picture: the size itself
+    (ImageSize(480, 832), (832, 480), ImageSize(480, 832)),
+    (ImageSize(480, 832), (480, 832), ImageSize(832, 480)),      # the same area turned
+    (ImageSize.square(32), (60, 20), ImageSize(16, 48)),          # 3:1
+    (ImageSize.square(1024), (100, 1), ImageSize(96, 2048)),     # within the sides' range
+])
+def test_a_size_shaped_like_a_picture_keeps_its_area_in_the_pictures_shape(size, picture, shaped):
+    assert size.shaped_like(*picture) == shaped
+    assert shaped.height % 16 == shaped.width % 16 == 0
+
+
 def test_a_landscape_run_trains_and_its_samples_grid_card_and_try_it_are_landscape(tmp_path):
     """A FLUX run at 64x32 (the packed family, whose tokens keep their grid): its samples are 64 wide and 32 high,
     its grid and Try it's picture keep that shape, its card's snippet samples at it, its plan says it."""
