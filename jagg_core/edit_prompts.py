@@ -77,10 +77,15 @@ def instruction_of(text: str) -> str:
 
 
 def checked_image_bytes(data: bytes, where: str) -> bytes:
-    """``data`` if it decodes as an image, else a :class:`UserError` naming ``where`` it came from."""
+    """``data`` if it decodes as an image, else a :class:`UserError` naming ``where`` it came from; so is an image of
+    more pixels than PIL opens (twice ``Image.MAX_IMAGE_PIXELS``, its guard against decompression bombs: a 600 KB PNG
+    can hold 200 million pixels)."""
     try:
         with Image.open(io.BytesIO(data)) as picture:
             picture.verify()
+    except Image.DecompressionBombError:
+        raise UserError(f"{where} has more pixels than an input image may have ({2 * Image.MAX_IMAGE_PIXELS:,}, PIL's "
+                        "guard against decompression bombs); resize it") from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
         raise UserError(f"{where} is not a readable image ({type(err).__name__})") from None
     return data

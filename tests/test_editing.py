@@ -645,6 +645,21 @@ def test_try_it_edits_ones_own_image_with_the_base_model_and_the_adapter(edit_ru
         generate(edit_run, "make it green", images=[tmp_path / "bad.png"])
 
 
+def test_an_image_of_more_pixels_than_pil_opens_is_one_line(tmp_path, monkeypatch):
+    """A PNG of 20000 x 10000 pixels is 600 KB; PIL refuses to open more than twice ``MAX_IMAGE_PIXELS`` (a
+    decompression bomb): a prompt folder's image or Try it's upload says so in one line (the limit lowered here)."""
+    from jagg_core.generate import input_image_bytes
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 400)
+    png(tmp_path / "large.png", (30, 30, 200))  # 40 x 24 = 960 pixels, more than 2 x 400
+    with pytest.raises(UserError, match=r"^the input image .*large.png has more pixels than an input image may have "
+                                        r"\(800, PIL's guard against decompression bombs\); resize it$"):
+        input_image_bytes(tmp_path / "large.png")
+    (tmp_path / "prompts.csv").write_text("file,prompt\nlarge.png,make it red\n")
+    with pytest.raises(UserError, match=r"image 'large.png' has more pixels than an input image may have"):
+        load_prompts(str(tmp_path))
+
+
 def test_try_it_edits_the_whole_picture_in_its_shape_and_with_shape_run_its_centre_as_the_run_did(edit_run, tmp_path,
                                                                                                       offline):
     """A 3:1 picture of red, green and blue thirds in a run of 32 px outputs and 16 px inputs: by default the output
