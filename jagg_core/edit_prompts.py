@@ -53,10 +53,17 @@ class EditPrompt(str):
         return [fitted_image(data, size) for data in self.images_bytes]
 
 
-def fitted_image(data: bytes, size: ImageSize) -> Image.Image:
-    """The encoded image ``data``, RGB, centre-cropped to ``size``'s shape and resized (bicubic) to ``size``."""
+def upright_image(data: bytes) -> Image.Image:
+    """The encoded image ``data``, RGB, turned as its EXIF orientation says it is seen (a phone's portrait photo is
+    often stored landscape with an orientation tag), as diffusers' ``load_image`` turns it."""
     with Image.open(io.BytesIO(data)) as picture:
-        return ImageOps.fit(picture.convert("RGB"), (size.width, size.height), method=Image.Resampling.BICUBIC)
+        return ImageOps.exif_transpose(picture).convert("RGB")
+
+
+def fitted_image(data: bytes, size: ImageSize) -> Image.Image:
+    """The encoded image ``data``, RGB and upright (:func:`upright_image`), centre-cropped to ``size``'s shape and
+    resized (bicubic) to ``size``."""
+    return ImageOps.fit(upright_image(data), (size.width, size.height), method=Image.Resampling.BICUBIC)
 
 
 def images_digest(images_bytes: tuple[bytes, ...]) -> str:

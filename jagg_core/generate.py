@@ -21,12 +21,11 @@ own process, so the app never holds a model.
 from __future__ import annotations
 
 import argparse
-import io
 import sys
 from pathlib import Path
 
 from .adapters import choose_adapter
-from .edit_prompts import EditPrompt, checked_image_bytes
+from .edit_prompts import EditPrompt, checked_image_bytes, upright_image
 from .errors import UserError, exit_on_user_error
 from .preflight import model_family
 from .rundir import RunDirectory
@@ -48,11 +47,8 @@ def input_image_bytes(image: Path) -> bytes:
 def shaped_like_picture(config, picture: bytes):
     """``config`` with its output and input sizes (``sampling.resolution``, ``model.condition_resolution``) at their
     areas in the shape of the encoded ``picture`` (:meth:`~jagg_core.image_size.ImageSize.shaped_like`)."""
-    from PIL import Image
-
     from .config import validate_config
-    with Image.open(io.BytesIO(picture)) as opened:
-        width, height = opened.size
+    width, height = upright_image(picture).size
     data = config.model_dump(mode="json")
     data["sampling"]["resolution"] = config.sampling.size.shaped_like(width, height).config_value()
     data["model"]["condition_resolution"] = config.model.condition_size.shaped_like(width, height).config_value()

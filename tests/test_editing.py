@@ -108,6 +108,25 @@ def test_an_input_image_is_centre_cropped_to_the_sizes_shape_not_squashed():
         assert np.abs(np.asarray(centre, dtype=int) - (30, 160, 60)).max() <= 10  # green, bicubic at the edges
 
 
+def test_a_photo_is_read_upright_as_its_exif_orientation_says():
+    """A phone's portrait photo is often stored landscape with an EXIF orientation (6: turn 90 degrees clockwise):
+    its run's input and Try it's shape read it as it is seen, as diffusers' ``load_image`` does."""
+    from jagg_core.generate import shaped_like_picture
+
+    stored = Image.new("RGB", (40, 20), (200, 30, 30))
+    stored.paste((30, 30, 200), (20, 0, 40, 20))  # left red, right blue: seen upright, top red, bottom blue
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    buffer = io.BytesIO()
+    stored.save(buffer, format="PNG", exif=exif)
+    row = EditPrompt("make it green", buffer.getvalue(), "photo.png")
+    seen = np.asarray(row.image(ImageSize(height=32, width=16)), dtype=int)
+    assert np.abs(seen[:12] - (200, 30, 30)).max() <= 2 and np.abs(seen[-12:] - (30, 30, 200)).max() <= 2
+    config = tiny_config("tiny-flux-kontext", sampling__resolution=32, model__condition_resolution=64)
+    shaped = shaped_like_picture(config, buffer.getvalue())
+    assert (shaped.sampling.size, shaped.model.condition_size) == (ImageSize(48, 16), ImageSize(96, 48))
+
+
 @pytest.mark.parametrize("files, match", [
     ({}, "needs a prompts.csv or prompts.jsonl"),
     ({"prompts.csv": "image,prompt\nred.png,x\n"}, "needs a 'file' column"),
