@@ -116,6 +116,20 @@ def generate(run_dir: Path, prompt: str, checkpoint: str | None = None, seed: in
     return captioned_grid(pictures, captions, title=prompt[:80], columns=len(captions), cell=max(256, size.width))
 
 
+def picture_path(out: Path) -> Path:
+    """``out`` once a picture can be written there: its suffix names a format PIL writes (else a :class:`UserError`
+    before anything is sampled), its folder made as needed."""
+    from PIL import Image
+
+    if Image.registered_extensions().get(out.suffix.lower()) not in Image.SAVE:
+        raise UserError(f"--out {out}: name a picture file, such as pair.png (or .jpg, .webp)")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"cannot write the folder {out.parent}: {err.strerror}") from None
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", help="the run directory")
@@ -133,8 +147,13 @@ def main(argv: list[str] | None = None) -> int:
                              "centre-cropped to them")
     args = parser.parse_args(argv)
     with exit_on_user_error(PROG):
-        generate(Path(args.run_dir), args.prompt, args.checkpoint, args.seed, args.image, args.shape).save(args.out)
-        print(args.out)
+        out = picture_path(Path(args.out))
+        picture = generate(Path(args.run_dir), args.prompt, args.checkpoint, args.seed, args.image, args.shape)
+        try:
+            picture.save(out)
+        except OSError as err:
+            raise UserError(f"cannot write {out}: {err.strerror or err}") from None
+        print(out)
     return 0
 
 

@@ -702,6 +702,21 @@ def test_try_it_edits_the_whole_picture_in_its_shape_and_with_shape_run_its_cent
     assert not (edit == 255).all(axis=(1, 2)).any()  # 32 x 32
 
 
+def test_generates_out_is_a_picture_file_its_folder_made_and_else_one_line_before_sampling(edit_run, tmp_path,
+                                                                                          capsys, offline):
+    from jagg_core.generate import main
+
+    png(tmp_path / "in.png", (200, 30, 30))
+    args = [str(edit_run), "make it green", "--image", str(tmp_path / "in.png"), "--out"]
+    for out, line in ((tmp_path / "pair", "name a picture file, such as pair.png"),
+                      (tmp_path / "pair.txt", "name a picture file, such as pair.png")):
+        with pytest.raises(SystemExit) as stopped:
+            main([*args, str(out)])
+        assert stopped.value.code == 2 and capsys.readouterr().err == f"jagg_core.generate: error: --out {out}: {line} " \
+                                                                       "(or .jpg, .webp)\n"
+    assert main([*args, str(tmp_path / "new" / "pair.png")]) == 0 and (tmp_path / "new" / "pair.png").is_file()
+
+
 def test_try_it_on_the_page_sends_the_uploaded_image(edit_run, tmp_path):
     """The page's Try it runs ``python -m jagg_core.generate ... --image UPLOAD`` for an editing run; a second
     picture for a run of one image a row is refused in generate's line (a run of two: the two-image run's test)."""
