@@ -712,8 +712,8 @@ def test_generates_out_is_a_picture_file_its_folder_made_and_else_one_line_befor
                       (tmp_path / "pair.txt", "name a picture file, such as pair.png")):
         with pytest.raises(SystemExit) as stopped:
             main([*args, str(out)])
-        assert stopped.value.code == 2 and capsys.readouterr().err == f"jagg_core.generate: error: --out {out}: {line} " \
-                                                                       "(or .jpg, .webp)\n"
+        said = capsys.readouterr().err
+        assert stopped.value.code == 2 and said == f"jagg_core.generate: error: --out {out}: {line} (or .jpg, .webp)\n"
     assert main([*args, str(tmp_path / "new" / "pair.png")]) == 0 and (tmp_path / "new" / "pair.png").is_file()
 
 
