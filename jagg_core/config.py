@@ -782,7 +782,8 @@ def load_config(preset: str | None = None, config_file: str | Path | None = None
     if config_file:
         path = Path(config_file)
         if not path.is_file():
-            raise UserError(f"config file '{config_file}' does not exist")
+            problem = "is a folder, not a YAML file" if path.is_dir() else "does not exist"
+            raise UserError(f"config file '{config_file}' {problem}")
         data = _read_yaml(path)
     else:
         data = _read_yaml(preset_path(preset or DEFAULT_PRESET))

@@ -52,6 +52,7 @@ def test_dry_run_prints_the_resolved_config_with_overrides():
     (["--set", "prompts.source=missing.txt"], "missing.txt"),
     (["--set", "prompts.source=presets/prompts/general.txt"], "the reward 'shapes' cannot read the prompt"),
     (["--config", "does-not-exist.yaml"], "config file 'does-not-exist.yaml' does not exist"),
+    (["--config", "presets"], "config file 'presets' is a folder, not a YAML file"),
     (["--set", "model.name=./no-such-folder", "--output-dir", "{tmp}/run"], "model './no-such-folder' is neither"),
     (["--preset", "flux-dev-pickscore-24gb", "--output-dir", "{tmp}/run"],  # offline, not in the cache
      "cannot load model 'black-forest-labs/FLUX.1-dev': the Hub is unreachable and it is not in the local cache"),
