@@ -378,12 +378,13 @@ class Studio:
         return f"Deleted `{run_dir.name}`.", gr.update(choices=names, value=names[0] if names else None)
 
     def generate(self, run: str, checkpoint: str, prompt: str, seed: float | None, image: str | None = None,
-                 picture_2: str | None = None, picture_3: str | None = None,
+                 picture_2: str | None = None, picture_3: str | None = None, whole: bool = True,
                  profile: gr.OAuthProfile | None = None) -> tuple[str | None, str]:
         """The base model's and the adapter's sample of ``prompt``, side by side, made by ``python -m
         jagg_core.generate`` in its own process (the app holds no model); ``image``: an image-editing run's input
         image (an upload), shown first; ``picture_2``, ``picture_3``: the next ones of a run whose rows have several
-        (``model.input_images``), empty boxes left out."""
+        (``model.input_images``), empty boxes left out; ``whole`` false: at the run's own sizes, the pictures
+        centre-cropped to them (``--shape run``), not the whole picture in its shape."""
         if refused := _refusal(profile):
             return None, f"**Not generated:** {refused}"
         run_dir = self._run_dir(run)
@@ -399,6 +400,8 @@ class Studio:
         images = [path for path in (image, picture_2, picture_3) if path]
         for path in images:
             command += ["--image", path]
+        if images and not whole:
+            command += ["--shape", "run"]
         result = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL)
         if result.returncode != 0 or not out.is_file():
             errors = [line for line in result.stderr.splitlines() if line.startswith(f"{GENERATE}: error:")]
@@ -498,7 +501,8 @@ class Studio:
     def try_inputs(self, name: str | None) -> list[Any]:
         """Try it's image boxes for the chosen run: as many as its image-editing model takes a row
         (``model.input_images``), none for a run that generates from text, all three while no run's model can be
-        read. A box that hides is emptied, so that Generate never sends a picture the page does not show."""
+        read. A box that hides is emptied, so that Generate never sends a picture the page does not show. Then the
+        whole-picture checkbox, shown with any box."""
         run_dir = self._run_dir(name)
         try:
             model = validate_config(RunDirectory(run_dir).read_config()).model if run_dir else None
@@ -507,8 +511,8 @@ class Studio:
             shown = None
         if shown is None:
             shown = len(TRY_INPUTS)
-        return [gr.update(visible=True) if k < shown else gr.update(visible=False, value=None)
-                for k in range(len(TRY_INPUTS))]
+        return [*(gr.update(visible=True) if k < shown else gr.update(visible=False, value=None)
+                  for k in range(len(TRY_INPUTS))), gr.update(visible=shown > 0)]
 
     def status(self, run: str = "") -> dict:
         """A run's state: ``run``, ``state`` (running, finished, failed, stopped, starting, interrupted, none),
@@ -833,8 +837,7 @@ def build_app(root: Path | None = None) -> gr.Blocks:
 
                 gr.Markdown("## 4 · Try it\nA prompt of your own, with the adapter chosen above, beside the base model "
                             "(same seed, the run's sampler and size); for an image-editing model, an instruction and "
-                            "the image it applies to (or the images, Picture 1 first), edited whole: at the run's "
-                            "sizes' areas in the picture's shape.")
+                            "the image it applies to (or the images, Picture 1 first).")
                 with gr.Row():
                     try_prompt = gr.Textbox(label="Prompt", placeholder="a red circle on a blue background, top left",
                                             scale=3, elem_id="try-prompt")
@@ -842,6 +845,10 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                 with gr.Row():  # as many as the run's model.input_images, 'Picture 1' first (Studio.try_inputs)
                     try_inputs = [gr.Image(label=label, type="filepath", sources=["upload"], height=200,
                                            elem_id=elem_id) for label, elem_id in TRY_INPUTS]
+                try_whole = gr.Checkbox(True, label="Edit the whole picture, in its shape", elem_id="try-whole",
+                                        info="the run's sizes' areas in the picture's shape, as the pipelines edit; "
+                                             "off: the run's own sizes, the picture centre-cropped to them, as its "
+                                             "evals saw their inputs")
                 generate = gr.Button("Generate", elem_id="generate-btn")
                 try_message = gr.Markdown(elem_id="try-message")
                 try_image = gr.Image(label="Base model | adapter", show_label=False, type="filepath",
@@ -866,7 +873,7 @@ def build_app(root: Path | None = None) -> gr.Blocks:
         stop.click(studio.stop, None, form_message, api_name="stop")
         resume.click(studio.resume, [run_select, processes], [form_message, run_select], api_name="resume")
         push.click(studio.push, [run_select, checkpoint, repo_id, visibility, token], push_result, api_name="push")
-        generate.click(studio.generate, [run_select, checkpoint, try_prompt, try_seed, *try_inputs],
+        generate.click(studio.generate, [run_select, checkpoint, try_prompt, try_seed, *try_inputs, try_whole],
                        [try_image, try_message],
                        api_name="generate")
         queue_outputs = [queue_message, queue_list, queue_select]
@@ -893,7 +900,7 @@ def build_app(root: Path | None = None) -> gr.Blocks:
             studio.refresh, live_inputs, live_outputs, show_progress="hidden", api_visibility="private")
         run_select.input(studio.run_processes, run_select, processes, api_visibility="private")
         for trigger in (run_select.change, demo.load):  # a run chosen, started or resumed, and the page's first run
-            trigger(studio.try_inputs, run_select, try_inputs, api_visibility="private")
+            trigger(studio.try_inputs, run_select, [*try_inputs, try_whole], api_visibility="private")
         demo.load(studio.active_form, None,
                   [name, model, rewards, weights, prompt_mode, prompt_set, prompt_text, eval_text, *knobs],
                   api_visibility="private")

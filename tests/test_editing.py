@@ -449,7 +449,7 @@ def test_a_two_image_run_trains_and_its_plan_counts_the_second_image(two_image_f
     assert (first == COLOURS["red"]).all() and (second == COLOURS["blue"]).all() and base.shape == adapted.shape
     from app.ui import Studio  # the page's Try it: Input image and Picture 2, through the generate process
     studio = Studio(tmp_path)
-    assert [update["visible"] for update in studio.try_inputs("run")] == [True, True, False]  # Picture 1 and 2
+    assert [update["visible"] for update in studio.try_inputs("run")] == [True, True, False, True]  # and whole
     image, message = studio.generate("run", "latest adapter", "swap colours", 0, str(two_image_folder / "blue.png"),
                                      str(two_image_folder / "red.png"))
     assert message.endswith(": the 2 input images, the base model's edit and the adapter's"), message
@@ -718,17 +718,21 @@ def test_generates_out_is_a_picture_file_its_folder_made_and_else_one_line_befor
 
 
 def test_try_it_on_the_page_sends_the_uploaded_image(edit_run, tmp_path):
-    """The page's Try it runs ``python -m jagg_core.generate ... --image UPLOAD`` for an editing run; a second
-    picture for a run of one image a row is refused in generate's line (a run of two: the two-image run's test)."""
+    """The page's Try it runs ``python -m jagg_core.generate ... --image UPLOAD`` for an editing run (with ``--shape
+    run`` when "Edit the whole picture" is off); a second picture for a run of one image a row is refused in
+    generate's line (a run of two: the two-image run's test)."""
     from app.ui import Studio
 
     studio = Studio(edit_run.parent)
-    assert [update["visible"] for update in studio.try_inputs(edit_run.name)] == [True, False, False]
+    assert [update["visible"] for update in studio.try_inputs(edit_run.name)] == [True, False, False, True]
     upload = tmp_path / "upload.png"
     png(upload, (30, 200, 30))
     image, message = studio.generate(edit_run.name, "latest adapter", "make it red", 0, str(upload))
     assert message.endswith(": the input image, the base model's edit and the adapter's"), message
     assert (cells(Image.open(image), 3)[0] == (30, 200, 30)).all()
+    assert (cells(Image.open(image), 3)[1][172:] == 255).all()  # the 5:3 upload edited at 48 x 32: 256 x 171 shown
+    cropped, _ = studio.generate(edit_run.name, "latest adapter", "make it red", 0, str(upload), None, None, False)
+    assert not (cells(Image.open(cropped), 3)[1] == 255).all(axis=(1, 2)).any()  # "whole picture" off: 32 x 32
     _, message = studio.generate(edit_run.name, "latest adapter", "make it red", 0, str(upload), str(upload))
     assert message.startswith("**Not generated:** the run's model (FLUX.1 Kontext) edits images: give the image "
                               "the instruction applies to (--image PATH; on the page, Input image)"), message

@@ -127,7 +127,7 @@ def test_a_run_says_which_prompts_its_t5_cuts_its_doctor_fails_with_the_setting_
     assert image and message.endswith(f"  \n**Note:** T5 reads the first 32 of the {longest} tokens of the prompt "
                                       "(the run's model.max_sequence_length); the rest is cut"), message
     # a text-to-image run shows no image box; an input image sent anyway (the API) is refused
-    assert [update["visible"] for update in studio.try_inputs("run")] == [False] * 3
+    assert [update["visible"] for update in studio.try_inputs("run")] == [False] * 4  # no image, no whole picture
     upload = tmp_path / "input.png"
     upload.write_bytes(model_image())
     assert studio.generate("run", "latest adapter", SHORT, 0, str(upload))[1] == (
