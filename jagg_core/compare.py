@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import metrics
-from .errors import UserError, exit_on_user_error
+from .errors import UserError, exit_on_user_error, made_folder
 from .rundir import RunDirectory
 
 PROG = "jagg_core.compare"
@@ -177,11 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with exit_on_user_error(PROG):
         runs = read_runs(args.runs)
-        out = Path(args.out)
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise UserError(f"cannot write the folder {out}: {err.strerror}") from None
+        out = made_folder(Path(args.out))
         text = table(runs)
         (out / TABLE_FILE).write_text(text)
         curves_png(runs, out / CURVES_FILE)

@@ -28,6 +28,15 @@ def exit_on_user_error(prog: str):
         raise SystemExit(2) from None
 
 
+def made_folder(folder: Path) -> Path:
+    """``folder``, made with its parents as needed; one that cannot be made is a :class:`UserError` saying why."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"cannot write the folder {folder}: {err.strerror}") from None
+    return folder
+
+
 def require_packages(packages: tuple[str, ...], needed_by: str) -> None:
     """The ``packages`` that ``needed_by`` needs beyond requirements.txt (a family's or a reward's ``requires``) are
     installed, else one line naming the missing ones and the ``pip install`` that adds them."""

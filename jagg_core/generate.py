@@ -26,7 +26,7 @@ from pathlib import Path
 
 from .adapters import choose_adapter
 from .edit_prompts import EditPrompt, checked_image_bytes, upright_image
-from .errors import UserError, exit_on_user_error
+from .errors import UserError, exit_on_user_error, made_folder
 from .preflight import model_family
 from .rundir import RunDirectory
 
@@ -47,12 +47,11 @@ def input_image_bytes(image: Path) -> bytes:
 def shaped_like_picture(config, picture: bytes):
     """``config`` with its output and input sizes (``sampling.resolution``, ``model.condition_resolution``) at their
     areas in the shape of the encoded ``picture`` (:meth:`~jagg_core.image_size.ImageSize.shaped_like`)."""
-    from .config import validate_config
+    from .config import with_overrides
     width, height = upright_image(picture).size
-    data = config.model_dump(mode="json")
-    data["sampling"]["resolution"] = config.sampling.size.shaped_like(width, height).config_value()
-    data["model"]["condition_resolution"] = config.model.condition_size.shaped_like(width, height).config_value()
-    return validate_config(data)
+    return with_overrides(config, [
+        f"sampling.resolution={config.sampling.size.shaped_like(width, height).config_value()}",
+        f"model.condition_resolution={config.model.condition_size.shaped_like(width, height).config_value()}"])
 
 
 def generate(run_dir: Path, prompt: str, checkpoint: str | None = None, seed: int = 0,
@@ -123,10 +122,7 @@ def picture_path(out: Path) -> Path:
 
     if Image.registered_extensions().get(out.suffix.lower()) not in Image.SAVE:
         raise UserError(f"--out {out}: name a picture file, such as pair.png (or .jpg, .webp)")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise UserError(f"cannot write the folder {out.parent}: {err.strerror}") from None
+    made_folder(out.parent)
     return out
 
 

@@ -52,7 +52,7 @@ from unittest import mock
 import torch
 
 from .algorithms import ALGORITHMS
-from .config import RunConfig
+from .config import RunConfig, with_overrides
 from .download import amount
 from .errors import UserError
 from .gpus import GB
@@ -517,10 +517,8 @@ def _memory_savers(config: RunConfig) -> list[tuple[str, object]]:
 
 
 def _changed(config: RunConfig, key: str, value) -> RunConfig:
-    data = config.model_dump(mode="json")
-    section, name = key.split(".")
-    data[section][name] = value
-    return RunConfig.model_validate(data)
+    """``config`` with ``key`` (``section.name``) set to ``value``, validated again."""
+    return with_overrides(config, [f"{key}={json.dumps(value)}"])
 
 
 def check_host(plan: MemoryPlan, run_dir: Path, processes: int = 1) -> str:
