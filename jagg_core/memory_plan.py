@@ -19,6 +19,8 @@ How it is computed:
   dequantized to bf16: NF4 one weight at a time, int8 a copy per linear that autograd keeps for the backward
   (:func:`_int8_dequantizing`). A stack of identical blocks is traced at 2 and 4 blocks and extended linearly to
   its depth (:func:`_traced_in_depth`): the same bytes in seconds (an int8 base's backward: at its full depth).
+  The meta ops run on torch's C++ meta kernels where they have one (:mod:`jagg_core.meta_kernels`): the same
+  bytes in half the time.
 - **Fixed parts**: the rollout batch's trajectory (latents, velocities, reference velocities, float32),
   its conditioning and decoded images; the reward and judge models (their catalog sizes and dtypes; no judge with
   ``eval.judges_on_cpu``).
@@ -59,6 +61,7 @@ from .gpus import GB
 from .image_size import ImageSize
 from .judges import check_judges_room, cpu_judges
 from .memory_meter import LiveBytes
+from .meta_kernels import cpp_meta_kernels
 from .models import DTYPES, family_for
 from .models.base import ENCODE_BATCH, NEGATIVE, FlowModel
 from .models.quantize import transformer_dtype
@@ -302,6 +305,7 @@ def _backward_key(cfg: RunConfig, stacked: int) -> tuple:
             cfg.train.gradient_checkpointing, cfg.sampling.resolution, cfg.sampling.num_frames, stacked)
 
 
+@cpp_meta_kernels()
 def plan_memory(config: RunConfig, backward_traces: dict[tuple, int] | None = None, trace: bool = True) -> MemoryPlan:
     """The memory plan of ``config`` (see the module docstring); ``backward_traces``: an earlier plan's
     :attr:`MemoryPlan.backward_traces`, to reuse and extend. ``trace`` False: the phases' activations are left at 0
@@ -545,6 +549,7 @@ def fits(plan: MemoryPlan, gpu_gb: float) -> bool:
     return plan.total + CUDA_CONTEXT_GB * GB <= gpu_gb * GB
 
 
+@cpp_meta_kernels()
 def cheapest_fit(config: RunConfig, budget_gb: float,
                  backward_traces: dict[tuple, int] | None = None) -> tuple[list[str], MemoryPlan] | None:
     """The first changes of :func:`_memory_savers`, applied in turn, after which the plan fits ``budget_gb``: the

@@ -280,6 +280,44 @@ def test_the_plan_traces_a_short_stack_and_counts_the_same_bytes_as_every_block(
     assert short.phases == every_block.phases and short.total == every_block.total
 
 
+def _meta_kernel_source(op: str) -> str:
+    """Where the kernel the dispatcher runs for ``op`` on meta tensors was registered (a file)."""
+    line = next(line for line in torch._C._dispatch_dump_table(op).splitlines() if line.startswith("Meta:"))
+    return line.removeprefix("Meta: registered at ").split(":")[0]
+
+
+@pytest.mark.parametrize("preset, overrides", [
+    ("flux2-klein-pickscore-24gb", []),  # two stacks, at their depth by extension
+    ("zimage-turbo-pickscore-24gb", ["model.quantize=int8"]),  # an int8 base: traced at its full depth
+])
+def test_a_plan_on_the_cpp_meta_kernels_counts_the_same_bytes_and_torchs_own_kernels_come_back(preset, overrides,
+                                                                                               offline):
+    """Inside :func:`cpp_meta_kernels` an op with a C++ meta kernel (``mul``) runs it instead of the Python one torch
+    registers over it, an op without one (``_fft_r2c``) keeps its Python kernel, a nested entry changes nothing; a
+    real-size plan counts the same bytes in every phase as on torch's own meta kernels; and after it, torch's
+    registrations are back as they were, also once the lifted libraries are collected."""
+    import gc
+    import torch.library
+    from jagg_core.meta_kernels import cpp_meta_kernels
+    registered = set(torch.library._impls)
+    assert _meta_kernel_source("aten::mul.Tensor").endswith(".py")  # torch's Python kernel (or one put back)
+    with cpp_meta_kernels():
+        assert _meta_kernel_source("aten::mul.Tensor").endswith(".cpp")
+        assert _meta_kernel_source("aten::_fft_r2c").endswith(".py")
+        with cpp_meta_kernels():
+            assert _meta_kernel_source("aten::mul.Tensor").endswith(".cpp")
+        assert _meta_kernel_source("aten::mul.Tensor").endswith(".cpp")
+    assert _meta_kernel_source("aten::mul.Tensor").endswith(".py")
+    gc.collect()
+    assert set(torch.library._impls) == registered
+
+    config = load_config(preset=preset, overrides=overrides)
+    on_cpp = plan_memory(config)
+    assert _meta_kernel_source("aten::mul.Tensor").endswith(".py")
+    on_python = plan_memory.__wrapped__(config)  # the plan without the decorator: torch's own meta kernels
+    assert on_cpp.phases == on_python.phases and on_cpp.total == on_python.total and on_cpp.phases["backward"] > 0
+
+
 def test_quantizing_a_model_built_in_memory_without_room_to_save_it_is_refused_before_it_writes(
         tmp_path, offline, monkeypatch):
     """A model built in memory is quantized through diffusers' loader: saved to a temporary folder, loaded back. A
