@@ -9,11 +9,15 @@ import sys
 import warnings
 
 
+#: the libraries' settings, read as they import, for errors only and no progress bars (a user's own value stays)
+QUIET_SETTINGS = {"TRANSFORMERS_VERBOSITY": "error", "DIFFUSERS_VERBOSITY": "error",
+                  "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+
+
 def quiet_libraries() -> None:
     """Errors only from the libraries' loggers, and no loading progress bars."""
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    for key, value in QUIET_SETTINGS.items():
+        os.environ.setdefault(key, value)
     for name in ("bitsandbytes", "torchao", "transformers", "diffusers", "huggingface_hub", "accelerate", "peft",
                  "torch.utils._pytree"):  # torchao's import-time enum registration notices
         logging.getLogger(name).setLevel(logging.ERROR)

@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 
 from jagg_core.config import load_config
-from zygote import run_python
+from jagg_core.quiet import QUIET_SETTINGS
+
+#: the libraries' settings that the project's commands set as they start, set once for every test: a command run in
+#: a child sees the same environment whichever tests ran in this process before it (some quiet the libraries here)
+for _key, _value in QUIET_SETTINGS.items():
+    os.environ.setdefault(_key, _value)
+
+from zygote import run_python  # noqa: E402  (it keeps the environment above as its server's)
 
 ROOT = Path(__file__).resolve().parent.parent
 

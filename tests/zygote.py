@@ -1,22 +1,28 @@
 """A pre-imported Python for the tests' command-line runs (``python -m MODULE ARGS``, ``python -c CODE ARGS``).
 
-On 2 cores a fresh ``python -m jagg_core.run`` spends about 7 s importing before its first line, 5 of them in torch
-and what diffusers imports with it whenever it is installed (``torch._dynamo``, bitsandbytes, torchao). This server
-imports those once; each run is a child forked from it, which imports the rest (diffusers, transformers, huggingface_hub,
-jagg_core) in about 1 s. The pre-imported modules read no setting a test changes: the Hugging Face libraries, which
-read ``HF_HOME``, ``HF_HUB_OFFLINE`` and ``HF_ENDPOINT`` as they import, are imported afresh by each child under its
-own environment, and a run whose environment differs from the server's in a setting read as the interpreter starts
-or a native library loads (:data:`START_SETTINGS`) starts a real process instead.
+On 2 cores a fresh ``python -m jagg_core.run`` spends about 7 s importing before its first line: 5 in torch and what
+diffusers imports with it whenever it is installed (``torch._dynamo``, bitsandbytes, torchao), 2 in the Hugging Face
+libraries. This server imports them once, in two tiers, and each run is a child forked from one of them:
+
+- the **libraries** tier has imported the Hugging Face libraries too (diffusers, transformers, peft, accelerate,
+  huggingface_hub), those modules of theirs that the project's commands import, under :func:`library_environment`:
+  the tests' environment with ``HF_HUB_OFFLINE=1``, as :func:`conftest.run_cli` runs. The libraries read ``HF_HOME``,
+  ``HF_HUB_OFFLINE``, ``HF_ENDPOINT`` and more as they import, so a run is forked from this tier only when its
+  environment is that one but for the settings read as they are used (:data:`USE_TIME_SETTINGS`). The project's own
+  modules are imported to find those of the libraries, then forgotten: a child imports them from its own path;
+- the **torch** tier, for a run in any other environment: its child imports the libraries afresh under its own;
+- a run whose environment differs from the server's in a setting read as the interpreter starts or a native library
+  loads (:data:`START_SETTINGS`) starts a real process instead.
 
 A child runs as a fresh interpreter would (:func:`run_request`): its environment, working folder and ``sys.argv``;
 stdin from /dev/null, stdout and stderr to files; and exits as one would (:func:`exit_as_the_interpreter`) but for
 the teardown of its modules. A test about the process itself (its first vector math, the modules a command imports,
 signals sent to it while it runs) starts a real one.
 
-Protocol, one run a connection on a Unix socket: the client sends one JSON line ``{"args", "cwd", "env", "stdout",
-"stderr"}``; the server forks, answers ``{"pid": PID}`` and, once the child has exited, ``{"returncode": CODE}``
-(negative: the signal that ended it). It serves one run at a time and exits when its stdin closes (the test
-session's end).
+Protocol, one run a connection on a tier's Unix socket: the client sends one JSON line ``{"args", "cwd", "env",
+"stdout", "stderr"}``; the tier forks, answers ``{"pid": PID}`` and, once the child has exited, ``{"returncode":
+CODE}`` (negative: the signal that ended it). Each tier serves one run at a time and exits when its stdin closes (the
+test session's end).
 """
 
 from __future__ import annotations
@@ -40,24 +46,66 @@ PRELOADED = ("torch", "torch._dynamo", "bitsandbytes", "torchao")
 #: they load: a run that sets them otherwise than the server's environment gets a real process. (torch's own
 #: settings are read when used, by the child; torch sets some for itself as it runs, TORCHINDUCTOR_CACHE_DIR.)
 START_SETTINGS = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "BNB_")
+#: the modules whose imports the libraries tier makes: the project's commands that the tests run in a child
+COMMANDS = ("jagg_core.run", "jagg_core.trainer", "jagg_core.generate", "jagg_core.compare", "jagg_core.hub",
+            "jagg_core.bench")
+#: environment variables read when used, not as a module imports (pytest's current test, the project's settings, the
+#: compile cache torch sets for itself): a run that differs from :func:`library_environment` only in them is forked
+#: from the libraries tier
+USE_TIME_SETTINGS = ("PYTEST_CURRENT_TEST", "JAGG_", "TORCHINDUCTOR_CACHE_DIR")
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _start_settings(env: dict[str, str]) -> dict[str, str]:
     return {key: value for key, value in env.items() if key.startswith(START_SETTINGS)}
 
 
-def forks(args: list[str], env: dict[str, str]) -> bool:
-    """Whether :func:`run_python` runs ``python ARGS`` under ``env`` in a child of the server: ``-m`` or ``-c``, and
-    :data:`START_SETTINGS` those of the server's environment."""
-    return args[0] in ("-m", "-c") and _start_settings(env) == _start_settings(_Server.environment)
+def library_environment(environment: dict[str, str]) -> dict[str, str]:
+    """The environment the libraries tier imports under: the server's, offline."""
+    return {**environment, "HF_HUB_OFFLINE": "1"}
+
+
+def _read_on_import(env: dict[str, str]) -> dict[str, str]:
+    return {key: value for key, value in env.items() if not key.startswith(USE_TIME_SETTINGS)}
+
+
+def tier(args: list[str], env: dict[str, str]) -> str | None:
+    """The tier of the server whose child runs ``python ARGS`` under ``env`` (``-m`` or ``-c``, and
+    :data:`START_SETTINGS` those of the server's environment): "libraries" or "torch"; None: a real process."""
+    if args[0] not in ("-m", "-c") or _start_settings(env) != _start_settings(_Server.environment):
+        return None
+    same_imports = _read_on_import(env) == _read_on_import(library_environment(_Server.environment))
+    return "libraries" if same_imports else "torch"
 
 
 # ----- the server ------------------------------------------------------------------------------------------------
 
 def serve(path: str) -> dict | None:
-    """Serve runs on the socket ``path`` until stdin closes (None); in a forked child, return its request."""
+    """Serve runs on the sockets ``path`` (the torch tier) and ``path.libraries`` (the libraries tier, forked from
+    it) until stdin closes (None); in a forked child, return its request."""
     for module in PRELOADED:
         __import__(module)
+    if os.fork() == 0:
+        _import_libraries()
+        path += ".libraries"
+    return _serve_on(path)
+
+
+def _import_libraries() -> None:
+    """The libraries tier's imports: :data:`COMMANDS` under :func:`library_environment`, then the project's own
+    modules forgotten."""
+    os.environ.update(library_environment(dict(os.environ)))
+    sys.path.insert(0, str(ROOT))
+    for module in COMMANDS:
+        __import__(module)
+    sys.path.remove(str(ROOT))
+    for name in [name for name in sys.modules if name == "jagg_core" or name.startswith("jagg_core.")]:
+        del sys.modules[name]
+
+
+def _serve_on(path: str) -> dict | None:
+    """One tier's loop: a child forked for each run on the socket ``path``, until stdin closes (None); in the
+    child, return its request."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen()
@@ -131,7 +179,7 @@ class _Server:
                                                    stdout=subprocess.PIPE, stderr=log, text=True,
                                                    env=cls.environment)
                 atexit.register(cls.stop, folder)
-                if cls.process.stdout.readline().strip() != "ready":
+                if [cls.process.stdout.readline().strip() for _tier in ("torch", "libraries")] != ["ready"] * 2:
                     raise RuntimeError(f"the test zygote did not start (exit {cls.process.wait()})")
             return cls.socket
 
@@ -149,7 +197,8 @@ def run_python(args: list[str], *, cwd: Path | str, env: dict[str, str] | None =
     ``env`` sets torch's settings otherwise."""
     env = dict(os.environ if env is None else env)
     command = [sys.executable, *args]
-    if not forks(args, env):
+    server_tier = tier(args, env)
+    if server_tier is None:
         return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     with tempfile.TemporaryDirectory() as folder:
         out, err = Path(folder, "stdout"), Path(folder, "stderr")
@@ -157,7 +206,7 @@ def run_python(args: list[str], *, cwd: Path | str, env: dict[str, str] | None =
         err.touch()
         request = {"args": args, "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err)}
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
-            connection.connect(_Server.socket_path())
+            connection.connect(_Server.socket_path() + (".libraries" if server_tier == "libraries" else ""))
             with connection.makefile("rw") as stream:
                 stream.write(json.dumps(request) + "\n")
                 stream.flush()
