@@ -214,6 +214,7 @@ def _memory_warning(config, plan, free_gb: float | None) -> str:
     verdict = check_fits(plan, config, free_gb)
     return f" **Warning: {verdict}.**" if verdict.startswith("does not fit") else ""
 
+
 def _processes(value) -> int:
     """The Processes field's count: a whole number from 1 to the machine's most; empty: the default."""
     default, most = process_choices()

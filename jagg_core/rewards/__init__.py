@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from ..config import RewardSpec, SamplingConfig, term_names
 from ..errors import UserError
+from ..image_size import ImageSize
 from .catalog import available_rewards, reward_entry, reward_options
 
 if TYPE_CHECKING:
@@ -72,9 +73,7 @@ class CombinedReward:
         for text-to-image prompts, videos, or when no reward takes them."""
         if images.ndim != 4 or not any(reward.takes_inputs for reward in self.rewards):
             return None
-        from ..edit_prompts import input_images
-        from ..image_size import ImageSize
-
+        from ..edit_prompts import input_images  # numpy and PIL: loaded on first use
         return input_images(prompts, ImageSize(*images.shape[-2:]))
 
 
