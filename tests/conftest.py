@@ -17,9 +17,8 @@ from jagg_core.quiet import QUIET_SETTINGS
 for _key, _value in QUIET_SETTINGS.items():
     os.environ.setdefault(_key, _value)
 
-from zygote import run_python  # noqa: E402  (it keeps the environment above as its server's)
+from zygote import ROOT, run_python  # noqa: E402  (it keeps the environment above as its server's)
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def tiny_config(model: str = "tiny-sd3", **overrides):

@@ -26,7 +26,7 @@ COMMANDS = [
 @pytest.mark.parametrize("offline", [False, True], ids=["torch-tier", "libraries-tier"])
 @pytest.mark.parametrize("args", COMMANDS)
 def test_a_forked_command_gives_what_a_fresh_process_gives(args, offline, tmp_path):
-    env = {**os.environ, "JAGG_PROBE": "probed", **({"HF_HUB_OFFLINE": "1"} if offline else {"HF_HUB_OFFLINE": "0"})}
+    env = {**os.environ, "JAGG_PROBE": "probed", "HF_HUB_OFFLINE": "1" if offline else "0"}
     cwd = ROOT if args[0] == "-m" else tmp_path
     assert tier(args, env) == ("libraries" if offline else "torch")
     fresh = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True)

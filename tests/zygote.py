@@ -53,6 +53,7 @@ COMMANDS = ("jagg_core.run", "jagg_core.trainer", "jagg_core.generate", "jagg_co
 #: compile cache torch sets for itself): a run that differs from :func:`library_environment` only in them is forked
 #: from the libraries tier
 USE_TIME_SETTINGS = ("PYTEST_CURRENT_TEST", "JAGG_", "TORCHINDUCTOR_CACHE_DIR")
+#: the repository, whose project the libraries tier imports to find the libraries' modules
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -67,6 +68,11 @@ def library_environment(environment: dict[str, str]) -> dict[str, str]:
 
 def _read_on_import(env: dict[str, str]) -> dict[str, str]:
     return {key: value for key, value in env.items() if not key.startswith(USE_TIME_SETTINGS)}
+
+
+def tier_socket(path: str, tier_name: str) -> str:
+    """The socket of the tier ``tier_name`` of the server whose torch tier listens on ``path``."""
+    return path if tier_name == "torch" else f"{path}.{tier_name}"
 
 
 def tier(args: list[str], env: dict[str, str]) -> str | None:
@@ -87,7 +93,7 @@ def serve(path: str) -> dict | None:
         __import__(module)
     if os.fork() == 0:
         _import_libraries()
-        path += ".libraries"
+        return _serve_on(tier_socket(path, "libraries"))
     return _serve_on(path)
 
 
@@ -206,7 +212,7 @@ def run_python(args: list[str], *, cwd: Path | str, env: dict[str, str] | None =
         err.touch()
         request = {"args": args, "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err)}
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
-            connection.connect(_Server.socket_path() + (".libraries" if server_tier == "libraries" else ""))
+            connection.connect(tier_socket(_Server.socket_path(), server_tier))
             with connection.makefile("rw") as stream:
                 stream.write(json.dumps(request) + "\n")
                 stream.flush()
