@@ -187,7 +187,7 @@ ALGORITHM_KNOBS = (
     Knob("nft.updates_per_rollout", "NFT updates per rollout", "int"),
     Knob("nft.old_decay_max", "NFT old-policy decay (max)", "float"),
     Knob("nft.old_decay_rate", "NFT old-policy decay rate", "float"),
-    Knob("awm.train_timesteps", "AWM steps per sample", "int"),
+    Knob("awm.train_timesteps", "AWM steps per sample", "int", optional=True),
     Knob("awm.weighting", "AWM weighting", "choice",
          choices=(("generalized Huber", "ghuber"), ("uniform", "uniform"))),
     Knob("awm.kl_beta", "AWM KL beta", "float"),

@@ -31,6 +31,8 @@ SEED_BOUND = 2 ** 63  # seeds are 64-bit: torch.Generator.manual_seed and the pe
 EVAL_CHUNK = 16
 #: a video VAE (Wan) encodes the first frame alone, then each group of this many frames as one latent frame
 VIDEO_FRAME_GROUP = 4
+#: AWM's steps trained per sample by default (the paper's 6 of 14)
+AWM_TRAIN_TIMESTEPS = 6
 
 
 class _Section(BaseModel):
@@ -333,8 +335,10 @@ class AwmConfig(_Section):
     """Advantage Weighted Matching (train.algorithm awm): the flow-matching loss of the rollout's samples weighted by
     their advantages (jagg_core/algorithms/awm.py has the loss)."""
 
-    train_timesteps: int = Field(6, ge=1, description="schedule steps K each sample is trained at, drawn stratified "
-                                 "from steps 1..int(num_steps x awm.timestep_fraction), fresh noise each")
+    train_timesteps: int | None = Field(None, ge=1, description="schedule steps K each sample is trained at, drawn "
+                                        "stratified from steps 1..int(num_steps x awm.timestep_fraction), fresh noise "
+                                        f"each; null: {AWM_TRAIN_TIMESTEPS} (the paper's), or all of those steps when "
+                                        "there are fewer")
     timestep_fraction: float = Field(0.9, gt=0.0, le=1.0, description="the trained steps lie in 1..int(num_steps x "
                                      "fraction)")
     weighting: Literal["ghuber", "uniform"] = Field(
@@ -350,6 +354,15 @@ class AwmConfig(_Section):
     ema_kl_decay_rate: float = Field(0.001, ge=0.0, description="after iteration k, ema = d ema + (1 - d) theta with "
                                      "d = min(ema_kl_decay_max, ema_kl_decay_rate x k)")
     ema_kl_decay_max: float = Field(0.3, ge=0.0, lt=1.0, description="the largest decay d of the EMA regularizer")
+
+    def trainable_steps(self, num_steps: int) -> int:
+        """The schedule steps AWM draws from, ``1 .. n`` with ``n = int(T timestep_fraction)`` (``T = num_steps``)."""
+        return int(num_steps * self.timestep_fraction)
+
+    def steps_per_sample(self, num_steps: int) -> int:
+        """K: ``train_timesteps``, by default ``min(AWM_TRAIN_TIMESTEPS, n)``: the paper's 6, or each of the ``n``
+        :meth:`trainable_steps` when there are fewer (FLUX.2 klein's 4-step schedule has 3)."""
+        return self.train_timesteps or min(AWM_TRAIN_TIMESTEPS, self.trainable_steps(num_steps))
 
 
 class RewardSpec(_Section):
@@ -581,9 +594,13 @@ class RunConfig(_Section):
                                  f"{per_sample} steps each sample is trained at (int(sampling.num_steps x "
                                  "nft.timestep_fraction))")
         if algorithm == "awm":
-            last = int(self.sampling.num_steps * self.awm.timestep_fraction)
-            if last < 1 or self.awm.train_timesteps > last:
-                raise ValueError(f"awm.train_timesteps {self.awm.train_timesteps} must be at most the {max(last, 0)} "
+            last = self.awm.trainable_steps(self.sampling.num_steps)
+            if last < 1:
+                raise ValueError(f"train.algorithm awm trains at steps 1..int(sampling.num_steps x "
+                                 f"awm.timestep_fraction), none at {self.sampling.num_steps} steps and fraction "
+                                 f"{self.awm.timestep_fraction}; raise sampling.num_steps or awm.timestep_fraction")
+            if (self.awm.train_timesteps or 0) > last:
+                raise ValueError(f"awm.train_timesteps {self.awm.train_timesteps} must be at most the {last} "
                                  "steps 1..int(sampling.num_steps x awm.timestep_fraction)")
 
     def trainable_steps(self) -> int:

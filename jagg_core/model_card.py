@@ -33,7 +33,7 @@ from huggingface_hub import ModelCard, ModelCardData
 
 from . import metrics
 from .adapters import BEST, Adapter, choose_adapter
-from .config import ModelConfig, SamplingConfig
+from .config import AwmConfig, ModelConfig, SamplingConfig
 from .edit_prompts import instruction_of
 from .errors import UserError
 from .image_size import parse_resolution
@@ -254,10 +254,11 @@ def _algorithm_lines(config: dict, snap: RunSnapshot) -> str:
                 f"optimizer step(s) per rollout; the old (sampling) policy trails with decay "
                 f"min({nft.get('old_decay_max')}, {nft.get('old_decay_rate')} x optimizer step)")
     if algorithm == "awm":
-        awm = config.get("awm") or {}
-        return (f"- **AWM:** {groups}, {awm.get('train_timesteps')} trained steps per sample, `{awm.get('weighting')}`"
-                f" weighting (power {awm.get('ghuber_power')}), KL beta {awm.get('kl_beta')}, EMA KL beta "
-                f"{awm.get('ema_kl_beta')} (decay up to {awm.get('ema_kl_decay_max')})")
+        awm = AwmConfig.model_validate(config.get("awm") or {})
+        steps = awm.steps_per_sample(SamplingConfig.model_validate(config.get("sampling") or {}).num_steps)
+        return (f"- **AWM:** {groups}, {steps} trained steps per sample, `{awm.weighting}` weighting (power "
+                f"{awm.ghuber_power}), KL beta {awm.kl_beta}, EMA KL beta {awm.ema_kl_beta} (decay up to "
+                f"{awm.ema_kl_decay_max})")
     tree = f", tree rollouts splitting {grpo['branch_factor']} ways" if grpo.get("branch_factor") else ""
     if backward.get("mode") == "jagg":
         backward_text = (f"JAGG (window {backward.get('window')}, velocities `{backward.get('velocities')}`, "

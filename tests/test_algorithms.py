@@ -22,7 +22,7 @@ from conftest import run_cli, tiny_config
 
 FORWARD_PROCESS = ["nft", "awm"]
 #: iterations of the short run on the embedded task
-SHORT_RUN = 15
+SHORT_RUN = 6
 
 
 def algorithm_config(algorithm: str, model: str = "tiny-sd3", **overrides) -> RunConfig:
@@ -224,6 +224,7 @@ def test_two_iterations_on_every_family(case, algorithm, tmp_path, offline):
     name = {"nft": "DiffusionNFT", "awm": "Advantage Weighted Matching"}[algorithm]
     assert f"fine-tuned with {name}" in str(card) and algorithm in card.data.tags and "jagg" not in card.data.tags
     assert f"**{'DiffusionNFT' if algorithm == 'nft' else 'AWM'}:**" in str(card) and "**Backward:**" not in str(card)
+    assert algorithm == "nft" or "2 trained steps per sample" in str(card)
 
 
 def test_a_rollout_in_chunks_samples_what_one_batch_does(tmp_path, offline):
@@ -251,6 +252,24 @@ def test_every_algorithm_of_the_config_is_registered():
 def test_meaningless_combinations_are_one_line(overrides, message):
     with pytest.raises(UserError, match=message):
         load_config(preset="tiny-sd3", overrides=overrides)
+
+
+@pytest.mark.parametrize(("preset", "steps"), [("flux2-klein-pickscore-24gb", 3), ("flux-schnell-aesthetic", 3),
+                                               ("sd35-medium-pickscore", 6)])
+def test_awm_trains_the_papers_six_steps_a_sample_by_default_or_every_step_of_a_shorter_schedule(preset, steps):
+    """The 4-step presets take AWM with no setting of their own: steps 1..int(4 x 0.9), all 3 of them."""
+    config = load_config(preset=preset).for_algorithm("awm", ["model.guidance_scale=1"])
+    assert config.awm.train_timesteps is None and config.awm.steps_per_sample(config.sampling.num_steps) == steps
+    assert ALGORITHMS["awm"].steps_per_sample(config) == steps
+    assert config.for_algorithm("awm", ["awm.train_timesteps=2"]).awm.steps_per_sample(4) == 2
+
+
+def test_awm_on_a_schedule_too_short_to_train_says_what_to_raise():
+    with pytest.raises(UserError, match=r"train.algorithm awm trains at steps 1..int\(sampling.num_steps x "
+                                        r"awm.timestep_fraction\), none at 2 steps and fraction 0.4; raise "
+                                        r"sampling.num_steps or awm.timestep_fraction"):
+        load_config(preset="tiny-sd3", overrides=["train.algorithm=awm", "sampling.num_steps=2",
+                                                  "awm.timestep_fraction=0.4"])
 
 
 @pytest.mark.parametrize(("algorithm", "settings"), [("nft", {}), ("awm", {}),

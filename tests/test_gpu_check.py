@@ -154,6 +154,20 @@ def test_a_key_added_to_the_config_since_a_measurement_stales_it_only_away_from_
     assert changed_settings(now, before) == ["model.input_images null -> -"]  # a key gone is a change
 
 
+def test_a_default_of_an_algorithm_a_step_does_not_run_changes_none_of_its_figures():
+    """AWM's steps a sample became a default that follows the schedule (6 -> null): the GRPO and DiffusionNFT
+    measurements recorded 6 and stay measured; a change of a key their algorithm reads stales them."""
+    from jagg_core.gpu_check.settings import changed_settings
+    for name in ("tiny-sd3", "memory-sd35-medium-pickscore-nft-24gb"):
+        now = today()[name]
+        assert not any("awm.train_timesteps" in values for values in now.values())  # not AWM's: not kept
+        before = {label: {**values, "awm.train_timesteps": 6} for label, values in now.items()}
+        assert changed_settings(before, now) == []
+    now = today()["memory-sd35-medium-pickscore-nft-24gb"]
+    before = {label: {**values, "nft.beta": 0.5} for label, values in now.items()}
+    assert changed_settings(before, now) == ["nft.beta 0.5 -> 1.0"]
+
+
 def test_the_committed_ledger_marks_what_each_check_measured_with_its_date_and_names_the_flux_crashs_cause():
     ledger = read_ledger([ROOT / "docs" / "gpu"], CheckOptions())
     assert ledger["bench-sd35-medium"].status == "ok" and ledger["bench-sd35-medium"].date.startswith("2026-11-30")

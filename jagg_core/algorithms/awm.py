@@ -5,8 +5,9 @@ by their advantages (``train.algorithm: awm``).
 Rollout: on-policy ODE samples ``x0`` (CFG-free). Rewards -> group advantages ``A`` (the ``grpo`` section's groups,
 clamped to ``+-c``, ``c = grpo.adv_clip``), rescaled ``A' = A / c * awm.advantage_max``. Each sample is trained at
 ``K = awm.train_timesteps`` schedule steps drawn stratified from ``1 .. n`` with ``n = int(T awm.timestep_fraction)``
-(the reference's ``discrete_wo_init``: with ``b = linspace(1, n, K + 1)``, step ``i`` is uniform in
-``[int(b_i), int(b_{i+1}))``, or ``int(b_i)`` when that range is empty), fresh noise each (:mod:`.forward_process`).
+(by default ``K = min(6, n)``: the paper's 6, or every step of a shorter schedule; the reference's
+``discrete_wo_init``: with ``b = linspace(1, n, K + 1)``, step ``i`` is uniform in ``[int(b_i), int(b_{i+1}))``, or
+``int(b_i)`` when that range is empty), fresh noise each (:mod:`.forward_process`).
 At a row, ``e = mean_k (v_theta(x_t) - (eps - x0))^2`` (float64) gives the per-row log-likelihood surrogate::
 
     ghuber:   l = -((e + 1e-10)^p - (1e-10)^p) sigma / p         (p = awm.ghuber_power, the paper's default)
@@ -67,12 +68,11 @@ class AwmAlgorithm(ForwardProcessAlgorithm):
 
     @staticmethod
     def steps_per_sample(config) -> int:
-        return config.awm.train_timesteps
+        return config.awm.steps_per_sample(config.sampling.num_steps)
 
     def draw_steps(self, samples: int, generator: torch.Generator) -> torch.Tensor:
-        awm = self.config.awm
-        return stratified_steps(awm.train_timesteps, int(self.config.sampling.num_steps * awm.timestep_fraction),
-                                samples, generator)
+        awm, num_steps = self.config.awm, self.config.sampling.num_steps
+        return stratified_steps(awm.steps_per_sample(num_steps), awm.trainable_steps(num_steps), samples, generator)
 
     @staticmethod
     def companion_names(config) -> list[str]:

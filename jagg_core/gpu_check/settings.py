@@ -3,7 +3,7 @@ the product has since changed (a default, a preset, a kernel key) is known to be
 
 A step's settings are ``{label: {key: value}}``: each config it runs (:attr:`~.common.Step.configs`, e.g. one per
 base of a tiny run) as the flat ``section.key`` values ``--set`` reads, less those that change no figure
-(:data:`NOT_MEASURED`), on both sides of a comparison. A step without configs (the device, the triage's fixed
+(:data:`NOT_MEASURED`, and the keys of the algorithms a config does not run), on both sides of a comparison. A step without configs (the device, the triage's fixed
 kernels) is never stale.
 """
 
@@ -20,9 +20,14 @@ NOT_MEASURED = ("name", "description", "output_dir", "hub", "train.doctor")
 
 
 def measured_settings(settings: dict) -> dict:
-    """The flat ``settings`` less the keys under :data:`NOT_MEASURED`."""
+    """The flat ``settings`` less the keys under :data:`NOT_MEASURED` and those only another algorithm than the
+    settings' ``train.algorithm`` reads (:func:`~jagg_core.config.key_owner`: a run refuses them at anything but their
+    defaults, so a change of such a default changes none of its figures)."""
+    from ..config import key_owner
+    algorithm = settings.get("train.algorithm", "grpo")
     return {key: value for key, value in settings.items()
-            if not any(key == name or key.startswith(f"{name}.") for name in NOT_MEASURED)}
+            if not any(key == name or key.startswith(f"{name}.") for name in NOT_MEASURED)
+            and key_owner(key) in (None, algorithm)}
 
 
 def step_settings(step: Step, options: CheckOptions) -> dict[str, dict] | None:
