@@ -1,5 +1,6 @@
-"""Text-to-video: the Wan 2.1 family against its own diffusers pipeline (tiny-wan), rewards on video frames, the
-temporal-consistency reward, and a 2-iteration run that writes MP4s and frame strips."""
+"""Text-to-video: the Wan family against its own diffusers pipeline (tiny-wan: Wan 2.1; tiny-wan22: Wan 2.2
+TI2V-5B's VAE and per-token timesteps), rewards on video frames, the temporal-consistency reward, and a 2-iteration
+run that writes MP4s and frame strips."""
 
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ LANDSCAPE = ImageSize(height=32, width=64)  # as Wan 2.1's own 832x480
 PROMPTS = ["a red ball rolling", "two blue cubes spinning on a green floor"]
 
 
-def load(num_frames: int = FRAMES, **overrides):
-    return load_flow_model(ModelConfig(name="tiny-wan", max_sequence_length=16, **overrides), num_frames=num_frames)
+def load(num_frames: int = FRAMES, name: str = "tiny-wan", **overrides):
+    return load_flow_model(ModelConfig(name=name, max_sequence_length=16, **overrides), num_frames=num_frames)
 
 
 # ----- the family ---------------------------------------------------------------------------------
@@ -49,6 +50,20 @@ def test_tiny_wan_is_a_video_family_with_wans_latent_layout():
     with torch.no_grad():
         frames = model.decode(noise(model, 2))
     assert frames.shape == (2, FRAMES, 3, RES, RES) and frames.min() >= 0 and frames.max() <= 1
+
+
+def test_tiny_wan22_has_wan22s_vae_and_per_token_timesteps_and_two_experts_are_refused():
+    """Wan 2.2's VAE: 48 channels (8 in tiny-wan22), 16x smaller per side; the pipeline's timesteps are per token."""
+    model = load(name="tiny-wan22")
+    assert model.pipe.config.expand_timesteps and model.pipe.vae_scale_factor_spatial == 16
+    assert model.latent_shape(SIZE) == (8, 2, 2, 2) and model.image_seq_len(SIZE) == 2
+    with torch.no_grad():
+        frames = model.decode(noise(model, 1))
+    assert frames.shape == (1, FRAMES, 3, RES, RES)
+    two_experts = build_tiny_pipeline("tiny-wan22")
+    two_experts.register_modules(transformer_2=two_experts.transformer)
+    with pytest.raises(UserError, match="a Wan 2.2 pipeline of two experts"):
+        WanModel(two_experts, ModelConfig(name="tiny-wan22"), num_frames=FRAMES)
 
 
 def test_frame_counts_are_checked():
@@ -71,12 +86,15 @@ def test_sigmas_are_the_euler_schedule_with_wans_flow_shift():
     assert bool((sigmas[1:-1] > unshifted.sigmas[1:-1]).all())  # the shift keeps more steps near the noise
 
 
-@pytest.mark.parametrize(("guidance_scale", "size"), [(1.0, SIZE), (5.0, SIZE), (5.0, LANDSCAPE)])
-def test_euler_ode_reproduces_pipeline(guidance_scale, size):
+@pytest.mark.parametrize(("name", "guidance_scale", "size"), [("tiny-wan", 1.0, SIZE), ("tiny-wan", 5.0, SIZE),
+                                                              ("tiny-wan", 5.0, LANDSCAPE),
+                                                              ("tiny-wan22", 5.0, ImageSize(height=32, width=64))])
+def test_euler_ode_reproduces_pipeline(name, guidance_scale, size):
     """z_{i+1} = z_i + (sigma_{i+1} - sigma_i) v(z_i, sigma_i) from the same noise equals WanPipeline.__call__ with
     FlowMatchEulerDiscreteScheduler(shift=flow_shift) swapped in (timestep 1000 sigma, CFG with the negative prompt,
-    decoding with the VAE's latents_mean/std), square or landscape."""
-    model = load(guidance_scale=guidance_scale, negative_prompt="ugly")
+    decoding with the VAE's latents_mean/std), square or landscape; Wan 2.2's pipeline gives every token its
+    timestep, the velocity one a sample."""
+    model = load(name=name, guidance_scale=guidance_scale, negative_prompt="ugly")
     z0 = noise(model, len(PROMPTS), seed=1, size=size)
     sigmas = model.sigmas(STEPS, size)
     z, frames = euler_ode(model, z0, sigmas, model.conditioning(PROMPTS))
@@ -135,6 +153,15 @@ def test_memory_plan_of_the_real_arch_counts_the_video_tokens():
     assert plan.family == "wan"
     frames = 4 * 2 * 17 * 3 * 128 * 128 * 4  # the rollout batch's decoded frames, float32
     assert plan.phase_parts["backward"] - plan.phase_parts["VAE decode"] >= frames  # the images part
+
+
+def test_wan22s_own_720p_frames_make_16x_smaller_latents_of_48_channels():
+    """Wan 2.2 TI2V-5B at its own 1280x704 and 33 frames: 9 latent frames of 44 x 80, 7,920 tokens."""
+    name = "random:wan22-ti2v-5b@1"
+    model = WanModel(meta_pipeline(name), ModelConfig(name=name), "meta", num_frames=33)
+    assert model.pipe.config.expand_timesteps and model.pipe.transformer_2 is None
+    assert model.latent_shape(ImageSize(704, 1280)) == (48, 9, 44, 80)
+    assert model.image_seq_len(ImageSize(704, 1280)) == 9 * 22 * 40
 
 
 # ----- rewards on videos ----------------------------------------------------------------------------
@@ -200,12 +227,13 @@ def read_mp4(path) -> tuple[dict, list[np.ndarray]]:
     return meta, [np.frombuffer(f, np.uint8).reshape(height, width, 3) for f in reader]
 
 
-def test_two_iterations_on_tiny_wan_write_mp4s_and_strips_and_the_adapter_loads_back(tmp_path, tiny_clip):
+@pytest.mark.parametrize("name", ["tiny-wan", "tiny-wan22"])
+def test_two_iterations_on_tiny_wan_write_mp4s_and_strips_and_the_adapter_loads_back(name, tmp_path, tiny_clip):
     """GRPO with a JAGG window of 3 (one interpolated step) and its audit, an image reward on 2 frames of each video
-    and the temporal-consistency reward, through the CLI."""
+    and the temporal-consistency reward, through the CLI; Wan 2.1 and Wan 2.2 TI2V-5B."""
     out, rewards = tmp_path / "run", (f"rewards=[{{name: jpeg_compressibility}}, {{name: temporal_consistency, "
                                       f"weight: 0.5, options: {{model_id: '{tiny_clip[0]}'}}}}]")
-    result = run_cli("--preset", "tiny-sd3", "--output-dir", str(out), "--set", "model.name=tiny-wan",
+    result = run_cli("--preset", "tiny-sd3", "--output-dir", str(out), "--set", f"model.name={name}",
                      "--set", "sampling.num_frames=5", "--set", "sampling.fps=8", "--set", "sampling.resolution=32",
                      "--set", "sampling.num_steps=4", "--set", "train.iterations=2", "--set", "grpo.num_generations=2",
                      "--set", "prompts.eval_count=2", "--set", "backward.window=3", "--set", "backward.audit_every=2",
@@ -233,9 +261,9 @@ def test_two_iterations_on_tiny_wan_write_mp4s_and_strips_and_the_adapter_loads_
     assert "export_to_video(frames" in card
     assert publish_files(snapshot, "alice/wan-lora")["samples/000.mp4"] == run.samples(2).videos[0]
 
-    pipe = build_tiny_pipeline("tiny-wan")  # the run's base model: tiny-wan drawn from train.seed 0
+    pipe = build_tiny_pipeline(name)  # the run's base model: drawn from train.seed 0
     pipe.load_lora_weights(str(run.lora_dir))
-    model = WanModel(pipe, ModelConfig(name="tiny-wan", max_sequence_length=16), num_frames=5)
+    model = WanModel(pipe, ModelConfig(name=name, max_sequence_length=16), num_frames=5)
     tuned, base = adapter_and_base_velocity(model, noise(model, 1), torch.tensor([0.6]),
                                             model.conditioning(PROMPTS[:1]))
     assert not torch.equal(tuned, base)  # two updates moved the adapter's zero-initialised B

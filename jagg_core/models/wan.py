@@ -1,10 +1,18 @@
-"""Wan 2.1 text-to-video (``WanPipeline``): video latents [C, F', h, w], timestep = 1000 sigma, UMT5 text states.
+"""Wan 2.1 and Wan 2.2 TI2V-5B text-to-video (``WanPipeline``): video latents [C, F', h, w], timestep = 1000 sigma,
+UMT5 text states.
 
 One sample is ``sampling.num_frames = 4k + 1`` frames; the VAE (``AutoencoderKLWan``) encodes the first frame
 alone and every later group of 4 as one latent frame, so ``F' = (num_frames - 1) / 4 + 1``, and each frame
-``8x`` smaller per side (``h x w = height / 8 x width / 8``; Wan 2.1's own frames are 832x480). The transformer
-patches ``(1, 2, 2)``: ``F' h w / 4`` tokens.
+``s`` times smaller per side (``h x w = height / s x width / s``, ``s = vae.config.scale_factor_spatial``: 8 for
+Wan 2.1's VAE, whose frames are 832x480; 16 for Wan 2.2's, 2x2 pixel patches into 48 channels, whose frames are
+1280x704). The transformer patches ``(1, 2, 2)``: ``F' h w / 4`` tokens.
 The sampler, GRPO and JAGG treat the latent as an opaque tensor of :meth:`WanModel.latent_shape`.
+
+Wan 2.2 TI2V-5B's pipeline (``expand_timesteps``) gives the transformer one timestep per token, ``t`` times a mask
+that is 0 on the tokens of a conditioning first frame (image-to-video) and 1 elsewhere: in text-to-video every
+token's timestep is the step's ``t``, so the velocity passes ``t`` once per sample, the same modulation of every
+token without the per-token copies (``[B, tokens, 6, dim]``, about a GB a sample at 1280x704 x 33 frames). Wan 2.2
+A14B (two experts switched at ``boundary_ratio``) and image-to-video are not supported.
 
 Sigmas: the pipeline's default scheduler is UniPC with ``flow_shift``; the sampler takes Euler steps on the
 flow-matching schedule of ``FlowMatchEulerDiscreteScheduler(shift=flow_shift)`` (what diffusers' Wan training
@@ -40,9 +48,9 @@ class WanModel(FlowModel):
 
     def __init__(self, pipe, config: ModelConfig, device: torch.device | str = "cpu", *, num_frames: int = 1,
                  **placement):
-        if pipe.transformer_2 is not None or pipe.config.expand_timesteps:
-            raise UserError("this is a Wan 2.2 pipeline (two experts or per-token timesteps); only Wan 2.1 "
-                            "text-to-video pipelines are supported")
+        if pipe.transformer_2 is not None:
+            raise UserError("this is a Wan 2.2 pipeline of two experts (A14B); Wan 2.1 and Wan 2.2 TI2V-5B "
+                            "text-to-video are supported")
         group = pipe.vae_scale_factor_temporal
         if (num_frames - 1) % group:
             raise UserError(f"sampling.num_frames is {num_frames}; this Wan VAE needs {group}k + 1 frames")
@@ -92,7 +100,8 @@ class WanModel(FlowModel):
         return (frames // patch_t) * (height // patch_h) * (width // patch_w)
 
     def transformer_velocity(self, z: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
-        """The timestep ``1000 sigma`` stays float32, as the pipeline passes its scheduler's timesteps."""
+        """The timestep ``1000 sigma`` stays float32, as the pipeline passes its scheduler's timesteps; one a sample
+        under Wan 2.2's per-token timesteps too (all equal in text-to-video: the module docstring)."""
         dtype = self.transformer.dtype
         return self.transformer(hidden_states=z.to(dtype), timestep=sigma.float() * 1000,
                                 encoder_hidden_states=cond["prompt_embeds"].to(dtype), return_dict=False)[0].float()
@@ -108,25 +117,42 @@ class WanModel(FlowModel):
         return (video.float() / 2 + 0.5).clamp(0, 1).transpose(1, 2)
 
 
-def build_tiny_wan() -> WanPipeline:
-    """Wan 2.1 T2V-like: a tiny UMT5 encoder, the Wan video VAE (4x frames, 8x pixels, per-channel latent
-    mean/std) and the scheduler of Wan-AI/Wan2.1-T2V-1.3B-Diffusers (UniPC with flow sigmas, flow_shift 3)."""
-    tokenizer, text_hidden, z_dim = tiny_t5_tokenizer(), 32, 4
+def _tiny_wan(vae: AutoencoderKLWan, flow_shift: float, **settings) -> WanPipeline:
+    """A tiny UMT5 encoder and transformer around ``vae``; UniPC with flow sigmas and ``flow_shift``, as the
+    Diffusers repos' schedulers; ``settings``: the pipeline's (``expand_timesteps``)."""
+    tokenizer, text_hidden, z_dim = tiny_t5_tokenizer(), 32, vae.config.z_dim
     text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), d_model=text_hidden, d_kv=8, d_ff=64,
                                                num_layers=2, num_heads=4, relative_attention_num_buckets=8,
                                                pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
-    vae = AutoencoderKLWan(base_dim=4, z_dim=z_dim, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                           temperal_downsample=[False, True, True], latents_mean=[0.1, -0.2, 0.05, 0.0],
-                           latents_std=[1.5, 0.8, 1.2, 1.0])
     transformer = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
                                         in_channels=z_dim, out_channels=z_dim, text_dim=text_hidden, freq_dim=32,
                                         ffn_dim=32, num_layers=2, cross_attn_norm=True,
                                         qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
-    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=flow_shift)
     return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
-                       transformer=transformer)
+                       transformer=transformer, **settings)
 
 
-FAMILY = Family(label="Wan 2.1 text-to-video", pipeline="WanPipeline", model=WanModel,
-                tiny_builders={"tiny-wan": build_tiny_wan},
-                archs={"wan21-t2v-1.3b": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"})
+def build_tiny_wan() -> WanPipeline:
+    """Wan 2.1 T2V-like: the Wan 2.1 video VAE (4x frames, 8x pixels, per-channel latent mean/std) and the
+    scheduler of Wan-AI/Wan2.1-T2V-1.3B-Diffusers (flow_shift 3)."""
+    return _tiny_wan(AutoencoderKLWan(base_dim=4, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                      temperal_downsample=[False, True, True], latents_mean=[0.1, -0.2, 0.05, 0.0],
+                                      latents_std=[1.5, 0.8, 1.2, 1.0]), flow_shift=3.0)
+
+
+def build_tiny_wan22() -> WanPipeline:
+    """Wan 2.2 TI2V-5B-like: the Wan 2.2 VAE (residual blocks, 2x2 pixel patches: 4x frames, 16x pixels),
+    per-token timesteps (``expand_timesteps``) and Wan-AI/Wan2.2-TI2V-5B-Diffusers' flow_shift 5."""
+    vae = AutoencoderKLWan(base_dim=8, decoder_base_dim=8, z_dim=8, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                           temperal_downsample=[False, True, True], is_residual=True, in_channels=12,
+                           out_channels=12, patch_size=2, scale_factor_spatial=16,
+                           latents_mean=[0.1, -0.2, 0.05, 0.0, 0.3, -0.1, 0.0, 0.2],
+                           latents_std=[1.5, 0.8, 1.2, 1.0, 0.9, 1.1, 1.3, 0.7])
+    return _tiny_wan(vae, flow_shift=5.0, expand_timesteps=True)
+
+
+FAMILY = Family(label="Wan 2.1 / Wan 2.2 TI2V-5B text-to-video", pipeline="WanPipeline", model=WanModel,
+                tiny_builders={"tiny-wan": build_tiny_wan, "tiny-wan22": build_tiny_wan22},
+                archs={"wan21-t2v-1.3b": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+                       "wan22-ti2v-5b": "Wan-AI/Wan2.2-TI2V-5B-Diffusers"})
