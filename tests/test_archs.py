@@ -45,6 +45,7 @@ SIZES["flux2-klein-4b"] = {"transformer": (3.8, 4.0), "text_encoder": (4.0, 4.05
 SIZES["flux2-dev"] = {"transformer": (32.0, 32.4), "text_encoder": (23.9, 24.1), "vae": (0.08, 0.09)}  # Mistral 24B
 SIZES["z-image-turbo"] = {"transformer": (6.1, 6.2), "text_encoder": (4.0, 4.05), "vae": (0.08, 0.09)}
 SIZES["wan21-t2v-1.3b"] = {"transformer": (1.40, 1.45), "text_encoder": (5.6, 5.8), "vae": (0.12, 0.13)}
+SIZES["wan21-t2v-14b"] = {"transformer": (14.2, 14.35), "text_encoder": (5.6, 5.8), "vae": (0.12, 0.13)}
 SIZES["wan22-ti2v-5b"] = {"transformer": (4.95, 5.05), "text_encoder": (5.6, 5.8), "vae": (0.70, 0.71)}
 PIPELINES = {"sd35-medium": "StableDiffusion3Pipeline", "sd35-large": "StableDiffusion3Pipeline",
              "flux-dev": "FluxPipeline", "flux-schnell": "FluxPipeline", "qwen-image": "QwenImagePipeline",
@@ -52,7 +53,8 @@ PIPELINES = {"sd35-medium": "StableDiffusion3Pipeline", "sd35-large": "StableDif
              "flux2-klein-4b": "Flux2KleinPipeline", "flux2-dev": "Flux2Pipeline", "z-image-turbo": "ZImagePipeline",
              "flux-kontext": "FluxKontextPipeline", "qwen-image-edit": "QwenImageEditPipeline",
              "qwen-image-edit-2509": "QwenImageEditPlusPipeline", "qwen-image-edit-2511": "QwenImageEditPlusPipeline",
-             "wan21-t2v-1.3b": "WanPipeline", "wan22-ti2v-5b": "WanPipeline"}
+             "wan21-t2v-1.3b": "WanPipeline", "wan21-t2v-14b": "WanPipeline",
+             "wan22-ti2v-5b": "WanPipeline"}
 #: components of a pipeline besides its models, scheduler and tokenizers (their files are not shipped)
 OTHER_COMPONENTS = {arch: {"processor"} for arch in ("qwen-image-edit", "qwen-image-edit-2509", "qwen-image-edit-2511")}
 

@@ -155,4 +155,5 @@ def build_tiny_wan22() -> WanPipeline:
 FAMILY = Family(label="Wan 2.1 / Wan 2.2 TI2V-5B text-to-video", pipeline="WanPipeline", model=WanModel,
                 tiny_builders={"tiny-wan": build_tiny_wan, "tiny-wan22": build_tiny_wan22},
                 archs={"wan21-t2v-1.3b": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+                       "wan21-t2v-14b": "Wan-AI/Wan2.1-T2V-14B-Diffusers",
                        "wan22-ti2v-5b": "Wan-AI/Wan2.2-TI2V-5B-Diffusers"})
