@@ -155,14 +155,15 @@ class PeakMemory:
 
 def measured_peak(trainer) -> int:
     """Bytes at the peak of one training iteration with its eval (the trainer's next two iterations: the first makes
-    the optimizer states, the second is measured), the weights and optimizer states the device holds included.
+    the optimizer states, without its eval, and the second is measured), the weights and optimizer states the device
+    holds included.
 
     On a GPU: ``torch.cuda.max_memory_allocated`` over the second iteration. On a CPU: the storages of the weights
     and optimizer states plus the high-water mark of every other tensor (the "tensors" basis); the prompt cache is
     host memory and not counted.
     """
     start = trainer.start_iteration
-    trainer.iteration(start)  # the optimizer states exist from here on
+    trainer.iteration(start, evaluate=False)  # the optimizer states exist from here on
     modules = [trainer.model.transformer, trainer.model.pipe.vae]
     resident = [t for m in modules for t in [*m.parameters(), *m.buffers()]]
     resident += [v for state in trainer.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
