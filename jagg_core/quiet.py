@@ -14,10 +14,15 @@ QUIET_SETTINGS = {"TRANSFORMERS_VERBOSITY": "error", "DIFFUSERS_VERBOSITY": "err
                   "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 
 
-def quiet_libraries() -> None:
-    """Errors only from the libraries' loggers, and no loading progress bars."""
+def quiet_environment() -> None:
+    """:data:`QUIET_SETTINGS` in this process's environment, a value already set kept."""
     for key, value in QUIET_SETTINGS.items():
         os.environ.setdefault(key, value)
+
+
+def quiet_libraries() -> None:
+    """Errors only from the libraries' loggers, and no loading progress bars."""
+    quiet_environment()
     for name in ("bitsandbytes", "torchao", "transformers", "diffusers", "huggingface_hub", "accelerate", "peft",
                  "torch.utils._pytree"):  # torchao's import-time enum registration notices
         logging.getLogger(name).setLevel(logging.ERROR)

@@ -10,12 +10,11 @@ from pathlib import Path
 import pytest
 
 from jagg_core.config import load_config
-from jagg_core.quiet import QUIET_SETTINGS
+from jagg_core.quiet import quiet_environment
 
-#: the libraries' settings that the project's commands set as they start, set once for every test: a command run in
-#: a child sees the same environment whichever tests ran in this process before it (some quiet the libraries here)
-for _key, _value in QUIET_SETTINGS.items():
-    os.environ.setdefault(_key, _value)
+# the libraries' settings that the project's commands set as they start, set once for every test: a command run in
+# a child sees the same environment whichever tests ran in this process before it (some quiet the libraries here)
+quiet_environment()
 
 from zygote import ROOT, run_python  # noqa: E402  (it keeps the environment above as its server's)
 
