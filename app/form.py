@@ -173,7 +173,7 @@ ADVANCED_KNOBS = (
     Knob("sampling.fps", "Video fps", "int"),
     Knob("sampling.reward_frames", "Frames an image reward scores", "int"),
     Knob("model.condition_resolution", "Input image size (editing)", "size", choices=SIZE_CHOICES),
-    Knob("model.input_images", "Input images a prompt row (editing)", "int", optional=True),
+    Knob("model.input_images", "Input images a prompt row (editing; 1: image-to-video)", "int", optional=True),
     Knob("sampling.rollout_chunk", "Rollout chunk", "int", optional=True),
 )
 

@@ -37,6 +37,7 @@ class DeclaredFamily:
     also_edits: bool  # generates from text, and edits with input images (it declares an ``edit_model``)
     max_input_images: int
     requires: tuple[str, ...]
+    edit_pipeline: str  # the pipeline class of its runs with input images, where it is not ``pipeline``
 
     def input_images(self, setting: int | None) -> int:
         """The input images of a prompt row of this family's run whose ``model.input_images`` is ``setting``
@@ -66,13 +67,15 @@ def _declaration(path: Path) -> ast.Call | None:
 def _read(path: Path, call: ast.Call) -> DeclaredFamily:
     fields = {keyword.arg: keyword.value for keyword in call.keywords}
     literal = {name: ast.literal_eval(fields[name]) for name in ("label", "pipeline", "archs", "depth_key",
-                                                                 "edits_images", "max_input_images", "requires")
+                                                                 "edits_images", "max_input_images", "requires",
+                                                                 "edit_pipeline")
                if name in fields}
     return DeclaredFamily(module=path.stem, label=literal["label"], pipeline=literal["pipeline"],
                           tiny_models=tuple(ast.literal_eval(key) for key in fields["tiny_builders"].keys),
                           archs=literal.get("archs", {}), depth_key=literal.get("depth_key", DEFAULT_DEPTH_KEY),
                           edits_images=literal.get("edits_images", False), also_edits="edit_model" in fields,
-                          max_input_images=literal.get("max_input_images", 1), requires=literal.get("requires", ()))
+                          max_input_images=literal.get("max_input_images", 1), requires=literal.get("requires", ()),
+                          edit_pipeline=literal.get("edit_pipeline", ""))
 
 
 @cache

@@ -102,10 +102,10 @@ def generate(run_dir: Path, prompt: str, checkpoint: str | None = None, seed: in
     cond = model.conditioning([row])
     with torch.no_grad():
         model.transformer.disable_adapters()
-        base = model.decode(ode_sample(model, cond, sigmas, z0))
+        base = model.decode_samples(ode_sample(model, cond, sigmas, z0), cond)
         model.transformer.enable_adapters()
         model.load_lora(adapter.file)
-        tuned = model.decode(ode_sample(model, cond, sigmas, z0))
+        tuned = model.decode_samples(ode_sample(model, cond, sigmas, z0), cond)
     pictures, captions = to_pil(torch.cat([still_frames(base), still_frames(tuned)]).cpu()), ["base model",
                                                                                               adapter.label]
     if editing:

@@ -418,7 +418,7 @@ def plan_memory(config: RunConfig, backward_traces: dict[tuple, int] | None = No
     def decode(count: int) -> int:
         def run() -> None:
             with torch.no_grad():
-                model.decode(torch.zeros((count, *latent), device=META))
+                model.decode_samples(torch.zeros((count, *latent), device=META), conditioning(count))
         return _traced(run, weights)
 
     if cfg.model.vae_slicing and samples > 2:

@@ -45,6 +45,8 @@ GRID_FILE = "images/before_after.png"
 SAMPLES_DIR = "samples"
 GRID_COLUMNS = 4
 WIDGET_SAMPLES = 8
+#: the snippet's pipeline class, which loads the one the base model's ``model_index.json`` names
+AUTO_PIPELINE = "DiffusionPipeline"
 SECRET_KEY = re.compile(r"token|secret|password|api_?key", re.IGNORECASE)
 HUB_REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
@@ -341,30 +343,39 @@ def _audit_words(rows: list[dict]) -> str:
             f"**{cosine:.3f}**, mean relative error {rel_err:.3f}")
 
 
-def _input_images(config: dict) -> int:
+def _input_images(config: dict) -> tuple[int, str]:
     """The input images of a prompt row of the run's base model (:func:`~jagg_core.preflight.input_images_a_row`):
-    ``model.input_images`` when it edits images, 0 when it does not or cannot be looked up."""
-    from .preflight import input_images_a_row
+    ``model.input_images`` when it takes them, 0 when it does not or cannot be looked up; and the diffusers pipeline
+    class that runs the adapter: the family's ``edit_pipeline`` for a run with input images (Wan's image-to-video),
+    else ``DiffusionPipeline`` (which loads the class the base model names)."""
+    from .preflight import model_family
     try:
-        return input_images_a_row(ModelConfig.model_validate(config.get("model") or {})) or 0
+        model = ModelConfig.model_validate(config.get("model") or {})
+        family = model_family(model)
+        count = family.input_images(model.input_images) if family is not None else 0
     except (ValueError, UserError):
-        return 0
+        return 0, AUTO_PIPELINE
+    return count, (family.edit_pipeline if count and family.edit_pipeline else AUTO_PIPELINE)
 
 
 def _sample_call(prompt: str, sampling: dict, videos: bool, input_images: int) -> tuple[str, str]:
-    """The usage snippet's imports and sampling lines, at the size the adapter was trained at: an image (an edit of
-    ``input_images`` input images, 0 for a text-to-image model), or a video written as an MP4 at the run's fps."""
+    """The usage snippet's utility imports and sampling lines, at the size the adapter was trained at: an image (an
+    edit of ``input_images`` input images, 0 for a text-to-image model), or a video written as an MP4 at the run's
+    fps (of an input image: image-to-video)."""
     size = parse_resolution(sampling.get("resolution", SamplingConfig().resolution))
     at_size = f"height={size.height}, width={size.width}"
-    if input_images:
-        images = 'load_image("input.png")' if input_images == 1 else \
-            "[" + ", ".join(f'load_image("picture{k}.png")' for k in range(1, input_images + 1)) + "]"
-        return ("from diffusers import DiffusionPipeline\nfrom diffusers.utils import load_image",
-                f"image = pipe(image={images}, prompt={json.dumps(instruction_of(prompt))}, {at_size}).images[0]")
+    images = 'load_image("input.png")' if input_images == 1 else \
+        "[" + ", ".join(f'load_image("picture{k}.png")' for k in range(1, input_images + 1)) + "]"
+    text = json.dumps(instruction_of(prompt) if input_images else prompt)
     if not videos:
-        return "from diffusers import DiffusionPipeline", f"image = pipe({json.dumps(prompt)}, {at_size}).images[0]"
-    return ("from diffusers import DiffusionPipeline\nfrom diffusers.utils import export_to_video",
-            f"frames = pipe({json.dumps(prompt)}, {at_size}, num_frames={sampling.get('num_frames')}).frames[0]\n"
+        if input_images:
+            return "from diffusers.utils import load_image", f"image = pipe(image={images}, prompt={text}, {at_size}).images[0]"
+        return "", f"image = pipe({text}, {at_size}).images[0]"
+    utilities = ("export_to_video, load_image  # image-to-video cleans prompts with ftfy: pip install ftfy"
+                 if input_images else "export_to_video")
+    image = f"image={images}, prompt=" if input_images else ""
+    return (f"from diffusers.utils import {utilities}",
+            f"frames = pipe({image}{text}, {at_size}, num_frames={sampling.get('num_frames')}).frames[0]\n"
             f"export_to_video(frames, \"sample.mp4\", fps={sampling.get('fps')})")
 
 
@@ -376,7 +387,7 @@ def build_model_card(snap: RunSnapshot, repo_id: str) -> ModelCard:
     algorithm = run_algorithm(snap.config)
     tags = ["lora", "diffusers", algorithm, *(["jagg"] if algorithm == "grpo" else []), *([family] if family else []),
             *reward_names]
-    input_images = _input_images(snap.config)
+    input_images, pipeline_class = _input_images(snap.config)
     editing = input_images > 0
     widget = [{"text": prompt, "output": {"url": f"{SAMPLES_DIR}/{i:03d}.png"}}  # an edit needs its input: none
               for i, prompt in enumerate(snap.after.prompts[:WIDGET_SAMPLES])] if snap.after and not editing else None
@@ -385,7 +396,8 @@ def build_model_card(snap: RunSnapshot, repo_id: str) -> ModelCard:
     data = ModelCardData(
         base_model=base if on_hub else None,
         library_name="diffusers",
-        pipeline_tag="text-to-video" if videos else "image-to-image" if editing else "text-to-image",
+        pipeline_tag=("image-to-video" if editing else "text-to-video") if videos else
+        "image-to-image" if editing else "text-to-image",
         tags=list(dict.fromkeys(tags)),
         widget=widget,
     )
@@ -413,14 +425,15 @@ def build_model_card(snap: RunSnapshot, repo_id: str) -> ModelCard:
         parts.append("## Eval videos\n\nThe adapter's held-out eval samples (fixed seeds):\n\n" + "\n\n".join(
             f'<video src="{SAMPLES_DIR}/{i:03d}.mp4" controls loop muted></video>\n\n*{text}*'
             for i, text in enumerate(snap.after.prompts[:len(snap.after.videos)])) + "\n")
-    imports, call = _sample_call(prompt, snap.config.get("sampling") or {}, videos, input_images)
+    utilities, call = _sample_call(prompt, snap.config.get("sampling") or {}, videos, input_images)
+    imports = f"from diffusers import {pipeline_class}" + (f"\n{utilities}" if utilities else "")
     parts.append(f"""## Use it
 
 ```python
 import torch
 {imports}
 
-pipe = DiffusionPipeline.from_pretrained("{base}", torch_dtype=torch.bfloat16).to("cuda")
+pipe = {pipeline_class}.from_pretrained("{base}", torch_dtype=torch.bfloat16).to("cuda")
 pipe.load_lora_weights("{repo_id}")
 {call}
 ```

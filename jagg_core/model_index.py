@@ -60,3 +60,9 @@ def _parse_model_index(path: Path) -> dict:
     if not isinstance(index, dict) or not isinstance(index.get("_class_name"), str):
         raise UserError(f"{path} is not a diffusers model_index.json (an object with a _class_name)")
     return index
+
+
+def pipeline_settings(index: dict) -> dict:
+    """A ``model_index.json``'s pipeline settings, the entries that name no component (FLUX.2's ``is_distilled``, Wan
+    2.2's ``expand_timesteps``), as ``from_pretrained`` passes them to the pipeline."""
+    return {key: value for key, value in index.items() if not key.startswith("_") and not isinstance(value, list)}

@@ -81,7 +81,7 @@ def euler_ode(model, z0, sigmas, cond):
     with torch.no_grad():
         for i in range(len(sigmas) - 1):
             z = z + (sigmas[i + 1] - sigmas[i]) * model.velocity(z, sigmas[i], cond)
-        return z, model.decode(z)
+        return z, model.decode_samples(z, cond)
 
 
 def pipeline_with_final_latents(pipe, **call):

@@ -59,7 +59,7 @@ def test_the_check_has_a_step_for_each_figure_the_issue_asks_for():
     assert set(memory_presets()) == {"sd35-medium-pickscore-16gb", "flux-dev-pickscore-24gb",
                                      "qwen-image-pickscore-24gb", "flux2-klein-pickscore-24gb",
                                      "zimage-turbo-pickscore-24gb", "wan21-t2v-1.3b-pickscore-24gb",
-                                     "wan22-ti2v-5b-pickscore-24gb",
+                                     "wan22-ti2v-5b-pickscore-24gb", "wan22-ti2v-5b-i2v-pickscore-24gb",
                                      "flux-kontext-clipdir-24gb", "qwen-image-edit-clipdir-24gb",
                                      "flux2-klein-edit-clipdir-24gb", "sd35-medium-pickscore-nft-24gb"}
     assert {f"memory-{p}" for p in memory_presets()} <= set(names)
@@ -80,7 +80,8 @@ def test_the_check_has_a_step_for_each_figure_the_issue_asks_for():
     alone = {s.name for s in steps if s.table == "memory" and s.shares_gb is None}
     assert all(s.shares_gb for s in isolated) and alone \
         == {"memory-flux-dev-pickscore-24gb", "memory-flux-kontext-clipdir-24gb", "memory-qwen-image-pickscore-24gb",
-            "memory-qwen-image-edit-clipdir-24gb", "memory-wan22-ti2v-5b-pickscore-24gb"}  # quantized: their random weights pass through host memory, disk
+            "memory-qwen-image-edit-clipdir-24gb", "memory-wan22-ti2v-5b-pickscore-24gb",
+            "memory-wan22-ti2v-5b-i2v-pickscore-24gb"}  # quantized: their random weights pass through host memory, disk
 
 
 def test_the_order_puts_the_device_the_triage_not_yet_answered_the_last_failed_then_the_never_measured(tmp_path):

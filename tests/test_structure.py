@@ -182,10 +182,12 @@ def test_the_derived_tables_agree_with_the_declarations():
         assert declared == DeclaredFamily(declared.module, family.label, family.pipeline,
                                           tuple(family.tiny_builders), family.archs, family.depth_key,
                                           family.edits_images, family.edit_model is not None,
-                                          family.max_input_images, family.requires)
+                                          family.max_input_images, family.requires, family.edit_pipeline)
         assert family.edits_images == issubclass(family.model, EditingFlowModel)
-        assert family.edit_model is None or (issubclass(family.edit_model, EditingFlowModel)
-                                             and issubclass(family.edit_model, family.model))
+        assert family.edit_model is None or (  # an image editor, or a video model that starts from the image
+            (issubclass(family.edit_model, EditingFlowModel) or family.edit_model.is_video)
+            and issubclass(family.edit_model, family.model))
+        assert not family.edit_pipeline or family.edit_model is not None
         assert FAMILIES[family.pipeline] is family.model
         for arch in family.archs:  # an arch's shipped pipeline is its family's, its depth under the declared key
             index = json.loads((ARCHS_DIR / arch / "model_index.json").read_text())

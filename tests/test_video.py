@@ -4,24 +4,28 @@ run that writes MP4s and frame strips."""
 
 from __future__ import annotations
 
+import io
 import json
 
 import imageio_ffmpeg
 import numpy as np
 import pytest
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+from diffusers import FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline, WanPipeline
+from diffusers.pipelines.wan import pipeline_wan, pipeline_wan_i2v
 from PIL import Image
 
 from app import live
 from jagg_core.config import ModelConfig, RewardSpec, load_config
+from jagg_core.edit_prompts import EditPrompt, input_images
 from jagg_core.errors import UserError
 from jagg_core.image_size import ImageSize
 from jagg_core.memory_plan import plan_memory
 from jagg_core.model_card import build_model_card, publish_files, read_run
 from jagg_core.models import build_tiny_pipeline, load_flow_model
 from jagg_core.models.meta import meta_pipeline
-from jagg_core.models.wan import WanModel
+from jagg_core.models.editing import IMAGE_LATENTS
+from jagg_core.models.wan import WanImageToVideoModel, WanModel
 from jagg_core.rewards import CombinedReward, build_reward
 from jagg_core.rewards.base import Reward
 from jagg_core.rewards.catalog import NoOptions
@@ -164,6 +168,100 @@ def test_wan22s_own_720p_frames_make_16x_smaller_latents_of_48_channels():
     assert model.image_seq_len(ImageSize(704, 1280)) == 9 * 22 * 40
 
 
+# ----- image-to-video -------------------------------------------------------------------------------
+I2V_FRAMES = 9  # 3 latent frames: the input image's and 2 generated
+
+
+def first_frame_rows(size: ImageSize = LANDSCAPE) -> list[EditPrompt]:
+    """Two image-to-video rows: a text and a first frame (a coloured picture with a white box) each."""
+    rows = []
+    for text, colour in (("the ball rolls away", (200, 30, 30)), ("the cube spins", (30, 60, 200))):
+        picture = Image.new("RGB", (size.width, size.height), colour)
+        picture.paste((255, 255, 255), (size.width // 4, size.height // 4, size.width // 2, size.height // 2))
+        buffer = io.BytesIO()
+        picture.save(buffer, "PNG")
+        rows.append(EditPrompt(text, buffer.getvalue(), f"{text.split()[1]}.png"))
+    return rows
+
+
+def load_i2v(size: ImageSize = LANDSCAPE, **overrides):
+    return load(I2V_FRAMES, "tiny-wan22", input_images=1, condition_resolution=size.config_value(), **overrides)
+
+
+@pytest.mark.parametrize(("guidance_scale", "size"), [(1.0, SIZE), (5.0, LANDSCAPE)])
+def test_image_to_video_euler_ode_reproduces_the_i2v_pipeline(guidance_scale, size, monkeypatch):
+    """Wan 2.2 TI2V-5B image-to-video: the Euler ODE over the generated latent frames, the input image's frame before
+    them at timestep 0 in every call, equals WanImageToVideoPipeline.__call__ (expand_timesteps: the first frame's
+    mask) with FlowMatchEulerDiscreteScheduler(shift=5) from the same noise and image, latents and frames, with and
+    without CFG, square and landscape."""
+    # without ftfy the i2v pipeline's prompt cleaning fails; the t2v pipeline's (which the model's encoding uses)
+    # skips it, so the two clean alike
+    monkeypatch.setattr(pipeline_wan_i2v, "prompt_clean", pipeline_wan.prompt_clean)
+    model = load_i2v(size, guidance_scale=guidance_scale, negative_prompt="ugly")
+    assert isinstance(model, WanImageToVideoModel)
+    rows = first_frame_rows(size)
+    cond = model.conditioning(rows)
+    rows_, cols = size.latent(16)
+    assert model.latent_shape(size) == (8, 2, rows_, cols) and cond[IMAGE_LATENTS].shape == (2, 8, 1, rows_, cols)
+    assert model.image_seq_len(size) == 3 * rows_ * cols // 4  # the transformer sees the input image's tokens too
+    z0 = noise(model, len(rows), seed=1, size=size)
+    sigmas = model.sigmas(STEPS, size)
+    z, frames = euler_ode(model, z0, sigmas, cond)
+
+    components = {name: model.pipe.components[name] for name in ("tokenizer", "text_encoder", "vae", "transformer")}
+    pipe = WanImageToVideoPipeline(**components, scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
+                                   expand_timesteps=True)
+    pipe.set_progress_bar_config(disable=True)
+    for i, row in enumerate(rows):  # the pipeline's first latent frame is overwritten by the image's: any noise
+        latents = torch.cat([torch.randn((1, 8, 1, rows_, cols)), z0[i:i + 1]], dim=2)
+        output, final = pipeline_with_final_latents(
+            pipe, image=row.image(size), prompt=row.instruction, negative_prompt="ugly", guidance_scale=guidance_scale,
+            height=size.height, width=size.width, num_frames=I2V_FRAMES, num_inference_steps=STEPS, latents=latents,
+            max_sequence_length=16, output_type="pt")
+        torch.testing.assert_close(final[:, :, 1:], z[i:i + 1], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(frames[i:i + 1], output.frames.float(), atol=1e-4, rtol=1e-4)
+    assert frames.shape == (2, I2V_FRAMES, 3, *size)
+
+
+def test_the_input_images_frame_is_the_videos_first_whatever_the_samples():
+    """Wan's VAE is causal in time: a video's first frame is the decoding of the input image's latent frame alone,
+    the same for any generated frames after it."""
+    model = load_i2v()
+    cond = model.conditioning(first_frame_rows())
+    with torch.no_grad():
+        alone = model.decode(cond[IMAGE_LATENTS])[:, 0]
+        first, second = (model.decode_samples(noise(model, 2, seed=seed, size=LANDSCAPE), cond) for seed in (0, 1))
+    torch.testing.assert_close(first[:, 0], alone, atol=1e-6, rtol=0)
+    torch.testing.assert_close(second[:, 0], alone, atol=1e-6, rtol=0)
+    assert not torch.allclose(first[:, -1], second[:, -1], atol=1e-3)
+
+
+def test_image_to_video_is_refused_where_it_cannot_run():
+    with pytest.raises(UserError, match="generates from text alone .*unset model.input_images"):
+        load(I2V_FRAMES, "tiny-wan", input_images=1, condition_resolution=32)  # Wan 2.1 T2V
+    with pytest.raises(UserError, match="sampling.num_frames is 1: image-to-video makes frames after the input "
+                                        "image, set it to 5 or more"):
+        load(1, "tiny-wan22", input_images=1, condition_resolution=32)
+    model = load_i2v()
+    with pytest.raises(UserError, match="model.condition_resolution is 64x32 but sampling.resolution is 32: .*"
+                                        "set model.condition_resolution=32$"):
+        model.check_size(SIZE)
+    with pytest.raises(UserError, match="model.input_images is 1.*has no input image"):
+        model.conditioning(PROMPTS)
+    with pytest.raises(UserError, match="takes 0 to 1 input image"):
+        load(I2V_FRAMES, "tiny-wan22", input_images=2)
+
+
+def test_the_i2v_presets_transformer_sees_the_first_frames_tokens_with_the_generated_ones():
+    """The image-to-video preset on the real arch (meta weights): 33 frames at 960x544 are 9 latent frames of 34 x 60,
+    the first the input image's (its plan's budget: test_memory's test of every preset)."""
+    config = load_config(preset="wan22-ti2v-5b-i2v-pickscore-24gb")
+    model = WanImageToVideoModel(meta_pipeline("random:wan22-ti2v-5b@1"), config.model, "meta", num_frames=33)
+    assert model.conditioning_shapes()[IMAGE_LATENTS] == (48, 1, 34, 60)
+    assert model.latent_shape(config.sampling.size) == (48, 8, 34, 60)
+    assert model.image_seq_len(config.sampling.size) == 9 * 17 * 30
+
+
 # ----- rewards on videos ----------------------------------------------------------------------------
 class Brightness(Reward):
     """The mean pixel value of each image; records the prompts it was called with."""
@@ -203,6 +301,29 @@ def test_image_rewards_average_their_evenly_spaced_frames():
     torch.testing.assert_close(plain["b"], torch.tensor([0.5, 0.6]))  # images go to the reward as they are
 
 
+class FirstFrameDistance(Reward):
+    """Each image's mean distance to its input image; records what it was called with."""
+
+    name = "first_frame_distance"
+    takes_inputs = True
+
+    def __call__(self, images, prompts, inputs=None):
+        self.prompts, self.inputs = list(prompts), inputs
+        return (images - inputs).abs().mean(dim=(1, 2, 3))
+
+
+def test_an_editing_reward_scores_an_image_to_video_runs_frames_against_their_videos_input_image():
+    rows = first_frame_rows(ImageSize.square(8))
+    reward = FirstFrameDistance(options=NoOptions())
+    videos = graded_videos([0.0, 0.1, 0.5, 0.3, 0.4])
+    _, parts = CombinedReward([reward], [1.0], ["distance"], reward_frames=3)(videos, rows)
+    inputs = input_images(rows, ImageSize.square(8))
+    assert reward.prompts == [rows[0]] * 3 + [rows[1]] * 3
+    torch.testing.assert_close(reward.inputs, inputs.repeat_interleave(3, dim=0))  # each frame its video's input
+    expected = [(videos[n, [0, 2, 4]] - inputs[n]).abs().mean() for n in range(2)]
+    torch.testing.assert_close(parts["distance"], torch.stack(expected))
+
+
 def test_temporal_consistency_is_the_mean_cosine_of_consecutive_frames(tiny_clip):
     folder, _ = tiny_clip
     reward = build_reward(RewardSpec(name="temporal_consistency", options={"model_id": folder}))
@@ -227,17 +348,23 @@ def read_mp4(path) -> tuple[dict, list[np.ndarray]]:
     return meta, [np.frombuffer(f, np.uint8).reshape(height, width, 3) for f in reader]
 
 
-@pytest.mark.parametrize("name", ["tiny-wan", "tiny-wan22"])
-def test_two_iterations_on_tiny_wan_write_mp4s_and_strips_and_the_adapter_loads_back(name, tmp_path, tiny_clip):
+@pytest.mark.parametrize(("name", "from_image"), [("tiny-wan", False), ("tiny-wan22", True)])
+def test_two_iterations_on_tiny_wan_write_mp4s_and_strips_and_the_adapter_loads_back(name, from_image, tmp_path,
+                                                                                       tiny_clip, monkeypatch):
     """GRPO with a JAGG window of 3 (one interpolated step) and its audit, an image reward on 2 frames of each video
-    and the temporal-consistency reward, through the CLI; Wan 2.1 and Wan 2.2 TI2V-5B."""
-    out, rewards = tmp_path / "run", (f"rewards=[{{name: jpeg_compressibility}}, {{name: temporal_consistency, "
-                                      f"weight: 0.5, options: {{model_id: '{tiny_clip[0]}'}}}}]")
+    and the temporal-consistency reward, through the CLI: Wan 2.1 text-to-video, and Wan 2.2 TI2V-5B image-to-video
+    on the built-in ``animate`` set with CLIP directional similarity to each video's input image."""
+    clip = f"options: {{model_id: '{tiny_clip[0]}'}}"
+    image_reward = f"{{name: clip_directional, {clip}}}" if from_image else "{name: jpeg_compressibility}"
+    out, rewards = tmp_path / "run", f"rewards=[{image_reward}, {{name: temporal_consistency, weight: 0.5, {clip}}}]"
+    first_frames = ["--set", "model.input_images=1", "--set", "model.condition_resolution=32",
+                    "--set", "prompts.source=animate"] if from_image else []
     result = run_cli("--preset", "tiny-sd3", "--output-dir", str(out), "--set", f"model.name={name}",
                      "--set", "sampling.num_frames=5", "--set", "sampling.fps=8", "--set", "sampling.resolution=32",
                      "--set", "sampling.num_steps=4", "--set", "train.iterations=2", "--set", "grpo.num_generations=2",
                      "--set", "prompts.eval_count=2", "--set", "backward.window=3", "--set", "backward.audit_every=2",
-                     "--set", "sampling.reward_frames=2", "--set", "model.max_sequence_length=16", "--set", rewards)
+                     "--set", "sampling.reward_frames=2", "--set", "model.max_sequence_length=16", "--set", rewards,
+                     *first_frames)
     assert result.returncode == 0, result.stderr[-2000:]
     run = RunDirectory(out)
     assert run.read_status()["state"] == "finished"
@@ -257,13 +384,24 @@ def test_two_iterations_on_tiny_wan_write_mp4s_and_strips_and_the_adapter_loads_
     assert video == str(run.samples(2).videos[0]) and "iteration 2" in label
     snapshot = read_run(out)
     card = str(build_model_card(snapshot, "alice/wan-lora"))
-    assert "pipeline_tag: text-to-video" in card and '<video src="samples/000.mp4"' in card
-    assert "export_to_video(frames" in card
+    assert f"pipeline_tag: {'image' if from_image else 'text'}-to-video" in card
+    assert '<video src="samples/000.mp4"' in card and "export_to_video(frames" in card
     assert publish_files(snapshot, "alice/wan-lora")["samples/000.mp4"] == run.samples(2).videos[0]
+    if from_image:
+        assert "pipe = WanImageToVideoPipeline.from_pretrained(" in card
+        assert 'frames = pipe(image=load_image("input.png"), prompt="' in card
+        assert all(".png " in prompt for prompt in run.samples(2).prompts)  # a row's text names its image
 
     pipe = build_tiny_pipeline(name)  # the run's base model: drawn from train.seed 0
+    if from_image:  # the pipeline class the card names loads the adapter (its prompt cleaning: as in the ODE test)
+        monkeypatch.setattr(pipeline_wan_i2v, "prompt_clean", pipeline_wan.prompt_clean)
+        pipe = WanImageToVideoPipeline(**{key: pipe.components[key] for key in ("tokenizer", "text_encoder", "vae",
+                                                                              "transformer", "scheduler")},
+                                       expand_timesteps=True)
     pipe.load_lora_weights(str(run.lora_dir))
-    model = WanModel(pipe, ModelConfig(name=name, max_sequence_length=16), num_frames=5)
-    tuned, base = adapter_and_base_velocity(model, noise(model, 1), torch.tensor([0.6]),
-                                            model.conditioning(PROMPTS[:1]))
+    config = ModelConfig(name=name, max_sequence_length=16, input_images=1 if from_image else None,
+                         condition_resolution=32)
+    model = (WanImageToVideoModel if from_image else WanModel)(pipe, config, num_frames=5)
+    prompts = first_frame_rows(SIZE)[:1] if from_image else PROMPTS[:1]
+    tuned, base = adapter_and_base_velocity(model, noise(model, 1), torch.tensor([0.6]), model.conditioning(prompts))
     assert not torch.equal(tuned, base)  # two updates moved the adapter's zero-initialised B

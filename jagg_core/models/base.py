@@ -329,6 +329,11 @@ class FlowModel(ABC):
     def decode(self, z: torch.Tensor) -> torch.Tensor:
         """Latents -> images float32 [B, 3, H, W] in [0, 1]; a video family's -> frames [B, F, 3, H, W]."""
 
+    def decode_samples(self, z: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        """The images (or videos) of samples ``z`` drawn under ``cond``: :meth:`decode`, which an image-to-video model
+        extends with the input image's first frame (:class:`~jagg_core.models.wan.WanImageToVideoModel`)."""
+        return self.decode(z)
+
     # ----- the velocity the sampler uses ------------------------------------------------------
     def velocity(self, z: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
         """``v_theta(z, sigma, c)``; with CFG, ``v = v_neg + g (v_pos - v_neg)`` from one stacked call."""

@@ -37,5 +37,8 @@ class Family:
     edit_model: type[FlowModel] | None = None
     #: input images a prompt row of an editing run may have (``model.input_images``)
     max_input_images: int = 1
+    #: the diffusers pipeline class that runs an ``edit_model``'s adapter where ``pipeline`` does not (Wan's
+    #: image-to-video: ``WanImageToVideoPipeline``), named in its model card's snippet
+    edit_pipeline: str = ""
     #: packages beyond requirements.txt that loading the real pipeline needs (its processor's), checked before launch
     requires: tuple[str, ...] = ()

@@ -12,7 +12,7 @@ import torch
 
 from ..archs import arch_folder, arch_for_model, is_random_model
 from ..errors import UserError
-from ..model_index import model_source
+from ..model_index import model_source, pipeline_settings
 from .random_weights import build_random_model_pipeline
 from .registry import TINY_BUILDERS, check_pipeline
 
@@ -83,7 +83,7 @@ def meta_pipeline(name: str, revision: str | None = None):
             parts[component] = _tokenizer(folder / component, library, class_name)
         else:
             parts[component] = _meta_component(folder, component, library, class_name)
-    return pipeline_class(**parts)
+    return pipeline_class(**parts, **pipeline_settings(index))
 
 
 def _tokenizer(path: Path, library: str, class_name: str):

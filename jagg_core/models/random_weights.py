@@ -33,6 +33,7 @@ import transformers
 from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE as FLUX2_SYSTEM_MESSAGE
 
 from ..archs import arch_folder, parse_random_model, with_depth
+from ..model_index import pipeline_settings
 from ..rng import forked_rng
 from .in_memory_parts import (TINY_PIXTRAL_VISION, draw_pad_tokens, qwen_special_ids, qwen_vision_ids,
                               text_hidden_layers_read, tiny_clip_tokenizer, tiny_mistral_tokenizer,
@@ -185,8 +186,7 @@ def build_random_pipeline(arch: str, layers: int | None = None, seed: int = 0, *
     for name in ("transformer", "vae"):  # buffers made in float32 (SD3's position table) too, as from_pretrained
         components[name].to(dtype=dtype)
     scheduler = _component_class(*index["scheduler"]).from_pretrained(folder, subfolder="scheduler")
-    settings = {key: value for key, value in index.items() if not key.startswith("_") and not isinstance(value, list)}
-    return pipeline_class(scheduler=scheduler, **components, **settings)  # settings: e.g. FLUX.2's is_distilled
+    return pipeline_class(scheduler=scheduler, **components, **pipeline_settings(index))
 
 
 def build_random_model_pipeline(name: str, seed: int = 0, **kwargs):

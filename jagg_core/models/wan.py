@@ -1,5 +1,5 @@
-"""Wan 2.1 and Wan 2.2 TI2V-5B text-to-video (``WanPipeline``): video latents [C, F', h, w], timestep = 1000 sigma,
-UMT5 text states.
+"""Wan 2.1 and Wan 2.2 TI2V-5B text-to-video (``WanPipeline``), and Wan 2.2 TI2V-5B image-to-video
+(``WanImageToVideoPipeline``): video latents [C, F', h, w], timestep = 1000 sigma, UMT5 text states.
 
 One sample is ``sampling.num_frames = 4k + 1`` frames; the VAE (``AutoencoderKLWan``) encodes the first frame
 alone and every later group of 4 as one latent frame, so ``F' = (num_frames - 1) / 4 + 1``, and each frame
@@ -12,8 +12,9 @@ Wan 2.2 TI2V-5B's pipeline (``expand_timesteps``) gives the transformer one time
 that is 0 on the tokens of a conditioning first frame (image-to-video) and 1 elsewhere: in text-to-video every
 token's timestep is the step's ``t``, so the velocity passes ``t`` once per sample, the same modulation of every
 token without the per-token copies (``[B, tokens, 6, dim]``: at 1280x704 x 33 frames, 7,920 tokens, 0.29 GB a
-sample in bf16, and a 0.58 GB float32 sum of it in every block). Wan 2.2 A14B (two experts switched at
-``boundary_ratio``) and image-to-video are not supported.
+sample in bf16, and a 0.58 GB float32 sum of it in every block). Image-to-video (``model.input_images: 1``) is
+:class:`WanImageToVideoModel`. Wan 2.2 A14B (two experts switched at ``boundary_ratio``) and Wan 2.1's
+image-to-video models (a CLIP image encoder, 36 input channels) are not supported.
 
 Sigmas: the pipeline's default scheduler is UniPC with ``flow_shift``; the sampler takes Euler steps on the
 flow-matching schedule of ``FlowMatchEulerDiscreteScheduler(shift=flow_shift)`` (what diffusers' Wan training
@@ -33,9 +34,11 @@ from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from transformers import UMT5Config, UMT5EncoderModel
 
 from ..config import ModelConfig
+from ..edit_prompts import EditPrompt, edit_rows
 from ..errors import UserError
 from ..image_size import ImageSize
 from .base import NEGATIVE, Conditioning, FlowModel
+from .editing import IMAGE_LATENTS
 from .family import Family
 from .in_memory_parts import tiny_t5_tokenizer
 from .text_windows import MAX_SEQUENCE_LENGTH, TextWindow, tokens_of
@@ -96,26 +99,114 @@ class WanModel(FlowModel):
         return (self.transformer.config.in_channels, self.latent_frames(), rows, cols)
 
     def image_seq_len(self, size: ImageSize) -> int:
-        _, frames, height, width = self.latent_shape(size)
+        """The tokens the transformer sees: ``F' h w / 4``."""
+        rows, cols = size.latent(self.pipe.vae_scale_factor_spatial)
         patch_t, patch_h, patch_w = self.transformer.config.patch_size
-        return (frames // patch_t) * (height // patch_h) * (width // patch_w)
+        return (self.latent_frames() // patch_t) * (rows // patch_h) * (cols // patch_w)
 
     def transformer_velocity(self, z: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
         """The timestep ``1000 sigma`` stays float32, as the pipeline passes its scheduler's timesteps; one a sample
         under Wan 2.2's per-token timesteps too (all equal in text-to-video: the module docstring)."""
+        return self.transformer_output(z, sigma.float() * 1000, cond)
+
+    def transformer_output(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        """The transformer's float32 output for video latents [B, C, F', h, w] at ``timestep`` ([B], or [B, tokens]
+        per token) under the text states of ``cond``."""
         dtype = self.transformer.dtype
-        return self.transformer(hidden_states=z.to(dtype), timestep=sigma.float() * 1000,
+        return self.transformer(hidden_states=latents.to(dtype), timestep=timestep,
                                 encoder_hidden_states=cond["prompt_embeds"].to(dtype), return_dict=False)[0].float()
+
+    def latent_statistics(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The VAE's per-channel ``latents_mean`` and ``latents_std``, float32 [1, C, 1, 1, 1]."""
+        config = self.pipe.vae.config
+        stats = {"device": device, "dtype": torch.float32}
+        return (torch.tensor(config.latents_mean, **stats).view(1, -1, 1, 1, 1),
+                torch.tensor(config.latents_std, **stats).view(1, -1, 1, 1, 1))
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
         """``video = vae.decode(z * latents_std + latents_mean)`` (per-channel statistics) -> frames
         ``[B, F, 3, H, W]``, mapped from [-1, 1] to [0, 1]."""
         vae = self.pipe.vae
-        stats = {"device": z.device, "dtype": torch.float32}
-        mean = torch.tensor(vae.config.latents_mean, **stats).view(1, -1, 1, 1, 1)
-        std = torch.tensor(vae.config.latents_std, **stats).view(1, -1, 1, 1, 1)
+        mean, std = self.latent_statistics(z.device)
         video = vae.decode((z.float() * std + mean).to(vae.dtype), return_dict=False)[0]  # [B, 3, F, H, W]
         return (video.float() / 2 + 0.5).clamp(0, 1).transpose(1, 2)
+
+
+class WanImageToVideoModel(WanModel):
+    """Wan 2.2 TI2V-5B image-to-video, as ``WanImageToVideoPipeline`` with ``expand_timesteps`` (a run of
+    ``model.input_images: 1``): a prompt row (:class:`~jagg_core.edit_prompts.EditPrompt`) is a text and the first
+    frame of its video.
+
+    The row's image, centre-cropped and resized to ``model.condition_resolution`` (which is ``sampling.resolution``:
+    it is the video's first frame) and preprocessed to [-1, 1], is encoded by the VAE as a one-frame video (the
+    posterior's mode) and normalised, ``c = (E(x) - latents_mean) / latents_std``: ``image_latents`` [C, 1, h, w],
+    cached with the text's states (under CFG the negative prompt's branch sees it too, as in the pipeline). The
+    sampler's latent ``z`` is the video's other ``F' - 1`` latent frames; every transformer call sees ``[c ; z]``
+    along the frame axis, with timestep 0 on ``c``'s tokens and ``1000 sigma`` on ``z``'s (the pipeline's
+    ``first_frame_mask``), and the velocity is ``z``'s. The pipeline steps the whole latent but writes ``c`` over its
+    first frame before every transformer call and at the end, so the same videos come out; decoding puts ``c``
+    first (:meth:`decode_samples`).
+    """
+
+    def __init__(self, pipe, config: ModelConfig, device: torch.device | str = "cpu", *, num_frames: int = 1,
+                 **placement):
+        if not pipe.config.get("expand_timesteps", False):
+            raise UserError(f"model '{config.name}' is a Wan model that generates from text alone (image-to-video "
+                            "with model.input_images=1 is Wan 2.2 TI2V-5B's): unset model.input_images")
+        super().__init__(pipe, config, device, num_frames=num_frames, **placement)
+        if self.latent_frames() < 2:
+            raise UserError(f"sampling.num_frames is {num_frames}: image-to-video makes frames after the input image, "
+                            f"set it to {self.pipe.vae_scale_factor_temporal + 1} or more")
+
+    def check_size(self, size: ImageSize) -> None:
+        """The input image is the videos' first frame: ``model.condition_resolution`` is ``sampling.resolution``."""
+        super().check_size(size)
+        if self.config.condition_size != size:
+            raise UserError(f"model.condition_resolution is {self.config.condition_size.config_value()} but "
+                            f"sampling.resolution is {size.config_value()}: an image-to-video run's input image is its "
+                            f"videos' first frame; set model.condition_resolution={size.config_value()}")
+
+    def encode_prompts(self, prompts: list[str]) -> Conditioning:
+        rows = edit_rows(prompts, self.family, 1, generates_from_text_too=True)
+        cond = super().encode_prompts(self.prompt_texts(rows))
+        cond[IMAGE_LATENTS] = self.first_frame_latents(rows)
+        if self.use_cfg:
+            cond[NEGATIVE + IMAGE_LATENTS] = cond[IMAGE_LATENTS]
+        return cond
+
+    def prompt_texts(self, prompts: list[str]) -> list[str]:
+        return [row.instruction for row in edit_rows(prompts, self.family, 1, generates_from_text_too=True)]
+
+    def first_frame_latents(self, rows: list[EditPrompt]) -> torch.Tensor:
+        """The rows' normalised first-frame latents ``c`` [N, C, 1, h, w] (the class docstring)."""
+        size, vae = self.config.condition_size, self.pipe.vae
+        pixels = self.pipe.video_processor.preprocess([row.image(size) for row in rows], size.height, size.width)
+        posterior = vae.encode(pixels.unsqueeze(2).to(vae.device, vae.dtype)).latent_dist
+        latents = posterior.mode().float()
+        mean, std = self.latent_statistics(latents.device)
+        return (latents - mean) / std
+
+    def conditioning_shapes(self) -> dict[str, tuple[int, ...]]:
+        channels, _, rows, cols = super().latent_shape(self.config.condition_size)
+        return {**super().conditioning_shapes(), IMAGE_LATENTS: (channels, 1, rows, cols)}
+
+    def latent_shape(self, size: ImageSize) -> tuple[int, ...]:
+        """The generated ``F' - 1`` latent frames."""
+        channels, frames, rows, cols = super().latent_shape(size)
+        return (channels, frames - 1, rows, cols)
+
+    def transformer_velocity(self, z: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        first = cond[IMAGE_LATENTS].to(z.dtype)
+        _, patch_h, patch_w = self.transformer.config.patch_size
+        first_tokens = (first.shape[-2] // patch_h) * (first.shape[-1] // patch_w)
+        generated_tokens = z.shape[2] * first_tokens
+        timestep = torch.cat([torch.zeros((z.shape[0], first_tokens), device=z.device),
+                              (sigma.float() * 1000)[:, None].expand(-1, generated_tokens)], dim=1)
+        return self.transformer_output(torch.cat([first, z], dim=2), timestep, cond)[:, :, 1:]
+
+    def decode_samples(self, z: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        """The videos ``[c ; z]``: the input image's latent frame, then the generated ones."""
+        return self.decode(torch.cat([cond[IMAGE_LATENTS].to(z.dtype), z], dim=2))
 
 
 def _tiny_wan(vae: AutoencoderKLWan, flow_shift: float, **settings) -> WanPipeline:
@@ -153,7 +244,8 @@ def build_tiny_wan22() -> WanPipeline:
     return _tiny_wan(vae, flow_shift=5.0, expand_timesteps=True)
 
 
-FAMILY = Family(label="Wan 2.1 / Wan 2.2 TI2V-5B text-to-video", pipeline="WanPipeline", model=WanModel,
+FAMILY = Family(label="Wan 2.1 / Wan 2.2 TI2V-5B video", pipeline="WanPipeline", model=WanModel,
+                edit_model=WanImageToVideoModel, edit_pipeline="WanImageToVideoPipeline",
                 tiny_builders={"tiny-wan": build_tiny_wan, "tiny-wan22": build_tiny_wan22},
                 archs={"wan21-t2v-1.3b": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
                        "wan21-t2v-14b": "Wan-AI/Wan2.1-T2V-14B-Diffusers",

@@ -33,7 +33,8 @@ class CombinedReward:
 
     ``names`` labels each term; a reward used twice gets ``name_2``, ``name_3``... . Videos ``[N, F, 3, H, W]`` are
     scored as :mod:`.frames` says: an image reward on ``reward_frames`` of each video's frames, averaged. An editing
-    reward (``takes_inputs``) is also given the prompt rows' input images (:meth:`input_images`).
+    reward (``takes_inputs``) is also given the prompt rows' input images (:meth:`input_images`), each frame of an
+    image-to-video run's videos its row's.
     """
 
     def __init__(self, rewards: list[Reward], weights: list[float], names: list[str],
@@ -58,10 +59,8 @@ class CombinedReward:
         total = torch.zeros(len(prompts), dtype=torch.float32)
         parts = {}
         for name, weight, reward in zip(self.names, self.weights, self.rewards):
-            if reward.takes_inputs and inputs is not None:
-                scores = torch.as_tensor(reward(images, list(prompts), inputs)).detach().float().cpu().reshape(-1)
-            else:
-                scores = score_samples(reward, images, list(prompts), self.reward_frames)
+            scores = score_samples(reward, images, list(prompts), self.reward_frames,
+                                   inputs if reward.takes_inputs else None)
             if scores.shape[0] != len(prompts):
                 raise ValueError(f"reward '{name}' returned {scores.shape[0]} scores for {len(prompts)} images")
             parts[name] = scores
@@ -69,9 +68,9 @@ class CombinedReward:
         return total, parts
 
     def input_images(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor | None:
-        """The editing rows' input images at the size of ``images`` when a reward takes them (``takes_inputs``); None
-        for text-to-image prompts, videos, or when no reward takes them."""
-        if images.ndim != 4 or not any(reward.takes_inputs for reward in self.rewards):
+        """The editing rows' input images [N, 3, H, W] at the size of ``images`` (or of their frames) when a reward
+        takes them (``takes_inputs``); None for text prompts, or when no reward takes them."""
+        if not any(reward.takes_inputs for reward in self.rewards):
             return None
         from ..edit_prompts import input_images  # numpy and PIL: loaded on first use
         return input_images(prompts, ImageSize(*images.shape[-2:]))
