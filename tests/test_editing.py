@@ -272,14 +272,17 @@ def test_the_plus_text_encoder_reads_the_input_at_its_384_px_area_in_the_inputs_
     assert load("tiny-qwen-edit-plus", condition_resolution="832x480").vision_size == ImageSize(height=288, width=512)
 
 
-def test_the_rows_conditioning_is_saved_for_a_resume_and_tied_to_the_input_size(tmp_path):
-    model = load("tiny-flux-kontext")
+@pytest.mark.parametrize(("name", "guidance_scale"), [("tiny-flux-kontext", 1.0), ("tiny-qwen-edit", 3.0)])
+def test_the_rows_conditioning_is_saved_for_a_resume_and_tied_to_the_input_size(name, guidance_scale, tmp_path):
+    """With CFG too, whose negative branch's image latents are the row's (on a CPU the cache once kept them as one
+    tensor, which safetensors refused to save: the run stopped at set-up)."""
+    model = load(name, guidance_scale=guidance_scale)
     prompts = rows()
     model.encode_and_cache(prompts)
     path = tmp_path / "text_embeddings.safetensors"
     save_embeddings(path, model.cached_embeddings, model.config)
     saved = load_embeddings(path, prompts, model.config)
-    assert IMAGE_LATENTS in saved[prompts[0]]
+    assert IMAGE_LATENTS in saved[prompts[0]] and (NEGATIVE + IMAGE_LATENTS in saved[prompts[0]]) == model.use_cfg
     assert all(torch.equal(value, model.cached_embeddings[p][key]) for p in prompts for key, value in saved[p].items())
     assert load_embeddings(path, prompts, model.config.model_copy(update={"condition_resolution": 16})) is None
 

@@ -213,10 +213,12 @@ class FlowModel(ABC):
     def encode_and_cache(self, prompts: list[str], batch_size: int = ENCODE_BATCH,
                          progress: Callable[[int, int], None] | None = None) -> None:
         """Encode the prompts not cached yet, ``batch_size`` at a time, into the host-memory cache; ``progress(done,
-        total)`` after each batch."""
+        total)`` after each batch. Each cached tensor is a copy of its own, so none shares memory with another (an
+        editing row's ``negative/image_latents`` is its ``image_latents``; safetensors refuses to save such)."""
         missing = [p for p in dict.fromkeys(prompts) if p not in self._prompt_cache]
         encoded = self._encode(missing, batch_size, progress)
-        self._prompt_cache.update({prompt: {k: v.cpu() for k, v in cond.items()} for prompt, cond in encoded.items()})
+        self._prompt_cache.update({prompt: {k: v.to("cpu", copy=True) for k, v in cond.items()}
+                                   for prompt, cond in encoded.items()})
 
     def _encode(self, prompts: list[str], batch_size: int = ENCODE_BATCH,
                 progress: Callable[[int, int], None] | None = None) -> dict[str, Conditioning]:
