@@ -85,8 +85,13 @@ class ModelConfig(_Section):
                                         "before a download and at set-up (--plan shows its size); false: the "
                                         "encoders stay on the device and "
                                         "each iteration encodes its prompts, keeping only the eval prompts'")
-    vae_slicing: bool = Field(True, description="the VAE decodes one image at a time (diffusers enable_slicing): "
-                              "the decode's peak memory no longer grows with the batch")
+    vae_slicing: bool = Field(True, description="the VAE decodes one image (or video) at a time (diffusers "
+                              "enable_slicing), each moved to host memory once decoded: the decode's peak memory "
+                              "no longer grows with the batch")
+    vae_tiling: bool = Field(False, description="the VAE decodes a large image or video in overlapping tiles "
+                             "(diffusers enable_tiling): its decode takes a fraction of the memory (Wan 2.2 at "
+                             "1280x704: about 1 GB instead of 10); the seams are blended, so the pixels differ "
+                             "slightly from a whole decode's")
     condition_resolution: SizeSetting = Field(512, description="image-editing runs (FLUX.1 Kontext, Qwen-Image-Edit, "
                                             "FLUX.2 with model.input_images): the size of a prompt row's input "
                                             "images, a square's side (512) or WIDTHxHEIGHT (1024x768) as "

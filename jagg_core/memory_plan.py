@@ -21,9 +21,11 @@ How it is computed:
   its depth (:func:`_traced_in_depth`): the same bytes in seconds (an int8 base's backward: at its full depth).
   The meta ops run on torch's C++ meta kernels where they have one (:mod:`jagg_core.meta_kernels`): the same
   bytes in half the time.
-- **Fixed parts**: the rollout batch's trajectory (latents, velocities, reference velocities, float32),
-  its conditioning and decoded images; the reward and judge models (their catalog sizes and dtypes; no judge with
-  ``eval.judges_on_cpu``).
+- **Fixed parts**: the rollout batch's trajectory (latents, velocities, reference velocities, float32) and
+  its conditioning; the reward and judge models (their catalog sizes and dtypes; no judge with
+  ``eval.judges_on_cpu``). The decoded images go to host memory as they are decoded
+  (:meth:`~jagg_core.models.base.FlowModel.decode_to_host`): with ``model.vae_slicing`` the decode phase holds one
+  sample's, else the batch's.
 - **Host**: with ``model.cache_text_embeddings`` every distinct prompt's conditioning stays in each process's
   host memory and in the run folder (:func:`~jagg_core.models.text_embeddings.bytes_per_prompt` a prompt); with
   ``eval.judges_on_cpu`` each process holds the judges' models there too (float32);
@@ -385,7 +387,6 @@ def plan_memory(config: RunConfig, backward_traces: dict[tuple, int] | None = No
     if model.use_cfg:
         cond_shapes.update({NEGATIVE + k: v for k, v in cond_shapes.items()})
     cond_bytes = samples * sum(math.prod(shape) for shape in cond_shapes.values()) * compute.itemsize
-    images = samples * model.num_frames * 3 * math.prod(cfg.sampling.size) * 4  # decoded images or video frames
 
     def conditioning(batch: int) -> dict[str, torch.Tensor]:
         return {k: torch.zeros((batch, *shape), dtype=compute, device=META) for k, shape in cond_shapes.items()}
@@ -396,7 +397,7 @@ def plan_memory(config: RunConfig, backward_traces: dict[tuple, int] | None = No
     rows_held = micro * latent_numel * 4 * (3 + len(forward_process.companion_names(cfg))) if forward_process else 0
     plan.phase_parts["rollout forward"] = trajectory + cond_bytes
     plan.phase_parts["VAE decode"] = trajectory + cond_bytes
-    plan.phase_parts["backward"] = trajectory + cond_bytes + images + lora_count * 4 + rows_held
+    plan.phase_parts["backward"] = trajectory + cond_bytes + lora_count * 4 + rows_held
     if not trace:
         plan.phases = dict.fromkeys(plan.phase_parts, 0)
         return plan
@@ -421,13 +422,8 @@ def plan_memory(config: RunConfig, backward_traces: dict[tuple, int] | None = No
                 model.decode_samples(torch.zeros((count, *latent), device=META), conditioning(count))
         return _traced(run, weights)
 
-    if cfg.model.vae_slicing and samples > 2:
-        # one image at a time: every image adds its output to the one image's transient; traced for 1 and 2 images
-        # and extended, instead of tracing all of them (the meta device's decode is slow: seconds an image)
-        one = decode(1)
-        plan.phases["VAE decode"] = one + (samples - 1) * (decode(2) - one)
-    else:
-        plan.phases["VAE decode"] = decode(samples)
+    # one sample at a time, each to the host once decoded (model.vae_slicing), else the batch at once
+    plan.phases["VAE decode"] = decode(1 if cfg.model.vae_slicing else samples)
 
     if cfg.train.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
@@ -493,7 +489,8 @@ def _int8_dequantizing(transformer: torch.nn.Module, quantize: str):
 def _memory_savers(config: RunConfig) -> list[tuple[str, object]]:
     """Config changes that lower the peak, the ones that keep the training's result first: the judges on the CPU,
     the same gradient at more time (sequential endpoints, checkpointing, smaller rollout chunks and micro-batches),
-    then fewer bits (8-bit AdamW, int8, NF4 weights), then a lower resolution (a different run)."""
+    then a tiled VAE decode (the rewards see slightly different pixels), fewer bits (8-bit AdamW, int8, NF4 weights),
+    then a lower resolution (a different run)."""
     cfg = config
     samples = cfg.grpo.num_generations * cfg.grpo.prompts_per_iteration
     savers: list[tuple[str, object]] = []
@@ -508,6 +505,8 @@ def _memory_savers(config: RunConfig) -> list[tuple[str, object]]:
     micro = math.ceil(rows / cfg.train.gradient_accumulation_steps)
     savers += [("train.gradient_accumulation_steps", math.ceil(rows / size)) for size in (8, 4, 2, 1)
                if size < micro]
+    if not cfg.model.vae_tiling:
+        savers.append(("model.vae_tiling", True))
     if cfg.train.optimizer == "adamw":
         savers.append(("train.optimizer", "adamw8bit"))
     if cfg.model.quantize == "none":

@@ -321,7 +321,7 @@ class Trainer:
         with self.accelerator.autocast():
             sampled = self.algorithm.sample(iteration, cond, generator)
             with torch.no_grad():
-                images = self.model.decode_samples(sampled.latents, cond)
+                images = self.model.decode_to_host(sampled.latents, cond)
         rewards, parts = self.reward(images, sample_prompts)
         return Rollout(sampled, cond, sample_prompts, images, rewards, parts)
 
@@ -407,7 +407,7 @@ class Trainer:
             for first in range(0, len(self.eval_prompts), chunk):
                 part = slice(first, first + chunk)
                 cond = self.model.conditioning(self.eval_prompts[part])
-                images.append(self.model.decode_samples(ode_sample(self.model, cond, self.eval_sigmas, z0[part]), cond))
+                images.append(self.model.decode_to_host(ode_sample(self.model, cond, self.eval_sigmas, z0[part]), cond))
                 if iteration == 0:
                     done = min(first + chunk, len(self.eval_prompts))
                     self._phase("base eval", f"sampling the base model: base eval {done}/{len(self.eval_prompts)}")

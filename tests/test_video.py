@@ -142,21 +142,27 @@ def test_the_real_arch_with_random_weights_conditions_and_predicts_at_the_real_w
     assert velocity.shape == z.shape == (1, 16, 2, 8, 8) and torch.isfinite(velocity).all()
 
 
-def test_memory_plan_of_the_real_arch_counts_the_video_tokens():
+def test_memory_plan_of_the_real_arch_counts_the_video_tokens_and_one_decoded_video_at_a_time():
     """Wan 2.1 1.3B at 480 px and 33 frames: 9 latent frames of 60 x 60, 8100 tokens. The plan (of a smaller run,
-    for time) holds the decoded frames of every video of the rollout batch."""
+    for time): each video goes to host memory once decoded (model.vae_slicing), so the decode phase does not grow
+    with the rollout's videos, and the backward holds none of them; without slicing the batch is decoded at once."""
     name = "random:wan21-t2v-1.3b@1"
     model = WanModel(meta_pipeline(name), ModelConfig(name=name), "meta", num_frames=33)
     assert model.latent_shape(ImageSize.square(480)) == (16, 9, 60, 60)
     assert model.image_seq_len(ImageSize.square(480)) == 8100
     assert model.latent_shape(ImageSize(480, 832)) == (16, 9, 60, 104)  # Wan 2.1's own 832x480
     assert model.image_seq_len(ImageSize(480, 832)) == 9 * 30 * 52
-    config = load_config(preset="wan21-t2v-1.3b-pickscore-24gb", overrides=[
-        f"model.name={name}", "sampling.resolution=128", "sampling.num_frames=17", "grpo.num_generations=4"])
-    plan = plan_memory(config)
-    assert plan.family == "wan"
-    frames = 4 * 2 * 17 * 3 * 128 * 128 * 4  # the rollout batch's decoded frames, float32
-    assert plan.phase_parts["backward"] - plan.phase_parts["VAE decode"] >= frames  # the images part
+
+    def plan(generations: int, *more: str):
+        return plan_memory(load_config(preset="wan21-t2v-1.3b-pickscore-24gb", overrides=[
+            f"model.name={name}", "sampling.resolution=128", "sampling.num_frames=17",
+            f"grpo.num_generations={generations}", *more]))
+    two, four = plan(2), plan(4)
+    assert two.family == "wan" and two.phases["VAE decode"] == four.phases["VAE decode"]
+    frames = 8 * 17 * 3 * 128 * 128 * 4  # the rollout's 8 videos' decoded frames, float32
+    assert four.phase_parts["backward"] - four.phase_parts["VAE decode"] < frames / 2  # the LoRA's, no frames
+    whole = plan(4, "model.vae_slicing=false")
+    assert whole.phases["VAE decode"] - four.phases["VAE decode"] >= 7 * frames / 8  # 8 videos' frames, not 1's
 
 
 def test_wan22s_own_720p_frames_make_16x_smaller_latents_of_48_channels():
@@ -221,6 +227,25 @@ def test_image_to_video_euler_ode_reproduces_the_i2v_pipeline(guidance_scale, si
         torch.testing.assert_close(final[:, :, 1:], z[i:i + 1], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(frames[i:i + 1], output.frames.float(), atol=1e-4, rtol=1e-4)
     assert frames.shape == (2, I2V_FRAMES, 3, *size)
+
+
+def test_decoded_to_host_one_video_at_a_time_are_the_batchs_bits_and_a_tiled_decode_plans_a_fraction():
+    """decode_to_host under model.vae_slicing decodes one sample at a time, as the sliced VAE does: the same bits as
+    decoding the batch. model.vae_tiling decodes in tiles: Wan 2.2's whole 720p video decode plans 9.9 GB, tiled
+    under a tenth of it."""
+    model = load(name="tiny-wan22")
+    z = noise(model, 3)
+    cond = model.conditioning(["a", "b", "c"])
+    with torch.no_grad():
+        assert torch.equal(model.decode_to_host(z, cond), model.decode_samples(z, cond))
+    assert load(name="tiny-wan22", vae_tiling=True).pipe.vae.use_tiling
+
+    def decode_phase(tiling: bool) -> float:
+        return plan_memory(load_config(preset="wan22-ti2v-5b-pickscore-24gb", overrides=[
+            "model.name=random:wan22-ti2v-5b@1", f"model.vae_tiling={tiling}", "grpo.num_generations=2",
+            "grpo.prompts_per_iteration=1", "prompts.eval_count=2"])).phases["VAE decode"]
+    whole, tiled = decode_phase(False), decode_phase(True)
+    assert whole > 9e9 and tiled < whole / 8
 
 
 def test_the_input_images_frame_is_the_videos_first_whatever_the_samples():
