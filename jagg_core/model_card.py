@@ -367,15 +367,14 @@ def _sample_call(prompt: str, sampling: dict, videos: bool, input_images: int) -
     images = 'load_image("input.png")' if input_images == 1 else \
         "[" + ", ".join(f'load_image("picture{k}.png")' for k in range(1, input_images + 1)) + "]"
     text = json.dumps(instruction_of(prompt) if input_images else prompt)
+    inputs = f"image={images}, prompt=" if input_images else ""
     if not videos:
-        if input_images:
-            return "from diffusers.utils import load_image", f"image = pipe(image={images}, prompt={text}, {at_size}).images[0]"
-        return "", f"image = pipe({text}, {at_size}).images[0]"
+        return ("from diffusers.utils import load_image" if input_images else "",
+                f"image = pipe({inputs}{text}, {at_size}).images[0]")
     utilities = ("export_to_video, load_image  # image-to-video cleans prompts with ftfy: pip install ftfy"
                  if input_images else "export_to_video")
-    image = f"image={images}, prompt=" if input_images else ""
     return (f"from diffusers.utils import {utilities}",
-            f"frames = pipe({image}{text}, {at_size}, num_frames={sampling.get('num_frames')}).frames[0]\n"
+            f"frames = pipe({inputs}{text}, {at_size}, num_frames={sampling.get('num_frames')}).frames[0]\n"
             f"export_to_video(frames, \"sample.mp4\", fps={sampling.get('fps')})")
 
 
