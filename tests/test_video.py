@@ -4,7 +4,6 @@ run that writes MP4s and frame strips."""
 
 from __future__ import annotations
 
-import io
 import json
 
 import imageio_ffmpeg
@@ -17,7 +16,7 @@ from PIL import Image
 
 from app import live
 from jagg_core.config import ModelConfig, RewardSpec, load_config
-from jagg_core.edit_prompts import EditPrompt, input_images
+from jagg_core.edit_prompts import EditPrompt, input_images, png_bytes
 from jagg_core.errors import UserError
 from jagg_core.image_size import ImageSize
 from jagg_core.memory_plan import plan_memory
@@ -184,10 +183,19 @@ def first_frame_rows(size: ImageSize = LANDSCAPE) -> list[EditPrompt]:
     for text, colour in (("the ball rolls away", (200, 30, 30)), ("the cube spins", (30, 60, 200))):
         picture = Image.new("RGB", (size.width, size.height), colour)
         picture.paste((255, 255, 255), (size.width // 4, size.height // 4, size.width // 2, size.height // 2))
-        buffer = io.BytesIO()
-        picture.save(buffer, "PNG")
-        rows.append(EditPrompt(text, buffer.getvalue(), f"{text.split()[1]}.png"))
+        rows.append(EditPrompt(text, png_bytes(picture), f"{text.split()[1]}.png"))
     return rows
+
+
+def i2v_pipeline(pipe: WanPipeline, monkeypatch, **scheduler) -> WanImageToVideoPipeline:
+    """``WanImageToVideoPipeline`` of ``pipe``'s components (``scheduler``: another scheduler) with Wan 2.2's
+    first-frame mask. Without ftfy its prompt cleaning fails; the t2v pipeline's (which the model's encoding uses)
+    skips it, so it is patched in and the two clean alike."""
+    monkeypatch.setattr(pipeline_wan_i2v, "prompt_clean", pipeline_wan.prompt_clean)
+    parts = {name: pipe.components[name] for name in ("tokenizer", "text_encoder", "vae", "transformer", "scheduler")}
+    i2v = WanImageToVideoPipeline(**{**parts, **scheduler}, expand_timesteps=True)
+    i2v.set_progress_bar_config(disable=True)
+    return i2v
 
 
 def load_i2v(size: ImageSize = LANDSCAPE, **overrides):
@@ -200,9 +208,6 @@ def test_image_to_video_euler_ode_reproduces_the_i2v_pipeline(guidance_scale, si
     them at timestep 0 in every call, equals WanImageToVideoPipeline.__call__ (expand_timesteps: the first frame's
     mask) with FlowMatchEulerDiscreteScheduler(shift=5) from the same noise and image, latents and frames, with and
     without CFG, square and landscape."""
-    # without ftfy the i2v pipeline's prompt cleaning fails; the t2v pipeline's (which the model's encoding uses)
-    # skips it, so the two clean alike
-    monkeypatch.setattr(pipeline_wan_i2v, "prompt_clean", pipeline_wan.prompt_clean)
     model = load_i2v(size, guidance_scale=guidance_scale, negative_prompt="ugly")
     assert isinstance(model, WanImageToVideoModel)
     rows = first_frame_rows(size)
@@ -214,10 +219,7 @@ def test_image_to_video_euler_ode_reproduces_the_i2v_pipeline(guidance_scale, si
     sigmas = model.sigmas(STEPS, size)
     z, frames = euler_ode(model, z0, sigmas, cond)
 
-    components = {name: model.pipe.components[name] for name in ("tokenizer", "text_encoder", "vae", "transformer")}
-    pipe = WanImageToVideoPipeline(**components, scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
-                                   expand_timesteps=True)
-    pipe.set_progress_bar_config(disable=True)
+    pipe = i2v_pipeline(model.pipe, monkeypatch, scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0))
     for i, row in enumerate(rows):  # the pipeline's first latent frame is overwritten by the image's: any noise
         latents = torch.cat([torch.randn((1, 8, 1, rows_, cols)), z0[i:i + 1]], dim=2)
         output, final = pipeline_with_final_latents(
@@ -418,11 +420,8 @@ def test_two_iterations_on_tiny_wan_write_mp4s_and_strips_and_the_adapter_loads_
         assert all(".png " in prompt for prompt in run.samples(2).prompts)  # a row's text names its image
 
     pipe = build_tiny_pipeline(name)  # the run's base model: drawn from train.seed 0
-    if from_image:  # the pipeline class the card names loads the adapter (its prompt cleaning: as in the ODE test)
-        monkeypatch.setattr(pipeline_wan_i2v, "prompt_clean", pipeline_wan.prompt_clean)
-        pipe = WanImageToVideoPipeline(**{key: pipe.components[key] for key in ("tokenizer", "text_encoder", "vae",
-                                                                              "transformer", "scheduler")},
-                                       expand_timesteps=True)
+    if from_image:  # the pipeline class the card names loads the adapter
+        pipe = i2v_pipeline(pipe, monkeypatch)
     pipe.load_lora_weights(str(run.lora_dir))
     config = ModelConfig(name=name, max_sequence_length=16, input_images=1 if from_image else None,
                          condition_resolution=32)

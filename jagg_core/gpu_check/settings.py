@@ -3,8 +3,8 @@ the product has since changed (a default, a preset, a kernel key) is known to be
 
 A step's settings are ``{label: {key: value}}``: each config it runs (:attr:`~.common.Step.configs`, e.g. one per
 base of a tiny run) as the flat ``section.key`` values ``--set`` reads, less those that change no figure
-(:data:`NOT_MEASURED`, and the keys of the algorithms a config does not run), on both sides of a comparison. A step without configs (the device, the triage's fixed
-kernels) is never stale.
+(:data:`NOT_MEASURED`, and the keys of the algorithms a config does not run), on both sides of a comparison. A step
+without configs (the device, the triage's fixed kernels) is never stale.
 """
 
 from __future__ import annotations
