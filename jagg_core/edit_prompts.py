@@ -25,6 +25,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from .errors import UserError
+from .family_names import EDITS_IMAGES
 from .image_size import ImageSize
 
 if TYPE_CHECKING:
@@ -106,16 +107,17 @@ def png_bytes(image: Image.Image) -> bytes:
 
 
 def edit_rows(prompts: list[str], family: str, input_images: int | None = None,
-              generates_from_text_too: bool = False) -> list[EditPrompt]:
+              generates_from_text_too: bool = False, does: str = EDITS_IMAGES) -> list[EditPrompt]:
     """``prompts`` as editing rows, each with ``input_images`` input images when given (``model.input_images``); a
     prompt without an input image, or with another number of them, is a :class:`UserError` (``family``: the editing
     model that needs them; ``generates_from_text_too``: it edits only because ``model.input_images`` says so, FLUX.2,
-    and the message says how to generate from text instead)."""
+    and the message says how to generate from text instead; ``does``: what the model does with the images, as the
+    message says it)."""
     for prompt in prompts:
         if not isinstance(prompt, EditPrompt):
             because = f" (model.input_images is {input_images})" if generates_from_text_too else ""
             or_text = "; or unset model.input_images to generate from text" if generates_from_text_too else ""
-            raise UserError(f"the {family} model edits images{because}, but the prompt {str(prompt)[:80]!r} has no "
+            raise UserError(f"the {family} model {does}{because}, but the prompt {str(prompt)[:80]!r} has no "
                             "input image; give prompts.source an image folder with prompts.csv/prompts.jsonl, or "
                             f"hf://DATASET:TEXT_COLUMN,IMAGE_COLUMN{or_text}")
         if input_images is not None and len(prompt.images_bytes) != input_images:

@@ -21,6 +21,9 @@ MODELS_DIR = Path(__file__).resolve().parent / "models"
 DECLARATION = "FAMILY"
 #: the key of the block count in most transformer configs (a family declares another as its ``depth_key``)
 DEFAULT_DEPTH_KEY = "num_layers"
+#: what a run with input images does with them, as messages say it (:attr:`DeclaredFamily.does_with_images`)
+EDITS_IMAGES = "edits images"
+MAKES_VIDEOS_FROM_IMAGES = "makes videos from an input image"
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,12 @@ class DeclaredFamily:
     max_input_images: int
     requires: tuple[str, ...]
     edit_pipeline: str  # the pipeline class of its runs with input images, where it is not ``pipeline``
+    image_to_video: bool  # its runs with input images make videos that start from them
+
+    @property
+    def does_with_images(self) -> str:
+        """What its runs with input images do with them, as messages say it."""
+        return MAKES_VIDEOS_FROM_IMAGES if self.image_to_video else EDITS_IMAGES
 
     def input_images(self, setting: int | None) -> int:
         """The input images of a prompt row of this family's run whose ``model.input_images`` is ``setting``
@@ -68,14 +77,15 @@ def _read(path: Path, call: ast.Call) -> DeclaredFamily:
     fields = {keyword.arg: keyword.value for keyword in call.keywords}
     literal = {name: ast.literal_eval(fields[name]) for name in ("label", "pipeline", "archs", "depth_key",
                                                                  "edits_images", "max_input_images", "requires",
-                                                                 "edit_pipeline")
+                                                                 "edit_pipeline", "image_to_video")
                if name in fields}
     return DeclaredFamily(module=path.stem, label=literal["label"], pipeline=literal["pipeline"],
                           tiny_models=tuple(ast.literal_eval(key) for key in fields["tiny_builders"].keys),
                           archs=literal.get("archs", {}), depth_key=literal.get("depth_key", DEFAULT_DEPTH_KEY),
                           edits_images=literal.get("edits_images", False), also_edits="edit_model" in fields,
                           max_input_images=literal.get("max_input_images", 1), requires=literal.get("requires", ()),
-                          edit_pipeline=literal.get("edit_pipeline", ""))
+                          edit_pipeline=literal.get("edit_pipeline", ""),
+                          image_to_video=literal.get("image_to_video", False))
 
 
 @cache

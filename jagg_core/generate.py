@@ -83,7 +83,8 @@ def generate(run_dir: Path, prompt: str, checkpoint: str | None = None, seed: in
         what, how = (("the image", "--image PATH; on the page, Input image") if wanted == 1 else
                      (f"the {wanted} images", f"--image PATH {wanted} times, 'Picture 1' first; on the page, Input "
                                               f"image and Picture 2{' and 3' if wanted == 3 else ''}"))
-        raise UserError(f"the run's model ({family.label}) edits images: give {what} the instruction applies to ({how})")
+        applies = "its videos start from" if family.image_to_video else "the instruction applies to"
+        raise UserError(f"the run's model ({family.label}) {family.does_with_images}: give {what} {applies} ({how})")
     if images and family is not None and not editing:
         raise UserError(f"the run's model ({family.label}) generates from the prompt alone; leave out the input image")
     if editing and shape == "input":

@@ -31,9 +31,10 @@ How it is computed:
   ``eval.judges_on_cpu`` each process holds the judges' models there too (float32);
   :func:`check_host` says whether this machine holds them.
 - **Phases**: set-up, rollout forward, VAE decode, backward. The peak is the largest phase's resident parts plus
-  its transient. The set-up holds first the text encoders alone while they encode the prompts, then, once they
-  have left, the resident parts but the optimizer's states (made by its first step), the judges among them (they
-  load after the base model): its peak is the larger.
+  its transient. The set-up holds first the text encoders alone while they encode the prompts (with the VAE, which
+  encodes them on the device, where a prompt row has input images: editing and image-to-video), then, once they have
+  left, the resident parts but the optimizer's states (made by its first step), the judges among them (they load
+  after the base model): its peak is the larger.
 
 GB are 10^9 bytes (a "16 GB" card has 16 GiB = 17.2 GB, so a plan at 16 GB leaves it ~1 GB of margin).
 Not counted: the run's CUDA context (outside ``max_memory_allocated``; whether a plan fits a GPU,
@@ -273,6 +274,19 @@ def _text_encoder_activations(encoder: torch.nn.Module, tokens: int, element: in
     return ENCODE_BATCH * tokens * (2 * hidden + 2 * inner + heads * tokens) * element
 
 
+def _input_images_encoding(model: FlowModel, cfg: RunConfig) -> int:
+    """The VAE's transient while it encodes :data:`ENCODE_BATCH` prompt rows' input images at
+    ``model.condition_resolution`` (one image at a time under ``model.vae_slicing``), traced on the meta VAE."""
+    vae = model.pipe.vae
+    size = cfg.model.condition_size
+    pixels = torch.zeros((ENCODE_BATCH, 3, size.height, size.width), dtype=vae.dtype, device=vae.device)
+
+    def run() -> None:
+        with torch.no_grad():
+            model.input_pixel_latents(pixels)
+    return _traced(run, [*vae.parameters(), *vae.buffers()])
+
+
 def _meta_model(cfg: RunConfig, dtype: torch.dtype | None = None) -> FlowModel:
     """The run's flow model on the meta device, from its configs alone, its weights in ``dtype`` (None: as built)."""
     pipe = meta_pipeline(cfg.model.name, cfg.model.revision)
@@ -364,8 +378,11 @@ def plan_memory(config: RunConfig, backward_traces: dict[tuple, int] | None = No
     if cfg.model.cache_text_embeddings and encoders:
         tokens = max(cfg.model.max_sequence_length, 77)
         plan.setup[f"text encoders ({encoder_names}, {cfg.model.dtype})"] = encoder_bytes
-        plan.setup[f"encoding {ENCODE_BATCH} prompts at a time"] = max(
-            _text_encoder_activations(e, tokens, element) for e in encoders)
+        encoding = max(_text_encoder_activations(e, tokens, element) for e in encoders)
+        if model.encodes_input_images:  # a row's text, then its images: one transient at a time
+            plan.setup[f"VAE (encodes the input images, {cfg.model.dtype})"] = vae_bytes
+            encoding = max(encoding, _input_images_encoding(model, cfg))
+        plan.setup[f"encoding {ENCODE_BATCH} prompts at a time"] = encoding
 
     # ----- the rollout batch's tensors
     samples = cfg.grpo.num_generations * cfg.grpo.prompts_per_iteration

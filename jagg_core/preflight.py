@@ -74,7 +74,8 @@ def check_prompt_kind(family: DeclaredFamily | None, prompts: list[str], input_i
         return
     count = family.input_images(input_images)
     if count:
-        edit_rows(prompts, family.label, count, generates_from_text_too=family.also_edits)
+        edit_rows(prompts, family.label, count, generates_from_text_too=family.also_edits,
+                  does=family.does_with_images)
     elif any(isinstance(prompt, EditPrompt) for prompt in prompts):
         editors = ", ".join(f.label for f in declared_families() if f.edits_images)
         also = " or ".join(f.label for f in declared_families() if f.also_edits)

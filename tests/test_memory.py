@@ -88,6 +88,44 @@ def test_the_judges_load_after_the_text_encoders_have_left_and_the_plan_never_ho
     assert judged.setup_resident - alone.setup_resident == pytest.approx(judge)
 
 
+@pytest.mark.parametrize("model, settings", [
+    ("tiny-flux-kontext", {}), ("tiny-qwen-edit", {}), ("tiny-flux2", {"model__input_images": 1}),
+    ("tiny-wan22", {"model__input_images": 1, "sampling__num_frames": 5, "sampling__resolution": 128}),
+    ("tiny-flux", {})])
+def test_at_set_up_the_vae_encodes_the_input_images_on_the_device_beside_the_text_encoders(model, settings,
+                                                                                             monkeypatch, offline):
+    """Under the text-embedding cache the transformer waits on the host until the text encoders leave; the VAE of a
+    model whose prompt rows carry input images (editing, image-to-video) goes to the device with the encoders, so
+    that each row's images are encoded there and not on the host's CPU. The plan's set-up holds its weights and the
+    transient of encoding a batch of rows' images (here larger than the texts'), as traced on the real model; a
+    text-to-image model's VAE waits with the transformer and its plan's set-up has none."""
+    from diffusers import ModelMixin
+    config = tiny_config(model, model__condition_resolution=128, **settings)
+    plan = plan_memory(config)
+    placed, place = [], ModelMixin.to
+
+    def recording(module, *args, **kwargs):
+        if args and isinstance(args[0], (str, torch.device)) or "device" in kwargs:
+            placed.append(type(module).__name__)
+        return place(module, *args, **kwargs)
+
+    monkeypatch.setattr(ModelMixin, "to", recording)
+    flow = load_flow_model(config.model, "cpu", num_frames=config.sampling.num_frames)
+    vae, transformer = type(flow.pipe.vae).__name__, type(flow.transformer).__name__
+    takes_images = model != "tiny-flux"
+    assert placed == ([vae] if takes_images else [])
+    vae_entry = [size for part, size in plan.setup.items() if part.startswith("VAE (encodes the input images")]
+    if takes_images:
+        encoding = memory_plan._input_images_encoding(flow, config)
+        assert vae_entry == [sum(p.numel() * p.element_size() for p in flow.pipe.vae.parameters())]
+        assert plan.setup["encoding 16 prompts at a time"] == encoding > memory_plan._text_encoder_activations(
+            flow.text_encoders[0], max(config.model.max_sequence_length, 77), 4)
+    else:
+        assert vae_entry == []
+    flow.release_text_encoders()
+    assert placed[-1] == transformer and vae in placed
+
+
 @pytest.mark.parametrize("model, guidance", [("tiny-sd3", 1.0), ("tiny-flux", 4.0), ("tiny-qwen", 1.0)])
 def test_the_plan_counts_the_text_embedding_cache_a_run_keeps_on_the_host(model, guidance, tmp_path, offline,
                                                                            monkeypatch):

@@ -182,7 +182,8 @@ def test_the_derived_tables_agree_with_the_declarations():
         assert declared == DeclaredFamily(declared.module, family.label, family.pipeline,
                                           tuple(family.tiny_builders), family.archs, family.depth_key,
                                           family.edits_images, family.edit_model is not None,
-                                          family.max_input_images, family.requires, family.edit_pipeline)
+                                          family.max_input_images, family.requires, family.edit_pipeline,
+                                          family.image_to_video)
         assert family.edits_images == issubclass(family.model, EditingFlowModel)
         assert family.edit_model is None or (  # an image editor, or a video model that starts from the image
             (issubclass(family.edit_model, EditingFlowModel) or family.edit_model.is_video)

@@ -18,6 +18,7 @@ from app import live
 from jagg_core.config import ModelConfig, RewardSpec, load_config
 from jagg_core.edit_prompts import EditPrompt, input_images, png_bytes
 from jagg_core.errors import UserError
+from jagg_core.generate import generate
 from jagg_core.image_size import ImageSize
 from jagg_core.memory_plan import plan_memory
 from jagg_core.model_card import build_model_card, publish_files, read_run
@@ -273,7 +274,8 @@ def test_image_to_video_is_refused_where_it_cannot_run():
     with pytest.raises(UserError, match="model.condition_resolution is 64x32 but sampling.resolution is 32: .*"
                                         "set model.condition_resolution=32$"):
         model.check_size(SIZE)
-    with pytest.raises(UserError, match="model.input_images is 1.*has no input image"):
+    with pytest.raises(UserError, match=r"the wan model makes videos from an input image \(model.input_images is 1\), "
+                                        "but the prompt 'a red ball rolling' has no input image"):
         model.conditioning(PROMPTS)
     with pytest.raises(UserError, match="takes 0 to 1 input image"):
         load(I2V_FRAMES, "tiny-wan22", input_images=2)
@@ -418,6 +420,9 @@ def test_two_iterations_on_tiny_wan_write_mp4s_and_strips_and_the_adapter_loads_
         assert "pipe = WanImageToVideoPipeline.from_pretrained(" in card
         assert 'frames = pipe(image=load_image("input.png"), prompt="' in card
         assert all(".png " in prompt for prompt in run.samples(2).prompts)  # a row's text names its image
+        with pytest.raises(UserError, match=r"^the run's model \(Wan .*\) makes videos from an input image: give the "
+                                            r"image its videos start from \(--image PATH; on the page, Input image\)$"):
+            generate(out, "the circle rolls")  # Try it without its image
 
     pipe = build_tiny_pipeline(name)  # the run's base model: drawn from train.seed 0
     if from_image:  # the pipeline class the card names loads the adapter

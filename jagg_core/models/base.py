@@ -89,13 +89,17 @@ class FlowModel(ABC):
     default_lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
     #: a video family's samples are ``num_frames`` frames: :meth:`decode` returns ``[B, F, 3, H, W]``
     is_video: bool = False
+    #: a prompt row carries input images (editing, image-to-video), VAE-encoded with its text: the VAE is on the
+    #: device from the start, beside the text encoders at set-up (``input_pixel_latents`` encodes them)
+    encodes_input_images: bool = False
 
     def __init__(self, pipe, config: ModelConfig, device: torch.device | str = "cpu", *, defer_denoiser: bool = False,
                  prepare_transformer: Callable[[], None] | None = None, place_transformer: bool = True,
                  num_frames: int = 1):
         """Frozen components go to ``device``. ``prepare_transformer`` (quantization) sets ``pipe.transformer``
-        before it is placed. With ``defer_denoiser`` the transformer and VAE wait until
-        :meth:`release_text_encoders`, so the text encoders never share the accelerator with them. ``num_frames``
+        before it is placed. With ``defer_denoiser`` the transformer (and the VAE of a model that does not encode
+        input images) wait until :meth:`release_text_encoders`, so the text encoders never share the accelerator with
+        it. ``num_frames``
         (``sampling.num_frames``): the frames of one sample of a video family; an image family takes 1 only."""
         if num_frames != 1 and not self.is_video:
             raise UserError(f"sampling.num_frames is {num_frames}, but {self.family} makes images: set it to 1")
@@ -114,6 +118,8 @@ class FlowModel(ABC):
             pipe.vae.enable_slicing()
         if config.vae_tiling:
             pipe.vae.enable_tiling()
+        if self.encodes_input_images:  # set-up encodes each row's images on the device, not the host's CPU
+            pipe.vae.to(self.device)
         if not defer_denoiser:
             self._place_denoiser()
 

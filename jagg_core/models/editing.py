@@ -39,6 +39,8 @@ class EditingFlowModel(PackedFlowModel):
     """An editing family's model: listed before its text-to-image family's, e.g. ``FluxKontextModel(EditingFlowModel,
     FluxModel)``, whose encoding and transformer call it extends (see the module docstring)."""
 
+    encodes_input_images = True
+
     def __init__(self, pipe, config, device="cpu", **placement):
         #: input images of a prompt row (``model.input_images`` as the family's declaration reads it)
         self.input_images = family_of_pipeline(type(pipe).__name__).input_images(config.input_images)
@@ -67,8 +69,12 @@ class EditingFlowModel(PackedFlowModel):
 
     def image_latents(self, images: list[Image.Image]) -> torch.Tensor:
         """Packed, normalised VAE latents [N, m, 4C] of one input image a row, at ``condition_resolution``."""
-        size, vae = self.config.condition_size, self.pipe.vae
-        pixels = self.pipe.image_processor.preprocess(images, size.height, size.width)
+        size = self.config.condition_size
+        return self.input_pixel_latents(self.pipe.image_processor.preprocess(images, size.height, size.width))
+
+    def input_pixel_latents(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Preprocessed input images [N, 3, H, W] in [-1, 1] -> their packed, normalised VAE latents [N, m, 4C]."""
+        vae = self.pipe.vae
         latents = self.pipe._encode_vae_image(self.vae_input(pixels).to(vae.device, vae.dtype), generator=None)
         return self.pack_latents(latents)
 

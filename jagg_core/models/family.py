@@ -40,5 +40,8 @@ class Family:
     #: the diffusers pipeline class that runs an ``edit_model``'s adapter where ``pipeline`` does not (Wan's
     #: image-to-video: ``WanImageToVideoPipeline``), named in its model card's snippet
     edit_pipeline: str = ""
+    #: its runs with input images make videos that start from each row's image (Wan 2.2 TI2V-5B), where an editing
+    #: family's edit them: what messages say of such runs and their prompt rows
+    image_to_video: bool = False
     #: packages beyond requirements.txt that loading the real pipeline needs (its processor's), checked before launch
     requires: tuple[str, ...] = ()

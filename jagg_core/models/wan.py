@@ -36,6 +36,7 @@ from transformers import UMT5Config, UMT5EncoderModel
 from ..config import ModelConfig
 from ..edit_prompts import EditPrompt, edit_rows
 from ..errors import UserError
+from ..family_names import MAKES_VIDEOS_FROM_IMAGES
 from ..image_size import ImageSize
 from .base import NEGATIVE, Conditioning, FlowModel
 from .editing import IMAGE_LATENTS
@@ -148,6 +149,8 @@ class WanImageToVideoModel(WanModel):
     first (:meth:`decode_samples`).
     """
 
+    encodes_input_images = True
+
     def __init__(self, pipe, config: ModelConfig, device: torch.device | str = "cpu", *, num_frames: int = 1,
                  **placement):
         if not pipe.config.get("expand_timesteps", False):
@@ -167,7 +170,7 @@ class WanImageToVideoModel(WanModel):
                             f"videos' first frame; set model.condition_resolution={size.config_value()}")
 
     def encode_prompts(self, prompts: list[str]) -> Conditioning:
-        rows = edit_rows(prompts, self.family, 1, generates_from_text_too=True)
+        rows = self.rows(prompts)
         cond = super().encode_prompts(self.prompt_texts(rows))
         cond[IMAGE_LATENTS] = self.first_frame_latents(rows)
         if self.use_cfg:
@@ -175,12 +178,21 @@ class WanImageToVideoModel(WanModel):
         return cond
 
     def prompt_texts(self, prompts: list[str]) -> list[str]:
-        return [row.instruction for row in edit_rows(prompts, self.family, 1, generates_from_text_too=True)]
+        return [row.instruction for row in self.rows(prompts)]
+
+    def rows(self, prompts: list[str]) -> list[EditPrompt]:
+        """``prompts`` as rows of a text and an image (:func:`~jagg_core.edit_prompts.edit_rows`)."""
+        return edit_rows(prompts, self.family, 1, generates_from_text_too=True, does=MAKES_VIDEOS_FROM_IMAGES)
 
     def first_frame_latents(self, rows: list[EditPrompt]) -> torch.Tensor:
         """The rows' normalised first-frame latents ``c`` [N, C, 1, h, w] (the class docstring)."""
-        size, vae = self.config.condition_size, self.pipe.vae
-        pixels = self.pipe.video_processor.preprocess([row.image(size) for row in rows], size.height, size.width)
+        size = self.config.condition_size
+        images = [row.image(size) for row in rows]
+        return self.input_pixel_latents(self.pipe.video_processor.preprocess(images, size.height, size.width))
+
+    def input_pixel_latents(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Preprocessed first frames [N, 3, H, W] in [-1, 1] -> ``c`` [N, C, 1, h, w], encoded as one-frame videos."""
+        vae = self.pipe.vae
         posterior = vae.encode(pixels.unsqueeze(2).to(vae.device, vae.dtype)).latent_dist
         latents = posterior.mode().float()
         mean, std = self.latent_statistics(latents.device)
@@ -220,7 +232,9 @@ def _tiny_wan(vae: AutoencoderKLWan, flow_shift: float, **settings) -> WanPipeli
                                         in_channels=z_dim, out_channels=z_dim, text_dim=text_hidden, freq_dim=32,
                                         ffn_dim=32, num_layers=2, cross_attn_norm=True,
                                         qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
-    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=flow_shift)
+    with torch.device("cpu"):  # its sigmas: it copies them to the CPU, which a meta pipeline's build cannot
+        scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                            flow_shift=flow_shift)
     return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
                        transformer=transformer, **settings)
 
@@ -245,7 +259,7 @@ def build_tiny_wan22() -> WanPipeline:
 
 
 FAMILY = Family(label="Wan 2.1 / Wan 2.2 TI2V-5B video", pipeline="WanPipeline", model=WanModel,
-                edit_model=WanImageToVideoModel, edit_pipeline="WanImageToVideoPipeline",
+                edit_model=WanImageToVideoModel, edit_pipeline="WanImageToVideoPipeline", image_to_video=True,
                 tiny_builders={"tiny-wan": build_tiny_wan, "tiny-wan22": build_tiny_wan22},
                 archs={"wan21-t2v-1.3b": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
                        "wan21-t2v-14b": "Wan-AI/Wan2.1-T2V-14B-Diffusers",
