@@ -9,7 +9,8 @@ decompositions, written for ``torch.compile``'s fake tensors) for about 1,340 at
 meta kernel of their own (``mul``, ``add``, ``cat``, ...). Each Python one checks and promotes in Python what the C++
 one does natively, ~0.2 ms a call; a real-size plan makes tens of thousands. Inside this context those 640 Python
 registrations are lifted, so the dispatcher falls back to the C++ kernels beneath them; the ops without a C++ meta
-kernel keep their Python one. On every shipped preset, quantized and not, the plans are the same to the byte and
+kernel keep their Python one, but for a lean one in :data:`LEAN_KERNELS` (``native_group_norm``, whose reference
+computes its decomposition). On every shipped preset, quantized and not, the plans are the same to the byte and
 take about half the time (``tests/test_memory.py`` checks it).
 
 On leaving, torch's registrations are put back as they were. Lifting and restoring them takes ~40 ms, so a plan
@@ -55,6 +56,18 @@ def _destroy(library: Library) -> None:
     library._op_impls.clear()
 
 
+def _native_group_norm(input, weight, bias, batch, channels, inner, groups, eps):
+    """``native_group_norm``'s outputs as torch's Python reference makes them on ``meta`` (``out`` contiguous in the
+    input's shape, ``mean`` and ``rstd`` [batch, groups], all in the input's dtype), without computing its ~10 ops:
+    the op has no C++ meta kernel, and a VAE calls it twice in every ResNet block (a tiled decode, thousands of times,
+    ~0.7 ms each)."""
+    return input.new_empty(input.shape), input.new_empty((batch, groups)), input.new_empty((batch, groups))
+
+
+#: ops without a C++ meta kernel whose Python one computes more than their outputs' shapes, given a lean one
+LEAN_KERNELS = {torch.ops.aten.native_group_norm.default: _native_group_norm}
+
+
 def _registered(kernels: dict) -> Library:
     """A Meta library of ``aten`` holding ``kernels`` (op: Python kernel)."""
     library = Library("aten", "IMPL", "Meta")
@@ -72,7 +85,7 @@ def cpp_meta_kernels():
         if kernels is not None:
             _destroy(torch._meta_registrations._meta_lib_dont_use_me_use_register_meta)
             try:
-                python_only = _registered({op: kernel for op, kernel in kernels.items()
+                python_only = _registered({op: LEAN_KERNELS.get(op, kernel) for op, kernel in kernels.items()
                                            if not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta")})
             except BaseException:
                 torch._meta_registrations._meta_lib_dont_use_me_use_register_meta = _registered(kernels)

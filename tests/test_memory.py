@@ -331,9 +331,10 @@ def _meta_kernel_source(op: str) -> str:
 def test_a_plan_on_the_cpp_meta_kernels_counts_the_same_bytes_and_torchs_own_kernels_come_back(preset, overrides,
                                                                                                offline):
     """Inside :func:`cpp_meta_kernels` an op with a C++ meta kernel (``mul``) runs it instead of the Python one torch
-    registers over it, an op without one (``_fft_r2c``) keeps its Python kernel, a nested entry changes nothing; a
-    real-size plan counts the same bytes in every phase as on torch's own meta kernels; and after it, torch's
-    registrations are back as they were, also once the lifted libraries are collected."""
+    registers over it, an op without one (``_fft_r2c``) keeps its Python kernel, a nested entry changes nothing,
+    ``native_group_norm``'s lean kernel makes the outputs torch's makes; a real-size plan counts the same bytes in
+    every phase as on torch's own meta kernels; and after it, torch's registrations are back as they were, also once
+    the lifted libraries are collected."""
     import gc
     import torch.library
     from jagg_core.meta_kernels import cpp_meta_kernels
@@ -346,6 +347,14 @@ def test_a_plan_on_the_cpp_meta_kernels_counts_the_same_bytes_and_torchs_own_ker
             assert _meta_kernel_source("aten::mul.Tensor").endswith(".cpp")
         assert _meta_kernel_source("aten::mul.Tensor").endswith(".cpp")
     assert _meta_kernel_source("aten::mul.Tensor").endswith(".py")
+    group_norm = torch.ops.aten.native_group_norm.default
+    for x, affine in [(torch.empty(2, 8, 3, 5, 6, dtype=torch.bfloat16, device="meta"), True),
+                      (torch.empty(1, 6, 4, 4, device="meta"), False)]:
+        scale = torch.empty(x.shape[1], device="meta") if affine else None
+        args = (x, scale, scale, x.shape[0], x.shape[1], x[0, 0].numel(), 2, 1e-5)
+        expected = [(t.shape, t.dtype, t.stride()) for t in group_norm(*args)]
+        with cpp_meta_kernels():
+            assert [(t.shape, t.dtype, t.stride()) for t in group_norm(*args)] == expected
     gc.collect()
     assert set(torch.library._impls) == registered
 
