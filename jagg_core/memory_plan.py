@@ -148,6 +148,8 @@ class MemoryPlan:
     #: the judges on the CPU (``eval.judges_on_cpu``) by name and the size of each one's model, in each process's
     #: host memory (:func:`~jagg_core.judges.cpu_judges`)
     host_judges: dict[str, ScoringModelSize] = field(default_factory=dict)
+    #: the LoRA's trainable parameters
+    lora_params: int = 0
     #: the backward's traced transient by what it depends on (:func:`_backward_key`), shared with the plans that
     #: :func:`cheapest_fit` makes from this one: a change that leaves the backward alone does not trace it again
     backward_traces: dict[tuple, int] = field(default_factory=dict, repr=False, compare=False)
@@ -322,10 +324,13 @@ def _backward_key(cfg: RunConfig, stacked: int) -> tuple:
 
 
 @cpp_meta_kernels()
-def plan_memory(config: RunConfig, backward_traces: dict[tuple, int] | None = None, trace: bool = True) -> MemoryPlan:
+def plan_memory(config: RunConfig, backward_traces: dict[tuple, int] | None = None, trace: bool = True,
+                lora_params: int | None = None) -> MemoryPlan:
     """The memory plan of ``config`` (see the module docstring); ``backward_traces``: an earlier plan's
     :attr:`MemoryPlan.backward_traces`, to reuse and extend. ``trace`` False: the phases' activations are left at 0
-    (no tracing, a fraction of a second), so the plan's total is a floor of the traced plan's."""
+    (no tracing, a fraction of a second), so the plan's total is a floor of the traced plan's; with ``lora_params``
+    too (:attr:`MemoryPlan.lora_params` of a plan of the same model and ``lora`` settings) it adds no LoRA to its
+    meta model (peft's injection is most of such a plan's time: a second for FLUX's 500 linear layers)."""
     cfg = config
     forward_process = ALGORITHMS[cfg.train.algorithm] if cfg.train.algorithm != "grpo" else None
     dtype = DTYPES[cfg.model.dtype]
@@ -360,10 +365,12 @@ def plan_memory(config: RunConfig, backward_traces: dict[tuple, int] | None = No
         if size.params:
             plan.resident[f"{role} {spec.name} ({size.describe()}, {dtype})"] = size.bytes_in(dtype)
 
-    lora = model.add_lora(cfg.lora)
-    lora_count = sum(p.numel() for p in lora)
-    for param in lora:  # float32; under mixed precision it computes (and saves its inputs) in the autocast dtype
-        param.data = param.data.to(autocast or torch.float32)
+    if trace or lora_params is None:
+        lora = model.add_lora(cfg.lora)
+        lora_params = sum(p.numel() for p in lora)
+        for param in lora:  # float32; under mixed precision it computes (and saves its inputs) in the autocast dtype
+            param.data = param.data.to(autocast or torch.float32)
+    lora_count = plan.lora_params = lora_params
     state_bytes = 2 if cfg.train.optimizer == "adamw8bit" else 8
     ema = 4 if cfg.train.ema_decay > 0 else 0
     lagging = 4 if forward_process else 0  # NFT's old policy, AWM's EMA regularizer
@@ -575,10 +582,13 @@ def cheapest_fit(config: RunConfig, budget_gb: float,
     the weights, only the quantizing and resolution changes are."""
     changes: dict[str, object] = {}
     traces = {} if backward_traces is None else backward_traces
+    lora_params = None  # no change alters the LoRA: the first floor counts it, the others reuse the count
     for key, value in _memory_savers(config):
         config = _changed(config, key, value)
         changes[key] = value
-        if not fits(plan_memory(config, trace=False), budget_gb):
+        floor = plan_memory(config, trace=False, lora_params=lora_params)
+        lora_params = floor.lora_params
+        if not fits(floor, budget_gb):
             continue  # its weights and batch alone do not fit: its activations are not traced (seconds each)
         plan = plan_memory(config, traces)
         if fits(plan, budget_gb):

@@ -452,6 +452,9 @@ def test_the_cheapest_fit_traces_only_the_changes_whose_weights_and_batch_alone_
     traced = plan_memory(at_768)
     floor = plan_memory(at_768, trace=False)
     assert (floor.resident, floor.setup, floor.phase_parts) == (traced.resident, traced.setup, traced.phase_parts)
+    # a floor given the LoRA's size adds no LoRA to its model: the same plan (no change alters the LoRA)
+    assert plan_memory(at_768, trace=False, lora_params=floor.lora_params) == floor and floor.lora_params > 0
+    assert not any(key.startswith("lora.") for key in keys)
     assert set(floor.phases.values()) == {0} and floor.phases.keys() == traced.phases.keys()
     assert floor.total < traced.total
     budget = traced.total / GB + CUDA_CONTEXT_GB
@@ -460,9 +463,9 @@ def test_the_cheapest_fit_traces_only_the_changes_whose_weights_and_batch_alone_
     traced_plans = []
     real_plan = memory_plan.plan_memory
 
-    def recorded_plan(cfg, traces=None, trace=True):
+    def recorded_plan(cfg, traces=None, trace=True, lora_params=None):
         traced_plans.append(trace)
-        return real_plan(cfg, traces, trace)
+        return real_plan(cfg, traces, trace, lora_params)
 
     monkeypatch.setattr(memory_plan, "plan_memory", recorded_plan)
     changes, plan = cheapest_fit(config, budget)
