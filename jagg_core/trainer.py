@@ -165,7 +165,8 @@ class Trainer:
             return model
         distinct = len(dict.fromkeys(prompts))  # the app and accelerate launch the processes on one machine
         check_cache_room(bytes_per_prompt(model), distinct, self.run.path, self.accelerator.num_processes)
-        self._phase("loading", f"encoding {distinct} prompts for the text-embedding cache")
+        images = " and their input images" if model.encodes_input_images else ""
+        self._phase("loading", f"encoding {distinct} prompts{images} for the text-embedding cache")
         model.encode_and_cache(prompts, progress=self._say_encoded)
         if self.is_main:
             save_embeddings(self.run.text_embeddings_file, model.cached_embeddings, cfg.model)

@@ -542,6 +542,7 @@ def test_the_memory_plan_counts_the_input_image_and_meets_the_measured_peak(name
     trainer.setup()
     measured, planned = measured_peak(trainer), plan_memory(config)
     assert planned.family == trainer.model.family
+    assert "prompts and their input images for the text-embedding cache" in trainer.run.log_file.read_text()
     assert 0.75 <= planned.total / measured <= 1.25, f"planned {planned.total:.3g} B, measured {measured:.3g} B"
     assert plan_memory(editing_config(name, model__condition_resolution=16, **settings)).total < planned.total
 
