@@ -73,7 +73,7 @@ OPTIONAL_PARAMS = {k.key.replace(".", "_") for k in KNOBS if k.optional} | {"pro
 COMPARE_ITERATIONS, COMPARE_MINUTES = "iterations", "training minutes"
 COMPARE_HINT = "Choose two or more runs to compare them."
 #: Try it's image boxes (label, elem_id), 'Picture 1' first: the chosen run's model.input_images of them show
-TRY_INPUTS = (("Input image (image-editing models)", "try-input"),
+TRY_INPUTS = (("Input image (editing; image-to-video: the first frame)", "try-input"),
               ("Picture 2 (runs of 2 or 3 input images)", "try-input-2"),
               ("Picture 3 (runs of 3 input images)", "try-input-3"))
 CSS = """
@@ -838,7 +838,8 @@ def build_app(root: Path | None = None) -> gr.Blocks:
 
                 gr.Markdown("## 4 · Try it\nA prompt of your own, with the adapter chosen above, beside the base model "
                             "(same seed, the run's sampler and size); for an image-editing model, an instruction and "
-                            "the image it applies to (or the images, Picture 1 first).")
+                            "the image it applies to (or the images, Picture 1 first); for image-to-video, a prompt "
+                            "and the video's first frame.")
                 with gr.Row():
                     try_prompt = gr.Textbox(label="Prompt", placeholder="a red circle on a blue background, top left",
                                             scale=3, elem_id="try-prompt")
@@ -846,7 +847,7 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                 with gr.Row():  # as many as the run's model.input_images, 'Picture 1' first (Studio.try_inputs)
                     try_inputs = [gr.Image(label=label, type="filepath", sources=["upload"], height=200,
                                            elem_id=elem_id) for label, elem_id in TRY_INPUTS]
-                try_whole = gr.Checkbox(True, label="Edit the whole picture, in its shape", elem_id="try-whole",
+                try_whole = gr.Checkbox(True, label="Use the whole picture, in its shape", elem_id="try-whole",
                                         info="the run's sizes' areas in the picture's shape, as the pipelines edit; "
                                              "off: the run's own sizes, the picture centre-cropped to them, as its "
                                              "evals saw their inputs")

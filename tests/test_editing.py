@@ -723,7 +723,7 @@ def test_generates_out_is_a_picture_file_its_folder_made_and_else_one_line_befor
 
 def test_try_it_on_the_page_sends_the_uploaded_image(edit_run, tmp_path):
     """The page's Try it runs ``python -m jagg_core.generate ... --image UPLOAD`` for an editing run (with ``--shape
-    run`` when "Edit the whole picture" is off); a second picture for a run of one image a row is refused in
+    run`` when "Use the whole picture" is off); a second picture for a run of one image a row is refused in
     generate's line (a run of two: the two-image run's test)."""
     from app.ui import Studio
 
