@@ -85,6 +85,12 @@ class ModelConfig(_Section):
                                         "before a download and at set-up (--plan shows its size); false: the "
                                         "encoders stay on the device and "
                                         "each iteration encodes its prompts, keeping only the eval prompts'")
+    offload_text_encoders: bool = Field(False, description="the text encoders stay in host memory and each layer "
+                                        "comes to the device as it runs (accelerate's cpu_offload): the encoding "
+                                        "holds one layer's weights on the device instead of the encoders' (FLUX.2 "
+                                        "[dev]'s Mistral Small: 1.3 GB instead of 48), the same embeddings, the "
+                                        "encoding slower (every batch streams the weights over the bus); with "
+                                        "model.cache_text_embeddings that is once, at set-up")
     vae_slicing: bool = Field(True, description="the VAE decodes one image (or video) at a time (diffusers "
                               "enable_slicing), each moved to host memory once decoded: the decode's peak memory "
                               "no longer grows with the batch")

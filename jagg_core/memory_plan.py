@@ -296,7 +296,17 @@ def _meta_model(cfg: RunConfig, dtype: torch.dtype | None = None) -> FlowModel:
     if dtype is not None:
         with META:
             pipe = pipe.to(dtype=dtype)
-    return family_class(pipe, cfg.model, META, num_frames=cfg.sampling.num_frames)
+    placed = cfg.model.model_copy(update={"offload_text_encoders": False})  # the plan counts an offload itself
+    return family_class(pipe, placed, META, num_frames=cfg.sampling.num_frames)
+
+
+def _offloaded_elements(encoders: list[torch.nn.Module]) -> int:
+    """Elements the text encoders hold on the device under ``model.offload_text_encoders`` (accelerate's
+    ``cpu_offload``): their buffers, which stay there, and the largest of their modules' own parameters, which come
+    one module at a time as it runs."""
+    largest = max((sum(p.numel() for p in module.parameters(recurse=False))
+                   for encoder in encoders for module in encoder.modules()), default=0)
+    return largest + sum(b.numel() for encoder in encoders for b in encoder.buffers())
 
 
 def _text_cache(cfg: RunConfig, model: FlowModel) -> tuple[int, int]:
@@ -353,9 +363,13 @@ def plan_memory(config: RunConfig, backward_traces: dict[tuple, int] | None = No
     vae_bytes = _params(pipe.vae) * element
     plan.resident[f"VAE ({_count(_params(pipe.vae))}, {cfg.model.dtype})"] = vae_bytes
     encoders = model.text_encoders
-    encoder_bytes = sum(_params(e) for e in encoders) * element
     encoder_names = " + ".join(type(e).__name__.removesuffix("Model").removesuffix("ForConditionalGeneration")
                                .removesuffix("ForCausalLM") for e in encoders)
+    if cfg.model.offload_text_encoders:  # one module's weights on the device at a time
+        encoder_bytes = _offloaded_elements(encoders) * element
+        encoder_names += ", offloaded: 1 layer"
+    else:
+        encoder_bytes = sum(_params(e) for e in encoders) * element
     if not cfg.model.cache_text_embeddings:
         plan.resident[f"text encoders ({encoder_names})"] = encoder_bytes
     device_judges = [] if cfg.eval.judges_on_cpu else cfg.eval.judges
@@ -512,7 +526,8 @@ def _int8_dequantizing(transformer: torch.nn.Module, quantize: str):
 # ----- what fits -------------------------------------------------------------------------------------------
 def _memory_savers(config: RunConfig) -> list[tuple[str, object]]:
     """Config changes that lower the peak, the ones that keep the training's result first: the judges on the CPU,
-    the same gradient at more time (sequential endpoints, checkpointing, smaller rollout chunks and micro-batches),
+    the text encoders offloaded (the same embeddings, a slower set-up), the same gradient at more time (sequential
+    endpoints, checkpointing, smaller rollout chunks and micro-batches),
     then a tiled VAE decode (the rewards see slightly different pixels), fewer bits (8-bit AdamW, int8, NF4 weights),
     then a lower resolution (a different run)."""
     cfg = config
@@ -520,6 +535,8 @@ def _memory_savers(config: RunConfig) -> list[tuple[str, object]]:
     savers: list[tuple[str, object]] = []
     if not cfg.eval.judges_on_cpu and any(reward_entry(spec.name).device_params_m for spec in cfg.eval.judges):
         savers.append(("eval.judges_on_cpu", True))
+    if not cfg.model.offload_text_encoders:
+        savers.append(("model.offload_text_encoders", True))
     if _joint_passes(cfg):
         savers.append(("backward.joint", False))
     if not cfg.train.gradient_checkpointing:

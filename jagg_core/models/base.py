@@ -18,6 +18,7 @@ from typing import Callable
 
 import numpy as np
 import torch
+from accelerate import cpu_offload
 from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.utils import convert_unet_state_dict_to_peft
 from peft import LoraConfig as PeftLoraConfig
@@ -112,7 +113,11 @@ class FlowModel(ABC):
         self._place_transformer = place_transformer
         pipe.set_progress_bar_config(disable=True)
         for module in self.text_encoders:
-            module.requires_grad_(False).eval().to(self.device)
+            module.requires_grad_(False).eval()
+            if config.offload_text_encoders:  # its weights stay on the host, each module's coming as it runs
+                cpu_offload(module, execution_device=self.device)
+            else:
+                module.to(self.device)
         pipe.vae.requires_grad_(False).eval()
         if config.vae_slicing:
             pipe.vae.enable_slicing()
