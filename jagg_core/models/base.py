@@ -97,11 +97,12 @@ class FlowModel(ABC):
     def __init__(self, pipe, config: ModelConfig, device: torch.device | str = "cpu", *, defer_denoiser: bool = False,
                  prepare_transformer: Callable[[], None] | None = None, place_transformer: bool = True,
                  num_frames: int = 1):
-        """Frozen components go to ``device``. ``prepare_transformer`` (quantization) sets ``pipe.transformer``
-        before it is placed. With ``defer_denoiser`` the transformer (and the VAE of a model that does not encode
-        input images) wait until :meth:`release_text_encoders`, so the text encoders never share the accelerator with
-        it. ``num_frames``
-        (``sampling.num_frames``): the frames of one sample of a video family; an image family takes 1 only."""
+        """Frozen components go to ``device`` (the text encoders' weights stay on the host under
+        ``model.offload_text_encoders``, each module's coming to ``device`` as it runs). ``prepare_transformer``
+        (quantization) sets ``pipe.transformer`` before it is placed. With ``defer_denoiser`` the transformer (and the
+        VAE of a model that does not encode input images) waits until :meth:`release_text_encoders`, so the text
+        encoders never share the accelerator with it. ``num_frames`` (``sampling.num_frames``): the frames of one
+        sample of a video family; an image family takes 1 only."""
         if num_frames != 1 and not self.is_video:
             raise UserError(f"sampling.num_frames is {num_frames}, but {self.family} makes images: set it to 1")
         self.num_frames = num_frames
