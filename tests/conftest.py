@@ -147,15 +147,42 @@ def adapter_and_base_velocity(model, z, sigma, cond):
 
 
 #: the browser tests' waits end on the state they wait for; this is only a safety cap (ms) against a page that never
-#: gets there, far above what a loaded 2-core machine needs
-BROWSER_CAP_MS = 900_000
+#: gets there, far above what a loaded 2-core machine needs (the longest wait, a 3-iteration run's end, is under a
+#: minute), and short enough that a wait on a state that never comes fails with its page's state (below) in the log
+BROWSER_CAP_MS = 300_000
+#: the browser tests' pages, whose state a failed test's report shows while they are open
+BROWSER_PAGES: list = []
 
 
 def wait_on_states_only(page) -> None:
-    """Every ``expect`` and page wait of the browser tests waits for its state, capped at :data:`BROWSER_CAP_MS`."""
+    """Every ``expect`` and page wait of the browser tests waits for its state, capped at :data:`BROWSER_CAP_MS`; a
+    browser test that fails while ``page`` is open shows the page's text in its report."""
     from playwright.sync_api import expect
     expect.set_options(timeout=BROWSER_CAP_MS)
     page.set_default_timeout(BROWSER_CAP_MS)
+    BROWSER_PAGES.append(page)
+
+
+def page_state(page, limit: int = 6000) -> str:
+    """What ``page`` shows: its address and the start of its visible text (``limit`` characters)."""
+    text = page.locator("body").inner_text(timeout=10_000)
+    return f"{page.url}\n{text[:limit]}" + ("\n[...]" if len(text) > limit else "")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report holds the text of every browser page still open (the module-scoped page of
+    :mod:`tests.test_app_ux_browser`): which state a wait that ran out waited for is in Playwright's message, what
+    the page showed instead is here."""
+    report = yield
+    BROWSER_PAGES[:] = [page for page in BROWSER_PAGES if not page.is_closed()]
+    if report.failed:
+        for page in BROWSER_PAGES:
+            try:
+                report.sections.append((f"the page when {item.name} failed", page_state(page)))
+            except Exception as error:  # a page that cannot answer: say so, the failure itself is the report
+                report.sections.append((f"the page when {item.name} failed", f"not readable: {error}"))
+    return report
 
 
 #: the reward-hacking alarm's line, as the trainer writes it (jagg_core.metrics.HACKING_ALARM)
