@@ -150,9 +150,9 @@ class MemoryPlan:
     host_judges: dict[str, ScoringModelSize] = field(default_factory=dict)
     #: the LoRA's trainable parameters
     lora_params: int = 0
-    #: the backward's traced transient by what it depends on (:func:`_backward_key`), shared with the plans that
-    #: :func:`cheapest_fit` makes from this one: a change that leaves the backward alone does not trace it again
-    backward_traces: dict[tuple, int] = field(default_factory=dict, repr=False, compare=False)
+    #: each phase's traced transient by what it depends on (:func:`_trace_key`), shared with the plans that
+    #: :func:`cheapest_fit` makes from this one: a change that leaves a phase alone does not trace it again
+    traces: dict[tuple, int] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def host_cache(self) -> int:
@@ -324,20 +324,24 @@ def check_text_cache_before_download(config: RunConfig, run_dir: Path, processes
         check_cache_room(per_prompt, prompts, run_dir, processes)
 
 
-def _backward_key(cfg: RunConfig, stacked: int) -> tuple:
-    """What the backward's trace depends on: the meta model (the model's settings, the compute dtype, the LoRA), its
-    input's shape (batch, resolution, frames) and checkpointing. The phases traced before it on the same meta model
-    (the rollout forward, the VAE decode) leave no state that depends on their batch sizes (Qwen-Image keeps its
-    rotary tables by resolution), so a smaller rollout chunk keeps the key."""
-    return (cfg.model.model_dump_json(), cfg.lora.model_dump_json(), cfg.train.mixed_precision,
-            cfg.train.gradient_checkpointing, cfg.sampling.resolution, cfg.sampling.num_frames, stacked)
+def _trace_key(phase: str, cfg: RunConfig, batch: int, compute: torch.dtype) -> tuple:
+    """What ``phase``'s trace depends on: the meta model (the model's settings but where the text encoders live; the
+    VAE's tiling and slicing only for the decode, the transformer's quantization not for it; the ``compute`` dtype,
+    the LoRA), its input's shape (``batch``, resolution, frames) and, for the backward, checkpointing. The rollout
+    forward, traced before the backward on the same meta model, leaves no state that depends on its batch size
+    (Qwen-Image keeps its rotary tables by resolution), so a smaller rollout chunk keeps the backward's key; the VAE
+    decode leaves none in the transformer."""
+    unused = {"offload_text_encoders"} | ({"quantize"} if phase == "VAE decode" else {"vae_tiling", "vae_slicing"})
+    checkpointing = cfg.train.gradient_checkpointing if phase == "backward" else None
+    return (phase, cfg.model.model_dump_json(exclude=unused), cfg.lora.model_dump_json(), str(compute),
+            checkpointing, cfg.sampling.resolution, cfg.sampling.num_frames, batch)
 
 
 @cpp_meta_kernels()
-def plan_memory(config: RunConfig, backward_traces: dict[tuple, int] | None = None, trace: bool = True,
+def plan_memory(config: RunConfig, traces: dict[tuple, int] | None = None, trace: bool = True,
                 lora_params: int | None = None) -> MemoryPlan:
-    """The memory plan of ``config`` (see the module docstring); ``backward_traces``: an earlier plan's
-    :attr:`MemoryPlan.backward_traces`, to reuse and extend. ``trace`` False: the phases' activations are left at 0
+    """The memory plan of ``config`` (see the module docstring); ``traces``: an earlier plan's
+    :attr:`MemoryPlan.traces`, to reuse and extend. ``trace`` False: the phases' activations are left at 0
     (no tracing, a fraction of a second), so the plan's total is a floor of the traced plan's; with ``lora_params``
     too (:attr:`MemoryPlan.lora_params` of a plan of the same model and ``lora`` settings) it adds no LoRA to its
     meta model (peft's injection is most of such a plan's time: a second for FLUX's 500 linear layers)."""
@@ -353,7 +357,7 @@ def plan_memory(config: RunConfig, backward_traces: dict[tuple, int] | None = No
     pipe, transformer = model.pipe, model.transformer
     element = torch.tensor([], dtype=dtype).element_size()
     plan = MemoryPlan(cfg.model.name, model.family, cfg.sampling.size,
-                      backward_traces={} if backward_traces is None else backward_traces)
+                      traces={} if traces is None else traces)
 
     # ----- resident weights
     frozen_bytes = _transformer_bytes(transformer, cfg.model.quantize,
@@ -451,17 +455,24 @@ def plan_memory(config: RunConfig, backward_traces: dict[tuple, int] | None = No
         with torch.no_grad():
             model.velocity(torch.zeros((batch, *latent), device=META), sigma.expand(batch), conditioning(batch))
 
-    plan.phases["rollout forward"] = _traced_in_depth(lambda: forward(max(chunk, eval_chunk)), weights, transformer,
-                                                      backward=False)
+    def decode(count: int) -> None:
+        with torch.no_grad():
+            model.decode_samples(torch.zeros((count, *latent), device=META), conditioning(count))
 
-    def decode(count: int) -> int:
-        def run() -> None:
-            with torch.no_grad():
-                model.decode_samples(torch.zeros((count, *latent), device=META), conditioning(count))
-        return _traced(run, weights)
-
+    backward_key = _trace_key("backward", cfg, stacked, compute)
+    fresh = backward_key not in plan.traces  # the backward is traced after the rollout forward on its meta model
+    forward_batch = max(chunk, eval_chunk)
+    forward_key = _trace_key("rollout forward", cfg, forward_batch, compute)
+    if fresh or forward_key not in plan.traces:
+        plan.traces[forward_key] = _traced_in_depth(lambda: forward(forward_batch), weights, transformer,
+                                                    backward=False)
+    plan.phases["rollout forward"] = plan.traces[forward_key]
     # one sample at a time, each to the host once decoded (model.vae_slicing), else the batch at once
-    plan.phases["VAE decode"] = decode(1 if cfg.model.vae_slicing else samples)
+    decoded = 1 if cfg.model.vae_slicing else samples
+    decode_key = _trace_key("VAE decode", cfg, decoded, compute)
+    if decode_key not in plan.traces:  # the VAE's: no state of the transformer's
+        plan.traces[decode_key] = _traced(lambda: decode(decoded), weights)
+    plan.phases["VAE decode"] = plan.traces[decode_key]
 
     if cfg.train.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
@@ -473,14 +484,13 @@ def plan_memory(config: RunConfig, backward_traces: dict[tuple, int] | None = No
             velocity = model.velocity(z, sigma.expand(stacked), conditioning(stacked))
             (velocity * torch.zeros_like(velocity)).sum().backward()
 
-    key = _backward_key(cfg, stacked)
-    if key not in plan.backward_traces:
+    if fresh:
         if cfg.model.quantize == "int8":  # the peak's moment moves with the depth: no extrapolation (seconds more)
-            plan.backward_traces[key] = _traced(backward, weights)
+            plan.traces[backward_key] = _traced(backward, weights)
         else:
-            plan.backward_traces[key] = _traced_in_depth(backward, weights, transformer, backward=True) + \
+            plan.traces[backward_key] = _traced_in_depth(backward, weights, transformer, backward=True) + \
                 (_dequantized_weight(transformer) if cfg.model.quantize == "nf4" else 0)
-    plan.phases["backward"] = plan.backward_traces[key]
+    plan.phases["backward"] = plan.traces[backward_key]
     return plan
 
 
@@ -560,9 +570,9 @@ def _memory_savers(config: RunConfig) -> list[tuple[str, object]]:
     return savers
 
 
-def _changed(config: RunConfig, key: str, value) -> RunConfig:
-    """``config`` with ``key`` (``section.name``) set to ``value``, validated again."""
-    return with_overrides(config, [f"{key}={json.dumps(value)}"])
+def _changed(config: RunConfig, changes: dict[str, object]) -> RunConfig:
+    """``config`` with each ``section.name`` key of ``changes`` set to its value, validated again."""
+    return with_overrides(config, [f"{key}={json.dumps(value)}" for key, value in changes.items()])
 
 
 def check_host(plan: MemoryPlan, run_dir: Path, processes: int = 1) -> str:
@@ -591,26 +601,46 @@ def fits(plan: MemoryPlan, gpu_gb: float) -> bool:
 
 @cpp_meta_kernels()
 def cheapest_fit(config: RunConfig, budget_gb: float,
-                 backward_traces: dict[tuple, int] | None = None) -> tuple[list[str], MemoryPlan] | None:
-    """The first changes of :func:`_memory_savers`, applied in turn, after which the plan fits ``budget_gb``: the
-    ``--set`` overrides and the plan; None when even all of them do not fit. The plans share their backward traces
-    (and ``backward_traces``, the plan of ``config``'s): most changes leave the backward alone. A change whose plan
-    without activations (``trace=False``, a floor of its plan) does not fit is not traced: on a card too small for
-    the weights, only the quantizing and resolution changes are."""
-    changes: dict[str, object] = {}
-    traces = {} if backward_traces is None else backward_traces
+                 traces: dict[tuple, int] | None = None) -> tuple[list[str], MemoryPlan] | None:
+    """The fewest and mildest changes of :func:`_memory_savers` after which the plan fits ``budget_gb``: the
+    ``--set`` overrides and the plan; None when even all of them do not fit.
+
+    The changes are applied in turn until the plan fits; then each earlier one that the fit does not need is undone,
+    the costliest first (a tiled decode before smaller micro-batches before sequential endpoints ...), or made only
+    as strong as it must be (``sampling.rollout_chunk=4`` where the search went on to 1): a smaller change may fit
+    once a later one has. The plans share their phases' traces (and ``traces``, the plan of ``config``'s): most
+    changes leave most phases alone. A change whose plan without activations (``trace=False``, a floor of its
+    plan) does not fit is not traced: on a card too small for the weights, only the quantizing and resolution
+    changes are."""
+    traces = {} if traces is None else traces
     lora_params = None  # no change alters the LoRA: the first floor counts it, the others reuse the count
-    for key, value in _memory_savers(config):
-        config = _changed(config, key, value)
-        changes[key] = value
-        floor = plan_memory(config, trace=False, lora_params=lora_params)
+
+    def fitting_plan(changes: dict[str, object]) -> MemoryPlan | None:
+        nonlocal lora_params
+        changed = _changed(config, changes)
+        floor = plan_memory(changed, trace=False, lora_params=lora_params)
         lora_params = floor.lora_params
         if not fits(floor, budget_gb):
-            continue  # its weights and batch alone do not fit: its activations are not traced (seconds each)
-        plan = plan_memory(config, traces)
-        if fits(plan, budget_gb):
-            return [f"{k}={json.dumps(v)}" for k, v in changes.items()], plan
-    return None
+            return None  # its weights and batch alone do not fit: its activations are not traced (seconds each)
+        plan = plan_memory(changed, traces)
+        return plan if fits(plan, budget_gb) else None
+
+    savers = _memory_savers(config)
+    changes: dict[str, object] = {}
+    for key, value in savers:
+        changes[key] = value
+        if plan := fitting_plan(changes):
+            break
+    else:
+        return None
+    for key in reversed(list(changes)[:-1]):  # the last change is needed: the plan did not fit before it
+        stronger = [v for k, v in savers if k == key]
+        for milder in [None, *stronger[:stronger.index(changes[key])]]:  # none at all, then each step of it
+            trial = {k: (milder if k == key else v) for k, v in changes.items() if k != key or milder is not None}
+            if smaller := fitting_plan(trial):
+                changes, plan = trial, smaller
+                break
+    return [f"{k}={json.dumps(v)}" for k, v in changes.items()], plan
 
 
 def check_fits(plan: MemoryPlan, config: RunConfig, budget_gb: float | None) -> str:
@@ -626,7 +656,7 @@ def check_fits(plan: MemoryPlan, config: RunConfig, budget_gb: float | None) -> 
     planned = f"planned peak {plan.total / GB:.1f} GB + {CUDA_CONTEXT_GB:g} GB CUDA context"
     if fits(plan, budget_gb):
         return f"fits: {planned} of {budget_gb:.1f} GB"
-    fix = cheapest_fit(config, budget_gb, plan.backward_traces)
+    fix = cheapest_fit(config, budget_gb, plan.traces)
     if fix is None:
         return (f"does not fit: {planned}, the GPU has {budget_gb:.1f} GB, and no setting change fits; use a larger "
                 "GPU or shard with presets/accelerate/fsdp.yaml")

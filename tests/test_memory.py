@@ -440,24 +440,31 @@ def test_a_plan_that_does_not_fit_names_the_cheapest_change_that_does(tmp_path, 
     assert plan_memory(load_config(config_file=tmp_path / "run.yaml", overrides=changes)).total == plan.total
 
 
-def test_the_cheapest_fits_plans_share_the_backwards_traces_and_equal_the_plans_made_afresh(offline):
-    """The cheapest fit plans the config after each change in turn (54 s for FLUX's int8 preset at 12 GB, whose
-    backward is traced at its full depth, when every change traced it; 27 s sharing): the changes that leave the
-    backward alone reuse its trace, and those plans are the plans made afresh (Qwen-Image keeps rotary tables from one
-    trace to the next)."""
+def test_the_cheapest_fits_plans_share_the_phases_traces_and_equal_the_plans_made_afresh(offline):
+    """The cheapest fit plans the config after each change in turn, then without each change it may not need (54 s
+    for FLUX's int8 preset at 12 GB, whose backward is traced at its full depth, when every change traced it): a
+    change traces only the phases it alters anew (a smaller rollout chunk the rollout forward, a tiled decode the
+    decode, offloaded text encoders none, fewer bits the decode only where the compute dtype changes; one that
+    alters the backward traces the rollout forward again on the backward's meta model), and every plan is the plan
+    made afresh (Qwen-Image keeps rotary tables from one trace to the next)."""
     config = tiny_config("tiny-qwen", sampling__resolution=32, grpo__num_generations=2,
                          eval__judges=[{"name": "aesthetic"}])
-    traces, reused = plan_memory(config).backward_traces, []
+    traces, traced_anew = plan_memory(config).traces, {}
     for key, value in memory_plan._memory_savers(config):
-        config = memory_plan._changed(config, key, value)
-        traced = len(traces)
+        config = memory_plan._changed(config, {key: value})
+        before = set(traces)
         shared = plan_memory(config, traces)
-        assert shared.backward_traces is traces
-        if len(traces) == traced:
-            reused.append(f"{key}={value}")
-            assert shared.totals == plan_memory(config).totals, reused[-1]
-    assert reused == ["eval.judges_on_cpu=True", "sampling.rollout_chunk=2", "sampling.rollout_chunk=1",
-                      "train.optimizer=adamw8bit"]
+        assert shared.traces is traces
+        assert shared.totals == plan_memory(config).totals, f"{key}={value}"
+        traced_anew[f"{key}={value}"] = sorted(phase for phase, *_ in set(traces) - before)
+    assert traced_anew == {
+        "eval.judges_on_cpu=True": [], "model.offload_text_encoders=True": [],
+        "backward.joint=False": ["backward"], "train.gradient_checkpointing=True": ["backward"],
+        "sampling.rollout_chunk=2": ["rollout forward"], "sampling.rollout_chunk=1": ["rollout forward"],
+        "train.gradient_accumulation_steps=2": ["backward"], "train.gradient_accumulation_steps=4": ["backward"],
+        "model.vae_tiling=True": ["VAE decode"], "train.optimizer=adamw8bit": [],
+        "model.quantize=int8": ["VAE decode", "backward", "rollout forward"],  # and the compute dtype: bf16
+        "model.quantize=nf4": ["backward", "rollout forward"]}
 
 
 def test_the_cheapest_fit_traces_only_the_changes_whose_weights_and_batch_alone_fit(offline, monkeypatch):
@@ -467,7 +474,7 @@ def test_the_cheapest_fit_traces_only_the_changes_whose_weights_and_batch_alone_
     change to be traced)."""
     config = tiny_config("tiny-flux", sampling__resolution=1024, grpo__num_generations=4)
     prefixes = list(itertools.accumulate(memory_plan._memory_savers(config),
-                                         lambda cfg, change: memory_plan._changed(cfg, *change), initial=config))
+                                         lambda cfg, change: memory_plan._changed(cfg, dict([change])), initial=config))
     keys = [key for key, _ in memory_plan._memory_savers(config)]
     at_768 = prefixes[keys.index("sampling.resolution") + 1]
     traced = plan_memory(at_768)
@@ -481,17 +488,41 @@ def test_the_cheapest_fit_traces_only_the_changes_whose_weights_and_batch_alone_
     budget = traced.total / GB + CUDA_CONTEXT_GB
     before_768 = prefixes[1:keys.index("sampling.resolution") + 1]
     assert not any(fits(plan_memory(cfg, trace=False), budget) for cfg in before_768)
-    traced_plans = []
+    plans = []  # (traced, config, fits) of each plan the search makes
     real_plan = memory_plan.plan_memory
 
     def recorded_plan(cfg, traces=None, trace=True, lora_params=None):
-        traced_plans.append(trace)
-        return real_plan(cfg, traces, trace, lora_params)
+        made = real_plan(cfg, traces, trace, lora_params)
+        plans.append((trace, cfg, fits(made, budget)))
+        return made
 
     monkeypatch.setattr(memory_plan, "plan_memory", recorded_plan)
     changes, plan = cheapest_fit(config, budget)
-    assert changes[-1] == "sampling.resolution=768" and plan.totals == traced.totals
-    assert traced_plans.count(True) == 1 and len(traced_plans) == 15
+    assert changes[-1] == "sampling.resolution=768" and fits(plan, budget)
+    # in turn: 13 floors that do not fit, then the floor and the traced plan at 768 px
+    assert [(traced, fit) for traced, _, fit in plans[:15]] == [(False, False)] * 13 + [(False, True), (True, True)]
+    # then each change undone or made milder: a plan is traced only after its floor fit
+    for (floor_traced, floor_config, floor_fits), (traced, config, _) in zip(plans, plans[1:]):
+        assert not traced or (not floor_traced and floor_config is config and floor_fits)
+
+
+def test_the_cheapest_fit_keeps_only_the_changes_it_needs_each_no_stronger_than_it_must(offline):
+    """The changes are applied in turn until the plan fits (here 5: offloaded text encoders, sequential endpoints,
+    checkpointing, rollout chunks of 1, 4 micro-batches); then each earlier one is undone where the fit does not
+    need it (the offload, checkpointing) or made milder (rollout chunks of 4). Each change of the answer is needed:
+    the plan without it, or with a milder value of it, does not fit."""
+    config = tiny_config(sampling__resolution=64, grpo__num_generations=4)
+    budget = 0.25 * plan_memory(config).total / GB + CUDA_CONTEXT_GB
+    changes, plan = cheapest_fit(config, budget)
+    assert changes == ["backward.joint=false", "sampling.rollout_chunk=4", "train.gradient_accumulation_steps=4"]
+    chosen = {key: json.loads(value) for key, value in (change.split("=", 1) for change in changes)}
+    assert plan.totals == plan_memory(memory_plan._changed(config, chosen)).totals and fits(plan, budget)
+    savers = memory_plan._memory_savers(config)
+    for key, value in chosen.items():
+        steps = [saved for saver, saved in savers if saver == key]
+        for milder in [None, *steps[:steps.index(value)]]:
+            weaker = {k: v for k, v in chosen.items() if k != key} | ({} if milder is None else {key: milder})
+            assert not fits(plan_memory(memory_plan._changed(config, weaker)), budget), (key, milder)
 
 
 def test_judges_on_the_cpu_move_to_host_memory_and_are_the_first_change_when_the_plan_does_not_fit(
