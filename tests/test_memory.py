@@ -472,22 +472,22 @@ def test_the_cheapest_fit_traces_only_the_changes_whose_weights_and_batch_alone_
     second) is a floor of the traced plan, so a change whose floor does not fit cannot fit, and the search traces
     only the others: here 1 plan instead of 14 (a 10 GB card asked about FLUX.1-dev in bf16 waited 24 s for every
     change to be traced)."""
-    config = tiny_config("tiny-flux", sampling__resolution=1024, grpo__num_generations=4)
+    config = tiny_config("tiny-flux", sampling__resolution=512, grpo__num_generations=4)
     prefixes = list(itertools.accumulate(memory_plan._memory_savers(config),
                                          lambda cfg, change: memory_plan._changed(cfg, dict([change])), initial=config))
     keys = [key for key, _ in memory_plan._memory_savers(config)]
-    at_768 = prefixes[keys.index("sampling.resolution") + 1]
-    traced = plan_memory(at_768)
-    floor = plan_memory(at_768, trace=False)
+    at_384 = prefixes[keys.index("sampling.resolution") + 1]
+    traced = plan_memory(at_384)
+    floor = plan_memory(at_384, trace=False)
     assert (floor.resident, floor.setup, floor.phase_parts) == (traced.resident, traced.setup, traced.phase_parts)
     # a floor given the LoRA's size adds no LoRA to its model: the same plan (no change alters the LoRA)
-    assert plan_memory(at_768, trace=False, lora_params=floor.lora_params) == floor and floor.lora_params > 0
+    assert plan_memory(at_384, trace=False, lora_params=floor.lora_params) == floor and floor.lora_params > 0
     assert not any(key.startswith("lora.") for key in keys)
     assert set(floor.phases.values()) == {0} and floor.phases.keys() == traced.phases.keys()
     assert floor.total < traced.total
     budget = traced.total / GB + CUDA_CONTEXT_GB
-    before_768 = prefixes[1:keys.index("sampling.resolution") + 1]
-    assert not any(fits(plan_memory(cfg, trace=False), budget) for cfg in before_768)
+    before_384 = prefixes[1:keys.index("sampling.resolution") + 1]
+    assert not any(fits(plan_memory(cfg, trace=False), budget) for cfg in before_384)
     plans = []  # (traced, config, fits) of each plan the search makes
     real_plan = memory_plan.plan_memory
 
@@ -498,8 +498,8 @@ def test_the_cheapest_fit_traces_only_the_changes_whose_weights_and_batch_alone_
 
     monkeypatch.setattr(memory_plan, "plan_memory", recorded_plan)
     changes, plan = cheapest_fit(config, budget)
-    assert changes[-1] == "sampling.resolution=768" and fits(plan, budget)
-    # in turn: 13 floors that do not fit, then the floor and the traced plan at 768 px
+    assert changes[-1] == "sampling.resolution=384" and fits(plan, budget)
+    # in turn: 13 floors that do not fit, then the floor and the traced plan at 384 px
     assert [(traced, fit) for traced, _, fit in plans[:15]] == [(False, False)] * 13 + [(False, True), (True, True)]
     # then each change undone or made milder: a plan is traced only after its floor fit
     for (floor_traced, floor_config, floor_fits), (traced, config, _) in zip(plans, plans[1:]):
