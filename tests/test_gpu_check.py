@@ -25,7 +25,7 @@ from jagg_core.gpu_check import (CheckOptions, all_steps, format_tables, memory_
 from jagg_core.errors import UserError
 from jagg_core.gpu_check.driver import README_END, README_START, write_readme
 from jagg_core.gpu_check.ledger import describe_order
-from jagg_core.gpu_check.settings import CurrentSettings
+from jagg_core.gpu_check.settings import CurrentSettings, changed_settings, step_settings
 from jagg_core.memory_plan import CUDA_CONTEXT_GB
 from jagg_core.gpu_check.triage import FLUX_PATH_SETTINGS
 
@@ -62,7 +62,7 @@ def test_the_check_has_a_step_for_each_figure_the_issue_asks_for():
                                      "wan22-ti2v-5b-pickscore-24gb", "wan22-ti2v-5b-i2v-pickscore-24gb",
                                      "flux-kontext-clipdir-24gb", "qwen-image-edit-clipdir-24gb",
                                      "flux2-klein-edit-clipdir-24gb", "sd35-medium-pickscore-nft-24gb"}
-    assert {f"memory-{p}" for p in memory_presets()} <= set(names)
+    assert {f"memory-{p}" for p in memory_presets()} | {"memory-sd35-medium-pickscore-16gb-offload"} <= set(names)
     assert {f"bench-{a}" for a in ("sd35-medium", "flux-dev", "qwen-image", "flux2-klein-4b", "z-image-turbo",
                                    "wan21-t2v-1.3b")} <= set(names)
     assert {f"quantize-sd35-medium-{b}" for b in ("bf16", "int8", "nf4")} <= set(names)
@@ -462,6 +462,24 @@ def test_an_unknown_step_or_a_parallel_below_one_is_one_line(tmp_path):
     assert done.returncode == 2 and "Traceback" not in done.stderr and "--parallel must be at least 1" in done.stderr
 
 
+def test_the_offload_variant_measures_the_16gb_recipe_with_only_its_text_encoders_offloaded(tmp_path):
+    """``model.offload_text_encoders`` is on in no 16/24 GB preset: a step of its own measures the SD3.5 16 GB recipe
+    with it (its plan's set-up holds one layer of the encoders), beside the others on the card it is made for, and
+    its row says so in the memory table."""
+    steps = {step.name: step for step in all_steps(CheckOptions())}
+    plain, offload = steps["memory-sd35-medium-pickscore-16gb"], steps["memory-sd35-medium-pickscore-16gb-offload"]
+    assert offload.shares_gb == plain.shares_gb == 16 and offload.cap_s == plain.cap_s
+    assert changed_settings(step_settings(plain, CheckOptions()), step_settings(offload, CheckOptions())) == [
+        "model.offload_text_encoders false -> true"]
+    row = {"step": offload.name, "status": "ok", "preset": "sd35-medium-pickscore-16gb",
+           "overrides": ["model.offload_text_encoders=true"], "planned_setup_gb": 5.2, "measured_setup_gb": 5.4,
+           "planned_gb": 6.1, "measured_gb": 6.3, "planned_over_measured": 0.97, "preset_planned_gb": 13.7}
+    write_record(tmp_path, offload.name, "2026-12-07", [row])
+    text = format_tables(read_ledger([tmp_path], CheckOptions()), list(steps.values()), CheckOptions(), today())
+    assert ("| sd35-medium-pickscore-16gb + model.offload_text_encoders=true | ok | 5.20 / 5.40 | 6.10 / 6.30 | 0.97 "
+            "| - | 13.70 |") in text
+
+
 def test_the_tables_read_without_a_gpu_or_a_ledger():
     text = format_tables({}, all_steps(CheckOptions()), CheckOptions(), today())
     assert text.startswith("GPU check (real size). Last device: device not checked.")
@@ -547,7 +565,7 @@ def test_todays_plan_is_within_15_percent_of_each_peak_a_gpu_measured():
     assert {row["preset"] for row in rows} >= {"sd35-medium-pickscore-16gb", "flux-dev-pickscore-24gb",
                                                "zimage-turbo-pickscore-24gb"}
     for row in rows:
-        totals = plan_memory(memory_recipe(row["preset"], CheckOptions())).totals
+        totals = plan_memory(memory_recipe(row["preset"], CheckOptions(), tuple(row.get("overrides", ())))).totals
         setup, training = totals[SETUP_PHASE] / 1e9, max(t for p, t in totals.items() if p != SETUP_PHASE) / 1e9
         assert 0.85 <= setup / row["measured_setup_gb"] <= 1.15, (row["preset"], setup, row["measured_setup_gb"])
         assert 0.85 <= training / row["measured_gb"] <= 1.15, (row["preset"], training, row["measured_gb"])

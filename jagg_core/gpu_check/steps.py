@@ -44,6 +44,9 @@ MEMORY_CAP_S, BENCH_CAP_S, QWEN_CAP_S = 200, 240, 300
 HANG_CAP_S = 3
 #: GPU memory (GB) a tiny run may take beside other steps
 TINY_GB = 2.0
+#: memory steps of a preset's recipe with settings no preset of its card turns on, each its own step
+#: ``memory-PRESET-VARIANT``: (preset, variant, overrides)
+MEMORY_VARIANTS = (("sd35-medium-pickscore-16gb", "offload", ("model.offload_text_encoders=true",)),)
 
 
 def memory_presets() -> list[str]:
@@ -61,11 +64,12 @@ def all_steps(options: CheckOptions) -> list[Step]:
         steps += [Step("simulate-crash", "simulated", simulate_crash, cap_s=30, reduced_cap_s=60),
                   Step("simulate-hang", "simulated", simulate_hang, cap_s=30, reduced_cap_s=HANG_CAP_S)]
     steps += triage_steps()
-    steps += [Step(f"memory-{preset}", "memory", functools.partial(step_memory, preset),
+    memory_steps = [(preset, None, ()) for preset in memory_presets()] + list(MEMORY_VARIANTS)
+    steps += [Step(memory_step_name(preset, variant), "memory", functools.partial(step_memory, preset, variant, extra),
                    cap_s=QWEN_CAP_S if preset.startswith("qwen-image") else MEMORY_CAP_S, reduced_cap_s=300,
                    shares_gb=memory_step_gb(preset),
-                   configs=functools.partial(memory_configs, preset))
-              for preset in memory_presets()]
+                   configs=functools.partial(memory_configs, preset, extra))
+              for preset, variant, extra in memory_steps]
     steps += [Step(f"bench-{arch}", "bench", functools.partial(step_bench, arch, quantize),
                    cap_s=QWEN_CAP_S if arch.startswith("qwen-image") else BENCH_CAP_S, reduced_cap_s=300,
                    configs=functools.partial(bench_configs, arch, quantize)) for arch, quantize in BENCH_ARCHS]
@@ -76,6 +80,10 @@ def all_steps(options: CheckOptions) -> list[Step]:
     steps += [Step(model, "tiny", functools.partial(step_tiny, model), cap_s=60, reduced_cap_s=300,
                    shares_gb=TINY_GB, configs=functools.partial(tiny_configs, model)) for model in TINY_MODELS]
     return steps
+
+
+def memory_step_name(preset: str, variant: str | None) -> str:
+    return f"memory-{preset}" + (f"-{variant}" if variant else "")
 
 
 def memory_step_gb(preset: str) -> float | None:
@@ -264,8 +272,9 @@ def step_quantize(base: str, options: CheckOptions) -> list[dict]:
                                                         jagg_only=True)]
 
 
-def memory_recipe(preset: str, options: CheckOptions):
-    """The preset's config at real size with random weights, shrunk where the memory does not depend on it:
+def memory_recipe(preset: str, options: CheckOptions, extra: tuple[str, ...] = ()):
+    """The preset's config with the ``extra`` overrides at real size with random weights, shrunk where the memory
+    does not depend on it:
     one prompt with one rollout chunk of samples (at least 2), the same micro-batch, an eval of one chunk
     of 4 steps, the weightless reward :data:`MEASURE_REWARD` and no judges, 2 iterations (the second is measured,
     so the first iteration's doctor is off: on a GPU its audit is whole backward passes at real size),
@@ -285,14 +294,14 @@ def memory_recipe(preset: str, options: CheckOptions):
                  f"train.gradient_accumulation_steps={math.ceil(generations / micro)}",
                  f"prompts.eval_count={min(chunk, generations)}", "sampling.eval_num_steps=4",
                  "train.iterations=2", "train.sample_every=2", "train.checkpoint_every=2",
-                 f"prompts.limit={ENCODE_BATCH}", *options.overrides]
+                 f"prompts.limit={ENCODE_BATCH}", *extra, *options.overrides]
     if options.resolution:  # an editing preset's input images too
         overrides += [f"sampling.resolution={options.resolution}", f"model.condition_resolution={options.resolution}"]
     return load_config(preset=preset, overrides=overrides)
 
 
-def memory_configs(preset: str, options: CheckOptions) -> dict:
-    return {"recipe": memory_recipe(preset, options)}
+def memory_configs(preset: str, extra: tuple[str, ...], options: CheckOptions) -> dict:
+    return {"recipe": memory_recipe(preset, options, extra)}
 
 
 def cuda_peak_gb(meter) -> float | None:
@@ -301,24 +310,27 @@ def cuda_peak_gb(meter) -> float | None:
     return meter.peak / GB if meter.device.type == "cuda" else None
 
 
-def step_memory(preset: str, options: CheckOptions) -> list[dict]:
-    """Planned against measured peak memory of ``preset``'s recipe (:func:`memory_recipe`)."""
+def step_memory(preset: str, variant: str | None, extra: tuple[str, ...], options: CheckOptions) -> list[dict]:
+    """Planned against measured peak memory of ``preset``'s recipe with the ``extra`` overrides (:func:`memory_recipe`;
+    a ``variant`` of the preset when there are any)."""
     from ..config import load_config
     from ..memory_meter import PeakMemory, basis, measured_peak
     from ..memory_plan import SETUP_PHASE, plan_memory
     from ..quiet import quiet_libraries
     from ..trainer import Trainer
     device = torch_device()
-    config = memory_recipe(preset, options)
-    row = {"step": f"memory-{preset}", "status": "ok", "preset": preset, "model": config.model.name,
+    config = memory_recipe(preset, options, extra)
+    row = {"step": memory_step_name(preset, variant), "status": "ok", "preset": preset, "model": config.model.name,
            "quantize": config.model.quantize, "resolution": config.sampling.resolution}
+    if extra:
+        row["overrides"] = list(extra)
     if reason := _needs_cuda(config.model.quantize):
         return [{**row, "status": "skipped", "reason": reason}]
     plan = plan_memory(config)
     training_phases = {p: t for p, t in plan.totals.items() if p != SETUP_PHASE}
     row.update(planned_setup_gb=plan.totals[SETUP_PHASE] / GB, planned_gb=max(training_phases.values()) / GB,
                planned_phase=max(training_phases, key=training_phases.get),
-               preset_planned_gb=plan_memory(load_config(preset=preset)).total / GB)
+               preset_planned_gb=plan_memory(load_config(preset=preset, overrides=list(extra))).total / GB)
     quiet_libraries()
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = Trainer(config, run_dir)
