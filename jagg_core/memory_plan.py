@@ -71,6 +71,7 @@ from .models.quantize import transformer_dtype
 from .models.meta import META, meta_pipeline
 from .models.text_embeddings import bytes_per_prompt, check_cache_room
 from .placement import most_trained_steps
+from .preflight import model_family
 from .prompts import run_prompts
 from .rewards.catalog import CPU_DTYPE, reward_entry
 from .rewards.model_size import ScoringModelSize, scoring_model_size
@@ -570,9 +571,21 @@ def _memory_savers(config: RunConfig) -> list[tuple[str, object]]:
     return savers
 
 
+def _with_companions(config: RunConfig, changes: dict[str, object]) -> dict[str, object]:
+    """``changes`` and what a change needs beside it: an image-to-video run's input image is its videos' first
+    frame, so a lower ``sampling.resolution`` sets ``model.condition_resolution`` to the same size."""
+    size = changes.get("sampling.resolution")
+    family = model_family(config.model) if size is not None else None
+    if family is not None and family.image_to_video and family.input_images(config.model.input_images):
+        return {**changes, "model.condition_resolution": size}
+    return changes
+
+
 def _changed(config: RunConfig, changes: dict[str, object]) -> RunConfig:
-    """``config`` with each ``section.name`` key of ``changes`` set to its value, validated again."""
-    return with_overrides(config, [f"{key}={json.dumps(value)}" for key, value in changes.items()])
+    """``config`` with each ``section.name`` key of ``changes`` (and its companions) set to its value, validated
+    again."""
+    return with_overrides(config, [f"{key}={json.dumps(value)}"
+                                   for key, value in _with_companions(config, changes).items()])
 
 
 def check_host(plan: MemoryPlan, run_dir: Path, processes: int = 1) -> str:
@@ -640,7 +653,7 @@ def cheapest_fit(config: RunConfig, budget_gb: float,
             if smaller := fitting_plan(trial):
                 changes, plan = trial, smaller
                 break
-    return [f"{k}={json.dumps(v)}" for k, v in changes.items()], plan
+    return [f"{k}={json.dumps(v)}" for k, v in _with_companions(config, changes).items()], plan
 
 
 def check_fits(plan: MemoryPlan, config: RunConfig, budget_gb: float | None) -> str:

@@ -15,12 +15,12 @@ from diffusers.pipelines.wan import pipeline_wan, pipeline_wan_i2v
 from PIL import Image
 
 from app import live
-from jagg_core.config import ModelConfig, RewardSpec, load_config
+from jagg_core.config import ModelConfig, RewardSpec, load_config, with_overrides
 from jagg_core.edit_prompts import EditPrompt, input_images, png_bytes
 from jagg_core.errors import UserError
 from jagg_core.generate import generate
 from jagg_core.image_size import ImageSize
-from jagg_core.memory_plan import plan_memory
+from jagg_core.memory_plan import CUDA_CONTEXT_GB, GB, cheapest_fit, plan_memory
 from jagg_core.model_card import build_model_card, publish_files, read_run
 from jagg_core.models import build_tiny_pipeline, load_flow_model
 from jagg_core.models.meta import meta_pipeline
@@ -32,7 +32,8 @@ from jagg_core.rewards.catalog import NoOptions
 from jagg_core.rundir import RunDirectory
 from jagg_core.video import frame_indices
 
-from conftest import adapter_and_base_velocity, add_moved_lora, euler_ode, noise, pipeline_with_final_latents, run_cli
+from conftest import (adapter_and_base_velocity, add_moved_lora, euler_ode, noise, pipeline_with_final_latents, run_cli,
+                      tiny_config)
 
 RES, FRAMES, STEPS = 32, 5, 3
 SIZE = ImageSize.square(RES)
@@ -279,6 +280,17 @@ def test_image_to_video_is_refused_where_it_cannot_run():
         model.conditioning(PROMPTS)
     with pytest.raises(UserError, match="takes 0 to 1 input image"):
         load(I2V_FRAMES, "tiny-wan22", input_images=2)
+
+
+def test_a_lower_resolution_that_fits_takes_the_first_frame_with_it():
+    """The cheapest change that fits an image-to-video run at a lower resolution sets the input image's size too (its
+    videos' first frame): the answer resumes as written (before, ``--plan`` refused its own change in one line)."""
+    config = tiny_config("tiny-wan22", model__input_images=1, model__condition_resolution=384,
+                         sampling__resolution=384, sampling__num_frames=5, prompts__source="animate")
+    full = plan_memory(config)
+    changes, plan = cheapest_fit(config, 0.3 * full.total / GB + CUDA_CONTEXT_GB, full.traces)
+    assert changes[-2:] == ["sampling.resolution=256", "model.condition_resolution=256"]
+    assert plan.totals == plan_memory(with_overrides(config, changes)).totals
 
 
 def test_the_i2v_presets_transformer_sees_the_first_frames_tokens_with_the_generated_ones():
