@@ -540,7 +540,7 @@ def _memory_savers(config: RunConfig) -> list[tuple[str, object]]:
     the text encoders offloaded (the same embeddings, a slower set-up), the same gradient at more time (sequential
     endpoints, checkpointing, smaller rollout chunks and micro-batches),
     then a tiled VAE decode (the rewards see slightly different pixels), fewer bits (8-bit AdamW, int8, NF4 weights),
-    then a lower resolution (a different run)."""
+    then shorter videos and a lower resolution (a different run)."""
     cfg = config
     samples = cfg.grpo.num_generations * cfg.grpo.prompts_per_iteration
     savers: list[tuple[str, object]] = []
@@ -565,6 +565,7 @@ def _memory_savers(config: RunConfig) -> list[tuple[str, object]]:
         savers.append(("model.quantize", "int8"))
     if cfg.model.quantize != "nf4":
         savers.append(("model.quantize", "nf4"))
+    savers += [("sampling.num_frames", frames) for frames in (49, 33, 17, 9) if frames < cfg.sampling.num_frames]
     size = cfg.sampling.size
     savers += [("sampling.resolution", size.scaled_to(side).config_value()) for side in (768, 512, 384, 256)
                if side < size.longest]

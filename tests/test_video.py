@@ -20,6 +20,7 @@ from jagg_core.edit_prompts import EditPrompt, input_images, png_bytes
 from jagg_core.errors import UserError
 from jagg_core.generate import generate
 from jagg_core.image_size import ImageSize
+from jagg_core import memory_plan
 from jagg_core.memory_plan import CUDA_CONTEXT_GB, GB, cheapest_fit, plan_memory
 from jagg_core.model_card import build_model_card, publish_files, read_run
 from jagg_core.models import build_tiny_pipeline, load_flow_model
@@ -291,6 +292,18 @@ def test_a_lower_resolution_that_fits_takes_the_first_frame_with_it():
     changes, plan = cheapest_fit(config, 0.3 * full.total / GB + CUDA_CONTEXT_GB, full.traces)
     assert changes[-2:] == ["sampling.resolution=256", "model.condition_resolution=256"]
     assert plan.totals == plan_memory(with_overrides(config, changes)).totals
+
+
+def test_a_video_run_that_does_not_fit_is_told_shorter_videos_before_a_lower_resolution():
+    """Of the changes that make a different run, a video's cheapest fit shortens its videos (4k + 1 frames) before it
+    lowers their resolution."""
+    config = tiny_config("tiny-wan", sampling__resolution=384, sampling__num_frames=33)
+    savers = memory_plan._memory_savers(config)
+    assert savers[-3:] == [("sampling.num_frames", 17), ("sampling.num_frames", 9), ("sampling.resolution", 256)]
+    every_other_saver = dict(change for change in savers if not change[0].startswith("sampling."))
+    budget = plan_memory(memory_plan._changed(config, {**every_other_saver, "sampling.num_frames": 17})).total
+    changes, plan = cheapest_fit(config, budget / GB + CUDA_CONTEXT_GB)
+    assert changes[-1] == "sampling.num_frames=17" and not any("resolution" in change for change in changes)
 
 
 def test_the_i2v_presets_transformer_sees_the_first_frames_tokens_with_the_generated_ones():
