@@ -62,7 +62,9 @@ def test_the_check_has_a_step_for_each_figure_the_issue_asks_for():
                                      "wan22-ti2v-5b-pickscore-24gb", "wan22-ti2v-5b-i2v-pickscore-24gb",
                                      "flux-kontext-clipdir-24gb", "qwen-image-edit-clipdir-24gb",
                                      "flux2-klein-edit-clipdir-24gb", "sd35-medium-pickscore-nft-24gb"}
-    assert {f"memory-{p}" for p in memory_presets()} | {"memory-sd35-medium-pickscore-16gb-offload"} <= set(names)
+    assert {f"memory-{p}" for p in memory_presets()} | {"memory-sd35-medium-pickscore-16gb-offload",
+                                                         "memory-sd35-medium-pickscore-16gb-expandable-segments"} \
+        <= set(names)
     assert {f"bench-{a}" for a in ("sd35-medium", "flux-dev", "qwen-image", "flux2-klein-4b", "z-image-turbo",
                                    "wan21-t2v-1.3b")} <= set(names)
     assert {f"quantize-sd35-medium-{b}" for b in ("bf16", "int8", "nf4")} <= set(names)
@@ -462,22 +464,32 @@ def test_an_unknown_step_or_a_parallel_below_one_is_one_line(tmp_path):
     assert done.returncode == 2 and "Traceback" not in done.stderr and "--parallel must be at least 1" in done.stderr
 
 
-def test_the_offload_variant_measures_the_16gb_recipe_with_only_its_text_encoders_offloaded(tmp_path):
-    """``model.offload_text_encoders`` is on in no 16/24 GB preset: a step of its own measures the SD3.5 16 GB recipe
-    with it (its plan's set-up holds one layer of the encoders), beside the others on the card it is made for, and
-    its row says so in the memory table."""
+def test_the_variants_measure_the_16gb_recipe_with_one_setting_each(tmp_path):
+    """Settings on in no 16/24 GB preset have steps of their own on the SD3.5 16 GB recipe, beside the others on the
+    card it is made for: ``model.offload_text_encoders`` (its plan's set-up holds one layer of the encoders) and the
+    allocator's expandable segments (an environment variable of the step's process: the same config, the reserved
+    peak to compare). Their rows say which in the memory table."""
     steps = {step.name: step for step in all_steps(CheckOptions())}
-    plain, offload = steps["memory-sd35-medium-pickscore-16gb"], steps["memory-sd35-medium-pickscore-16gb-offload"]
-    assert offload.shares_gb == plain.shares_gb == 16 and offload.cap_s == plain.cap_s
+    plain = steps["memory-sd35-medium-pickscore-16gb"]
+    offload = steps["memory-sd35-medium-pickscore-16gb-offload"]
+    expandable = steps["memory-sd35-medium-pickscore-16gb-expandable-segments"]
+    assert offload.shares_gb == expandable.shares_gb == plain.shares_gb == 16
+    assert offload.cap_s == expandable.cap_s == plain.cap_s
+    assert plain.env == offload.env == {} and expandable.env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     assert changed_settings(step_settings(plain, CheckOptions()), step_settings(offload, CheckOptions())) == [
         "model.offload_text_encoders false -> true"]
-    row = {"step": offload.name, "status": "ok", "preset": "sd35-medium-pickscore-16gb",
-           "overrides": ["model.offload_text_encoders=true"], "planned_setup_gb": 5.2, "measured_setup_gb": 5.4,
+    assert changed_settings(step_settings(plain, CheckOptions()), step_settings(expandable, CheckOptions())) == []
+    row = {"status": "ok", "preset": "sd35-medium-pickscore-16gb", "planned_setup_gb": 5.2, "measured_setup_gb": 5.4,
            "planned_gb": 6.1, "measured_gb": 6.3, "planned_over_measured": 0.97, "preset_planned_gb": 13.7}
-    write_record(tmp_path, offload.name, "2026-12-07", [row])
+    write_record(tmp_path, offload.name, "2026-12-07", [
+        {**row, "step": offload.name, "overrides": ["model.offload_text_encoders=true"]}])
+    write_record(tmp_path, expandable.name, "2026-12-07", [
+        {**row, "step": expandable.name, "env": expandable.env, "measured_reserved_gb": 6.4}])
     text = format_tables(read_ledger([tmp_path], CheckOptions()), list(steps.values()), CheckOptions(), today())
     assert ("| sd35-medium-pickscore-16gb + model.offload_text_encoders=true | ok | 5.20 / 5.40 | 6.10 / 6.30 | 0.97 "
             "| - | 13.70 |") in text
+    assert ("| sd35-medium-pickscore-16gb + PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True | ok | 5.20 / 5.40 | "
+            "6.10 / 6.30 | 0.97 | 6.40 | 13.70 |") in text
 
 
 def test_the_tables_read_without_a_gpu_or_a_ledger():

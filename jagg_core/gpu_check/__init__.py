@@ -21,7 +21,8 @@ context; the timed ones run alone. The steps:
    a LoRA's matmuls alone, the project's FLUX path with and without each suspect.
 3. ``memory-PRESET`` for each 16/24 GB preset: planned against measured peak memory of its recipe at real size
    with random weights, set-up and training apart (:func:`.steps.memory_recipe`); ``memory-PRESET-VARIANT`` the
-   same with a setting no such preset turns on (:data:`.steps.MEMORY_VARIANTS`: offloaded text encoders).
+   same with a setting no such preset turns on (:data:`.steps.MEMORY_VARIANTS`: offloaded text encoders, the
+   allocator's expandable segments).
 4. ``bench-ARCH``: a whole iteration (rollout + train) per family at the real depth with random weights, 512 px,
    bf16, gradient checkpointing: exact against JAGG W = 5 (cached, joint): speed-ups, gradient cosine, peak.
 5. ``quantize-sd35-medium-BASE``: JAGG's same iteration on a bf16, an int8 and an NF4 base: seconds and peak.

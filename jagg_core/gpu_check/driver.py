@@ -260,7 +260,8 @@ def format_tables(ledger: dict[str, Outcome], steps: list[Step], options: CheckO
         parts.append(markdown_table(
             ["preset recipe (random weights)", "status", "set-up planned / measured GB",
              "training planned / measured GB", "planned / measured", "training reserved GB", "preset's plan GB"],
-            [[" + ".join([r.get("preset", r["step"]), *r.get("overrides", [])]), _status(r),
+            [[" + ".join([r.get("preset", r["step"]), *r.get("overrides", []),
+                          *(f"{key}={value}" for key, value in r.get("env", {}).items())]), _status(r),
               f"{_f(r.get('planned_setup_gb'))} / {_f(r.get('measured_setup_gb'))}",
               f"{_f(r.get('planned_gb'))} / {_f(r.get('measured_gb'))}", _f(r.get("planned_over_measured")),
               _f(r.get("measured_reserved_gb")), _f(r.get("preset_planned_gb"))] for r in rows["memory"]]))

@@ -45,8 +45,12 @@ HANG_CAP_S = 3
 #: GPU memory (GB) a tiny run may take beside other steps
 TINY_GB = 2.0
 #: memory steps of a preset's recipe with settings no preset of its card turns on, each its own step
-#: ``memory-PRESET-VARIANT``: (preset, variant, overrides)
-MEMORY_VARIANTS = (("sd35-medium-pickscore-16gb", "offload", ("model.offload_text_encoders=true",)),)
+#: ``memory-PRESET-VARIANT``: (preset, variant, config overrides, environment of its process). The allocator's
+#: expandable segments (torch's ``PYTORCH_CUDA_ALLOC_CONF``) map freed blocks together: the reserved peak beside
+#: the plain step's tells what fragmentation costs the card
+MEMORY_VARIANTS = (("sd35-medium-pickscore-16gb", "offload", ("model.offload_text_encoders=true",), {}),
+                   ("sd35-medium-pickscore-16gb", "expandable-segments", (),
+                    {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}))
 
 
 def memory_presets() -> list[str]:
@@ -64,12 +68,13 @@ def all_steps(options: CheckOptions) -> list[Step]:
         steps += [Step("simulate-crash", "simulated", simulate_crash, cap_s=30, reduced_cap_s=60),
                   Step("simulate-hang", "simulated", simulate_hang, cap_s=30, reduced_cap_s=HANG_CAP_S)]
     steps += triage_steps()
-    memory_steps = [(preset, None, ()) for preset in memory_presets()] + list(MEMORY_VARIANTS)
-    steps += [Step(memory_step_name(preset, variant), "memory", functools.partial(step_memory, preset, variant, extra),
+    memory_steps = [(preset, None, (), {}) for preset in memory_presets()] + list(MEMORY_VARIANTS)
+    steps += [Step(memory_step_name(preset, variant), "memory",
+                   functools.partial(step_memory, preset, variant, extra, env), env=env,
                    cap_s=QWEN_CAP_S if preset.startswith("qwen-image") else MEMORY_CAP_S, reduced_cap_s=300,
                    shares_gb=memory_step_gb(preset),
                    configs=functools.partial(memory_configs, preset, extra))
-              for preset, variant, extra in memory_steps]
+              for preset, variant, extra, env in memory_steps]
     steps += [Step(f"bench-{arch}", "bench", functools.partial(step_bench, arch, quantize),
                    cap_s=QWEN_CAP_S if arch.startswith("qwen-image") else BENCH_CAP_S, reduced_cap_s=300,
                    configs=functools.partial(bench_configs, arch, quantize)) for arch, quantize in BENCH_ARCHS]
@@ -310,9 +315,10 @@ def cuda_peak_gb(meter) -> float | None:
     return meter.peak / GB if meter.device.type == "cuda" else None
 
 
-def step_memory(preset: str, variant: str | None, extra: tuple[str, ...], options: CheckOptions) -> list[dict]:
-    """Planned against measured peak memory of ``preset``'s recipe with the ``extra`` overrides (:func:`memory_recipe`;
-    a ``variant`` of the preset when there are any)."""
+def step_memory(preset: str, variant: str | None, extra: tuple[str, ...], env: dict[str, str],
+                options: CheckOptions) -> list[dict]:
+    """Planned against measured peak memory of ``preset``'s recipe with the ``extra`` overrides (:func:`memory_recipe`),
+    in a process with the ``env`` variables (a ``variant`` of the preset when there are any)."""
     from ..config import load_config
     from ..memory_meter import PeakMemory, basis, measured_peak
     from ..memory_plan import SETUP_PHASE, plan_memory
@@ -324,6 +330,8 @@ def step_memory(preset: str, variant: str | None, extra: tuple[str, ...], option
            "quantize": config.model.quantize, "resolution": config.sampling.resolution}
     if extra:
         row["overrides"] = list(extra)
+    if env:  # as this process has them (the driver sets them)
+        row["env"] = {key: os.environ.get(key) for key in env}
     if reason := _needs_cuda(config.model.quantize):
         return [{**row, "status": "skipped", "reason": reason}]
     plan = plan_memory(config)
