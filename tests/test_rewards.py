@@ -235,6 +235,7 @@ def test_models_load_lazily_and_once(tiny_clip, monkeypatch):
     ("pickscore", {}, "yuvalkirstain/PickScore_v1"),
     ("aesthetic", {}, "openai/clip-vit-large-patch14"),
     ("vqa_score", {}, "Qwen/Qwen2.5-VL-3B-Instruct"),
+    ("geneval", {}, "IDEA-Research/grounding-dino-tiny"),
 ])
 def test_offline_without_weights_is_a_one_line_error(name, options, model_id, monkeypatch, tmp_path):
     monkeypatch.setitem(catalog.CATALOG, name, replace(reward_entry(name), requires=()))  # as if torchvision were here
@@ -244,7 +245,7 @@ def test_offline_without_weights_is_a_one_line_error(name, options, model_id, mo
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     reward = build_reward(spec(name, **options))
     with pytest.raises(UserError) as err:
-        reward(flat_and_noise(32), ["a", "b"])
+        reward(flat_and_noise(32), ["a photo of a dog", "a photo of two cats"])  # prompts geneval reads too
     message = str(err.value)
     assert "\n" not in message and f"'{model_id}'" in message and f"hf download {model_id}" in message
 

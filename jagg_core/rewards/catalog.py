@@ -28,9 +28,13 @@ VQA_QUESTION = 'Does this figure show "{prompt}"? Please answer yes or no.'
 #: its question for an image-editing row, shown the input image then the output
 VQA_EDIT_QUESTION = ('The second image is meant to be the first image edited as instructed: "{prompt}". Does the '
                      'second image follow the instruction? Please answer yes or no.')
+#: GenEval's detector here: an open-vocabulary one (172 M parameters)
+GENEVAL_DETECTOR = "IDEA-Research/grounding-dino-tiny"
 AESTHETIC_HEAD = "camenduru/improved-aesthetic-predictor/sac+logos+ava1-l14-linearMSE.pth"
 #: the shapes world's caption grammar (torch-free): the shapes reward and judge read nothing else
 SHAPES_GRAMMAR = "shapes_world:read_captions"
+#: the objects, counts, colours and relations a compositional prompt names (torch-free): what the geneval reward checks
+OBJECT_GRAMMAR = "object_prompts:read_prompts"
 
 
 class RewardOptions(BaseModel):
@@ -100,6 +104,21 @@ class VqaOptions(RewardOptions):
         return question
 
 
+class GenEvalOptions(RewardOptions):
+    model_id: str = Field(GENEVAL_DETECTOR, description="the zero-shot object detector: a Hub id or a local folder "
+                          "(its AutoModelForZeroShotObjectDetection and AutoProcessor)")
+    colour_model_id: str = Field(CLIP_L14, description="the CLIP model that reads each found object's colour: a Hub "
+                                 "id or a folder (the memory plan counts it as CLIP ViT-L/14)")
+    threshold: float = Field(0.35, gt=0, lt=1, description="the detector's score above which a box is an object")
+    nms_iou: float = Field(0.5, gt=0, le=1, description="a box overlapping a higher-scoring one of the same object "
+                           "by more than this IoU is that one found twice, and dropped")
+    max_objects: int = Field(16, ge=1, le=100, description="boxes kept of one object at most")
+    position_margin: float = Field(0.1, ge=0, le=1, description="GenEval's margin of a relation: the centres' "
+                                   "offset is shortened by it times the boxes' summed sizes before its direction "
+                                   "is read")
+    batch_size: int = Field(8, ge=1, le=256, description="(image, object) queries a forward pass of the detector")
+
+
 class OcrOptions(RewardOptions):
     lang: str = Field("eng", pattern=r"^[A-Za-z_+]+$", description="Tesseract language(s), e.g. eng or eng+deu")
 
@@ -126,6 +145,9 @@ class RewardEntry:
     #: millions of parameters of the default scoring model, held on a GPU in ``device_dtype`` and on the CPU in
     #: :data:`CPU_DTYPE` (memory plan)
     device_params_m: float = 0.0
+    #: millions of parameters of a second model it loads beside ``options.model_id``'s (in ``device_params_m``),
+    #: counted so whatever ``model_id`` is
+    companion_params_m: float = 0.0
     #: (low, high): the scores a working base model's samples get (None: unbounded on that side); the first
     #: iteration's doctor checks the base eval against it
     expected_range: tuple[float | None, float | None] = (None, None)
@@ -168,6 +190,9 @@ CATALOG: dict[str, RewardEntry] = {entry.name: entry for entry in [
     RewardEntry("ocr", "ocr:OcrReward", OcrOptions, expected_range=(0.0, 1.0)),
     RewardEntry("clip_directional", "clip:ClipDirectional", ClipDirectionalOptions, 428, expected_range=(-1.0, 1.0)),
     RewardEntry("http", "remote:HttpReward", HttpOptions),
+    # Grounding DINO tiny and CLIP ViT-L/14; the fraction of a prompt's GenEval checks met
+    RewardEntry("geneval", "geneval:GenEval", GenEvalOptions, 172 + 428, expected_range=(0.0, 1.0),
+                prompt_grammar=OBJECT_GRAMMAR, companion_params_m=428),
     # Qwen2.5-VL-3B in bfloat16; its Qwen2.5-VL processor has a video part, which needs torchvision
     RewardEntry("vqa_score", "vqa:VqaScore", VqaOptions, 3755, expected_range=(0.0, 1.0), device_dtype="bfloat16",
                 requires=("torchvision",)),

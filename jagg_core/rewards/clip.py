@@ -24,6 +24,7 @@ from functools import cached_property
 from pathlib import Path
 
 import torch
+from PIL import Image
 from torch import nn
 
 from ..errors import UserError
@@ -42,6 +43,27 @@ def load_clip(model_id: str, processor_id: str, device: torch.device):
     return model.eval().requires_grad_(False).to(device), processor
 
 
+@torch.no_grad()
+def clip_image_embeds(clip, pictures: list[Image.Image], fit: str) -> torch.Tensor:
+    """Unit-normalised image embeddings [N, D] of ``pictures`` by ``clip = (CLIPModel, CLIPProcessor)``, each
+    fitted to the model's square input by ``fit`` (:func:`jagg_core.images.fitted_to_square`)."""
+    model, processor = clip
+    pictures = fitted_to_square(pictures, fit, processor.image_processor.image_mean)
+    pixels = processor(images=pictures, return_tensors="pt")["pixel_values"].to(model.device)
+    return nn.functional.normalize(model.get_image_features(pixel_values=pixels).pooler_output.float(), dim=-1)
+
+
+@torch.no_grad()
+def clip_text_embeds(clip, texts: list[str]) -> torch.Tensor:
+    """Unit-normalised text embeddings [N, D] of ``texts``, cut to the model's window."""
+    model, processor = clip
+    tokens = processor(text=texts, padding=True, truncation=True,
+                       max_length=model.config.text_config.max_position_embeddings, return_tensors="pt")
+    features = model.get_text_features(input_ids=tokens["input_ids"].to(model.device),
+                                       attention_mask=tokens["attention_mask"].to(model.device)).pooler_output
+    return nn.functional.normalize(features.float(), dim=-1)
+
+
 class ClipReward(Reward):
     """Shared CLIP plumbing: the model is loaded on first use; embeddings are unit-normalised."""
 
@@ -49,22 +71,11 @@ class ClipReward(Reward):
     def clip(self):
         return load_clip(self.options.model_id, self.options.processor_id or self.options.model_id, self.device)
 
-    @torch.no_grad()
     def image_embeds(self, images: torch.Tensor) -> torch.Tensor:
-        model, processor = self.clip
-        pictures = fitted_to_square(to_pil(images), self.options.fit, processor.image_processor.image_mean)
-        pixels = processor(images=pictures, return_tensors="pt")["pixel_values"].to(self.device)
-        features = model.get_image_features(pixel_values=pixels).pooler_output
-        return nn.functional.normalize(features.float(), dim=-1)
+        return clip_image_embeds(self.clip, to_pil(images), self.options.fit)
 
-    @torch.no_grad()
     def text_embeds(self, prompts: list[str]) -> torch.Tensor:
-        model, processor = self.clip
-        tokens = processor(text=prompts, padding=True, truncation=True,
-                           max_length=model.config.text_config.max_position_embeddings, return_tensors="pt")
-        features = model.get_text_features(input_ids=tokens["input_ids"].to(self.device),
-                                           attention_mask=tokens["attention_mask"].to(self.device)).pooler_output
-        return nn.functional.normalize(features.float(), dim=-1)
+        return clip_text_embeds(self.clip, prompts)
 
     def similarity(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         """``cos(e_img_i, e_txt_i)`` for each image and its own prompt."""

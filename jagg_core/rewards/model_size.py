@@ -4,7 +4,8 @@ The catalog (:mod:`.catalog`) holds the parameter count of each reward's default
 ``options.model_id`` names another model (a larger CLIP for ``clip_score`` or ``pickscore``, Qwen2.5-VL-7B for
 ``vqa_score``) is counted from that model's own weights: the tensor shapes in its safetensors headers, which
 safetensors' ``safe_open`` reads without the tensors, in a local folder or in the local Hub cache (the files
-``model.safetensors.index.json`` lists, else ``model.safetensors``). A model not there yet (a Hub id not
+``model.safetensors.index.json`` lists, else ``model.safetensors``), plus the catalog's count of a second model the
+reward loads beside it (``companion_params_m``: geneval's colour CLIP). A model not there yet (a Hub id not
 downloaded, or saved in another format) is counted as the default model, and the plan says so.
 """
 
@@ -59,7 +60,7 @@ def scoring_model_size(name: str, options: dict) -> ScoringModelSize:
     params = safetensors_params(model_folder(model_id))
     if params is None:
         return ScoringModelSize(default.params, model_id, counted=False)
-    return ScoringModelSize(params, model_id)
+    return ScoringModelSize(params + entry.companion_params_m * 1e6, model_id)
 
 
 def model_folder(model_id: str) -> Path | None:
