@@ -127,13 +127,11 @@ def read_prompt(prompt: str) -> PromptRequirements | None:
 def read_prompts(prompts: list[str], reader: str = "the geneval reward") -> list[PromptRequirements]:
     """Each prompt's requirements; the first that does not follow the grammar is a :class:`UserError` naming
     ``reader``, the reward or judge that needs it."""
-    read = []
-    for prompt in prompts:
-        requirements = read_prompt(prompt)
-        if requirements is None:
-            raise UserError(f"{reader} cannot read the prompt {str(prompt)[:80]!r}: it expects '[a photo of] AMOUNT "
-                            f"[COLOUR] OBJECT [RELATION AMOUNT [COLOUR] OBJECT]' with AMOUNT a, an or one to ten, "
-                            f"COLOUR one of {', '.join(COLOURS)}, RELATION one of {', '.join(RELATIONS)}; the "
-                            "built-in prompt set compositional follows it")
-        read.append(requirements)
+    read = [read_prompt(prompt) for prompt in prompts]
+    if None in read:
+        unread = str(prompts[read.index(None)])
+        raise UserError(f"{reader} cannot read the prompt {unread[:80]!r}: it expects '[a photo of] AMOUNT [COLOUR] "
+                        f"OBJECT [RELATION AMOUNT [COLOUR] OBJECT]' with AMOUNT a, an or one to ten, COLOUR one of "
+                        f"{', '.join(COLOURS)}, RELATION one of {', '.join(RELATIONS)}; the built-in prompt set "
+                        "compositional follows it")
     return read
