@@ -190,8 +190,8 @@ CATALOG: dict[str, RewardEntry] = {entry.name: entry for entry in [
     RewardEntry("ocr", "ocr:OcrReward", OcrOptions, expected_range=(0.0, 1.0)),
     RewardEntry("clip_directional", "clip:ClipDirectional", ClipDirectionalOptions, 428, expected_range=(-1.0, 1.0)),
     RewardEntry("http", "remote:HttpReward", HttpOptions),
-    # Grounding DINO tiny and CLIP ViT-L/14; the fraction of a prompt's GenEval checks met: 0 for a blank image, about
-    # 0.6-0.8 for SD3.5-Medium's (GenEval 0.63 counts a prompt met only when all its checks are)
+    # Grounding DINO tiny and CLIP ViT-L/14; the fraction of a prompt's GenEval checks met: 0 for a blank image
+    # (SD3.5-Medium's GenEval is 0.63 in Flow-GRPO's paper, where a prompt counts only when all its checks are met)
     RewardEntry("geneval", "geneval:GenEval", GenEvalOptions, 172 + 428, expected_range=(0.1, 1.0),
                 prompt_grammar=OBJECT_GRAMMAR, companion_params_m=428),
     # Qwen2.5-VL-3B in bfloat16; its Qwen2.5-VL processor has a video part, which needs torchvision
