@@ -10,7 +10,8 @@ Grammar (lower case, a final full stop dropped)::
     phrase   = amount " " [colour " "] noun
     amount   = "a" | "an" | "one" | "two" | ... | "ten"
     colour   = red | orange | yellow | green | blue | purple | pink | brown | black | white   (GenEval's ten)
-    noun     = one to three words, none of them a grammar word (the plural after two or more)
+    noun     = one to three words, none of them a grammar word (the plural after two or more); a colour word is a
+               noun where no noun follows it ("an orange", "a red orange")
     relation = "and" | "to the left of" | "left of" | "to the right of" | "right of" | "above" | "on top of"
              | "below" | "under" | "beneath" | "next to" | "beside" | "near" | "in front of" | "behind"
     setting  = "on a table"
@@ -46,8 +47,7 @@ RELATIONS = {"to the left of": "left of", "left of": "left of", "to the right of
 SETTINGS = ("on a table",)
 PREFIX = "a photo of "
 #: words a noun cannot hold: they belong to the grammar
-GRAMMAR_WORDS = frozenset({*AMOUNTS, *COLOURS, *(w for r in RELATIONS for w in r.split()), "the", "with", "in",
-                           "on", "photo"})
+GRAMMAR_WORDS = frozenset({*AMOUNTS, *(w for r in RELATIONS for w in r.split()), "the", "with", "in", "on", "photo"})
 #: plural -> singular where dropping the final "s" or "es" is wrong
 IRREGULAR_PLURALS = {"people": "person", "men": "man", "women": "woman", "children": "child", "mice": "mouse",
                      "geese": "goose", "teeth": "tooth", "feet": "foot", "knives": "knife", "wolves": "wolf",

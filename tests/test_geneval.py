@@ -3,6 +3,7 @@ random Grounding DINO saved as a model folder."""
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from jagg_core.config import RewardSpec
 from jagg_core.errors import UserError
 from jagg_core.object_prompts import ObjectRequirement, PromptRequirements, read_prompt, read_prompts, singular
 from jagg_core.rewards import build_reward
-from jagg_core.rewards.geneval import box_relations, pixel_box, without_duplicates
+from jagg_core.rewards.geneval import BOX_RELATIONS, box_relations, pixel_box, without_duplicates
 from jagg_core.rundir import RunDirectory
 
 COMPOSITIONAL = Path(__file__).resolve().parent.parent / "presets" / "prompts" / "compositional.txt"
@@ -71,6 +72,20 @@ def test_the_grammar_reads_genevals_templates_and_the_compositional_set():
     prompts = COMPOSITIONAL.read_text().splitlines()
     relations = [requirements.relation for requirements in read_prompts(prompts)]
     assert len(relations) == 320 and {"left of", "right of", "above", "below", None} == set(relations)
+
+
+def test_the_geneval_set_is_genevals_six_templates_over_cocos_80_classes():
+    from jagg_core.prompts import load_prompts
+    read = read_prompts(load_prompts("geneval"))
+    kinds = Counter()
+    for requirements in read:
+        first = requirements.objects[0]
+        kinds[("two objects" if len(requirements.objects) == 2 else "one object",
+               requirements.relation or ("counting" if first.exact else "colour" if first.colour else "plain"))] += 1
+    assert kinds == {("one object", "plain"): 80, ("one object", "counting"): 200, ("one object", "colour"): 200,
+                     ("two objects", "plain"): 200, ("two objects", "colour"): 200,  # colour attribution
+                     **{("two objects", r): 50 for r in BOX_RELATIONS}}
+    assert len({item.noun for requirements in read for item in requirements.objects}) == 80
 
 
 @pytest.mark.parametrize("plural, noun", [("teddy bears", "teddy bear"), ("wine glasses", "wine glass"),

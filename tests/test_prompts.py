@@ -13,7 +13,7 @@ from jagg_core.errors import UserError
 from jagg_core.prompts import builtin_prompt_sets, load_prompts, run_prompts, split_prompts
 
 
-@pytest.mark.parametrize("name", ["general", "text_rendering", "compositional"])
+@pytest.mark.parametrize("name", ["general", "text_rendering", "compositional", "geneval"])
 def test_builtin_sets_hold_a_few_hundred_distinct_prompts(name):
     prompts = load_prompts(name)
     assert name in builtin_prompt_sets()
