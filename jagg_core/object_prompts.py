@@ -132,6 +132,6 @@ def read_prompts(prompts: list[str], reader: str = "the geneval reward") -> list
         unread = str(prompts[read.index(None)])
         raise UserError(f"{reader} cannot read the prompt {unread[:80]!r}: it expects '[a photo of] AMOUNT [COLOUR] "
                         f"OBJECT [RELATION AMOUNT [COLOUR] OBJECT]' with AMOUNT a, an or one to ten, COLOUR one of "
-                        f"{', '.join(COLOURS)}, RELATION one of {', '.join(RELATIONS)}; the built-in prompt set "
-                        "compositional follows it")
+                        f"{', '.join(COLOURS)}, RELATION one of {', '.join(RELATIONS)}; the built-in prompt "
+                        "sets geneval and compositional follow it")
     return read

@@ -104,7 +104,7 @@ def test_a_prompt_outside_the_grammar_is_refused_before_launch_in_one_line(tmp_p
         check_references(config)
     message = str(err.value)
     assert "\n" not in message and "the reward 'geneval' cannot read the prompt 'a cat on a chair'" in message
-    assert "the built-in prompt set compositional follows it" in message
+    assert "the built-in prompt sets geneval and compositional follow it" in message
     check_references(tiny_config(rewards=[{"name": "geneval"}], prompts__source="compositional"))
 
 
