@@ -153,6 +153,15 @@ def test_the_score_is_the_fraction_of_checks_met(prompt, found, colours, score, 
     assert reward.score(read_prompt(prompt), planted, Image.new("RGB", (64, 64))) == score
 
 
+def test_strict_scores_one_only_when_every_check_is_met():
+    strict, picture = geneval(strict=True), Image.new("RGB", (64, 64))
+    requirements = read_prompt("a photo of two dogs and a cat")
+    assert strict.score(requirements, {"dog": boxes(0, 0, 8, 8, 20, 0, 28, 8), "cat": boxes(40, 0, 48, 8)},
+                        picture) == 1.0
+    assert strict.score(requirements, {"dog": boxes(0, 0, 8, 8), "cat": boxes(40, 0, 48, 8)}, picture) == 0.0
+    assert geneval().score(requirements, {"dog": boxes(0, 0, 8, 8), "cat": boxes(40, 0, 48, 8)}, picture) == 0.5
+
+
 def test_a_relation_is_met_by_some_pair_of_boxes():
     reward, picture = geneval(), Image.new("RGB", (100, 100))
     requirements = read_prompt("a photo of a cat left of a dog")

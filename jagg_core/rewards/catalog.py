@@ -117,6 +117,8 @@ class GenEvalOptions(RewardOptions):
                                    "offset is shortened by it times the boxes' summed sizes before its direction "
                                    "is read")
     batch_size: int = Field(8, ge=1, le=256, description="(image, object) queries a forward pass of the detector")
+    strict: bool = Field(False, description="score 1 when every check of the prompt is met, else 0 (GenEval's "
+                         "accuracy, e.g. for a judge); off: the fraction of its checks met (Flow-GRPO's reward)")
 
 
 class OcrOptions(RewardOptions):

@@ -20,7 +20,8 @@ relation of the first to the second) are checked on the image:
   when a pair of boxes, one of each object, has it.
 
 The score is the fraction of the prompt's checks that are met (its counts, colours and relation), in ``[0, 1]``:
-Flow-GRPO's partial GenEval reward; 1 is GenEval's "correct". Where it differs from GenEval: the detector reads any
+Flow-GRPO's partial GenEval reward; 1 is GenEval's "correct", and with ``options.strict`` the score is 1 or 0 (GenEval's
+accuracy). Where it differs from GenEval: the detector reads any
 noun (GenEval's Mask2Former knows COCO's 80 classes), and a colour is read from the box, not a segmentation mask.
 """
 
@@ -143,7 +144,8 @@ class GenEval(Reward):
         return found
 
     def score(self, requirements: PromptRequirements, boxes: dict[str, torch.Tensor], picture: Image.Image) -> float:
-        """The fraction of ``requirements``' checks that ``picture``, with its ``boxes`` by noun, meets."""
+        """The fraction of ``requirements``' checks that ``picture``, with its ``boxes`` by noun, meets (strict: 1 when
+        it meets them all, else 0)."""
         met = 0
         for item in requirements.objects:
             count = len(boxes[item.noun])
@@ -154,7 +156,7 @@ class GenEval(Reward):
             first, second = (boxes[item.noun] for item in requirements.objects)
             met += any(requirements.relation in box_relations(a, b, self.options.position_margin)
                        for a in first for b in second)
-        return met / requirements.checks()
+        return float(met == requirements.checks()) if self.options.strict else met / requirements.checks()
 
     def coloured(self, picture: Image.Image, boxes: torch.Tensor, noun: str, colour: str) -> int:
         """How many of ``boxes`` CLIP reads as ``colour`` among :data:`~jagg_core.object_prompts.COLOURS`."""
