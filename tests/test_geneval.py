@@ -275,3 +275,13 @@ def test_a_run_rewarded_by_geneval_trains(tiny_detector, tiny_clip, tmp_path):
     rows = RunDirectory(tmp_path / "run").read_metrics()
     assert [row["iteration"] for row in rows] == [0, 1]
     assert all(0.0 <= row["eval/reward_mean"] <= 1.0 for row in rows)
+
+
+def test_the_page_starts_the_preset_with_a_partial_reward_and_a_strict_judge(tmp_path):
+    from app.form import build_config, preset_form
+    form = preset_form("sd35-medium-geneval")
+    assert form.rewards == ["geneval"] and form.knobs["eval.judges"] == ["geneval", "aesthetic"]
+    config = build_config(form, tmp_path)
+    assert [(spec.name, spec.options) for spec in config.rewards] == [("geneval", {})]
+    assert [(spec.name, spec.options) for spec in config.eval.judges] == [("geneval", {"strict": True}),
+                                                                          ("aesthetic", {})]
