@@ -242,6 +242,12 @@ class GrpoConfig(_Section):
     global_std: bool = Field(False, description="divide the advantages by the standard deviation of the process's "
                              "whole rollout batch instead of the group's (Flow-GRPO's global_std, there over all "
                              "processes)")
+    multi_reward: Literal["sum", "per_reward"] = Field(
+        "sum", description="how several rewards make one advantage: sum = the advantage of their weighted sum "
+        "(Flow-GRPO's), where the reward of the widest spread leads (PickScore is 100 times a CLIP cosine, "
+        "clip_score a cosine); "
+        "per_reward = each reward's own advantage, their mean weighted by the rewards' weights (DanceGRPO's), so a "
+        "reward weighs what its weight says whatever its scale (jagg_core/grpo.py)")
     kl_beta: float = Field(0.0, ge=0.0, description="weight of the KL to the base model (adapter disabled) in the "
                            "form grpo.kl_form; 0 = off (no reference forwards)")
     kl_reference: Literal["rollout", "train"] = Field(

@@ -33,6 +33,20 @@ def group_advantages(rewards: torch.Tensor, group_size: int, clip: float, prompt
     return ((r - mean) / (std + 1e-4)).clamp(-clip, clip)
 
 
+def reward_advantages(parts: list[torch.Tensor], weights: list[float], group_size: int, clip: float,
+                      prompts: list[str] | None = None, global_std: bool = False) -> torch.Tensor:
+    """Several rewards' advantage, each reward's own (``grpo.multi_reward: per_reward``, DanceGRPO's)::
+
+        A = clamp(sum_k w_k A_k / sum_k |w_k|, -clip, clip)
+
+    with ``A_k`` the :func:`group_advantages` of reward ``k``'s scores alone (unclamped): the rewards' weights say
+    what share of the advantage each moves, whatever the spread of its scores. One reward: its group advantage."""
+    share = sum(abs(w) for w in weights)
+    advantages = [w / share * group_advantages(r, group_size, float("inf"), prompts, global_std)
+                  for r, w in zip(parts, weights)]
+    return torch.stack(advantages).sum(0).clamp(-clip, clip)
+
+
 @dataclass(frozen=True)
 class LossSettings:
     clip_range: float

@@ -34,7 +34,7 @@ from .config import RunConfig, term_names
 from .doctor import (Probe, audit_check, checklist, gradient_check, range_check, ratio_check, report_lines, rewards_check,
                      text_window_check)
 from .errors import UserError
-from .grpo import group_advantages
+from .grpo import group_advantages, reward_advantages
 from .host import cpu_name
 from .hubclient import resolve_lora
 from .images import captioned_grid, sample_pictures, still_frames, to_pil
@@ -347,12 +347,19 @@ class Trainer:
         return False
 
     def advantages(self, rollout: Rollout) -> torch.Tensor:
-        """The rollout's advantages (:func:`~jagg_core.grpo.group_advantages` under the ``grpo`` section), on the
-        device."""
+        """The rollout's advantages under the ``grpo`` section, on the device: of the rewards' weighted sum
+        (:func:`~jagg_core.grpo.group_advantages`), or each reward's own (``multi_reward: per_reward``,
+        :func:`~jagg_core.grpo.reward_advantages`)."""
         grpo = self.config.grpo
         prompts = rollout.prompts if grpo.group_by == "prompt" else None
-        return group_advantages(rollout.rewards, grpo.num_generations, grpo.adv_clip, prompts=prompts,
-                                global_std=grpo.global_std).to(self.accelerator.device)
+        if grpo.multi_reward == "per_reward":
+            parts = [rollout.reward_parts[name] for name in self.reward.names]
+            advantages = reward_advantages(parts, self.reward.weights, grpo.num_generations, grpo.adv_clip,
+                                           prompts=prompts, global_std=grpo.global_std)
+        else:
+            advantages = group_advantages(rollout.rewards, grpo.num_generations, grpo.adv_clip, prompts=prompts,
+                                          global_std=grpo.global_std)
+        return advantages.to(self.accelerator.device)
 
     def optimizer_steps(self, rollout: Rollout, advantages: torch.Tensor, plan) -> dict:
         """The algorithm's optimizer steps on one rollout batch, each its backward then the step; the algorithm's

@@ -73,6 +73,52 @@ def test_advantage_options_equal_their_formulas():
     torch.testing.assert_close(global_std, (rewards - means) / (rewards.std(unbiased=False) + 1e-4))
 
 
+def test_per_reward_advantages_weigh_each_reward_by_its_weight_whatever_its_spread():
+    """Two rewards 50x apart in spread, weights 1 and 3: the advantage is (A_1 + 3 A_2) / 4, A_k each reward's own group
+    advantage, where the advantage of their sum follows the wide one; one reward gives its group advantage."""
+    from jagg_core.grpo import group_advantages, reward_advantages
+
+    wide = torch.tensor([20.0, 22.0, 21.0, 19.0])
+    narrow = torch.tensor([0.31, 0.30, 0.28, 0.30])
+    each = reward_advantages([wide, narrow], [1.0, 3.0], 2, 10.0)
+    a_wide, a_narrow = group_advantages(wide, 2, 10.0), group_advantages(narrow, 2, 10.0)
+    torch.testing.assert_close(each, (a_wide + 3 * a_narrow) / 4)
+    torch.testing.assert_close(torch.sign(each), torch.tensor([1.0, -1.0, -1.0, 1.0]))  # the narrow reward leads
+    summed = group_advantages(wide + 3 * narrow, 2, 10.0)
+    torch.testing.assert_close(torch.sign(summed), torch.tensor([-1.0, 1.0, 1.0, -1.0]))  # the wide one leads
+    torch.testing.assert_close(reward_advantages([narrow], [2.0], 2, 10.0), a_narrow)
+    torch.testing.assert_close(reward_advantages([wide, -narrow], [1.0, -1.0], 2, 10.0), (a_wide + a_narrow) / 2)
+    # clamped after the mean: each A_k is about +-1, their mean about +-0.49
+    torch.testing.assert_close(reward_advantages([wide, narrow], [1.0, 3.0], 2, 0.6), (a_wide + 3 * a_narrow) / 4)
+    assert reward_advantages([wide, narrow], [1.0, 3.0], 2, 0.25).abs().max() == 0.25
+    prompts = ["a", "a", "a", "a"]
+    torch.testing.assert_close(reward_advantages([wide], [1.0], 2, 10.0, prompts=prompts),
+                               group_advantages(wide, 2, 10.0, prompts=prompts))
+
+
+def test_the_trainer_takes_per_reward_advantages_from_the_rollouts_reward_parts():
+    from types import SimpleNamespace
+
+    from jagg_core.grpo import reward_advantages
+
+    parts = {"pickscore": torch.tensor([20.0, 22.0, 21.0, 19.0]), "clip_score": torch.tensor([0.31, 0.30, 0.28, 0.30])}
+    rollout = SimpleNamespace(rewards=parts["pickscore"] + parts["clip_score"], reward_parts=parts,
+                              prompts=["a", "a", "b", "b"])
+    for multi_reward in ("per_reward", "sum"):
+        config = tiny_config(grpo__multi_reward=multi_reward, grpo__num_generations=2)
+        trainer = SimpleNamespace(config=config, accelerator=SimpleNamespace(device="cpu"),
+                                  reward=SimpleNamespace(names=["clip_score", "pickscore"], weights=[1.0, 1.0]))
+        advantages = Trainer.advantages(trainer, rollout)
+        expected = (reward_advantages([parts["clip_score"], parts["pickscore"]], [1.0, 1.0], 2, 5.0)
+                    if multi_reward == "per_reward" else group_advantages_of(rollout.rewards))
+        torch.testing.assert_close(advantages, expected)
+
+
+def group_advantages_of(rewards):
+    from jagg_core.grpo import group_advantages
+    return group_advantages(rewards, 2, 5.0)
+
+
 def _shifted_rollout(sde_type="flow_grpo", batch=6):
     """A rollout of ``v = -z + 0.3`` and its advantages (three of each sign)."""
     gen = torch.Generator().manual_seed(1)
