@@ -182,6 +182,8 @@ def _recipe(config: dict, snap: RunSnapshot, editing: bool) -> str:
     rewards = "\n".join(
         f"| `{r.get('name')}` | {r.get('weight', 1.0)} | {json.dumps(_scrub(r.get('options') or {}))} |"
         for r in config.get("rewards") or [])
+    if (config.get("grpo") or {}).get("multi_reward") == "per_reward" and len(config.get("rewards") or []) > 1:
+        rewards += "\n\nEach reward's own group advantage, their mean weighted by the weights (`grpo.multi_reward`)."
     done = f"{snap.iteration} of {train.get('iterations')}" if snap.iteration is not None else train.get("iterations")
     init = f", started from `{lora['init_lora']}`" if lora.get("init_lora") else ""
     schedule = f"`{train.get('lr_scheduler', 'constant')}` learning-rate schedule"

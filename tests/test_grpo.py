@@ -114,6 +114,17 @@ def test_the_trainer_takes_per_reward_advantages_from_the_rollouts_reward_parts(
         torch.testing.assert_close(advantages, expected)
 
 
+def test_a_per_reward_run_trains_and_its_card_says_so(tmp_path, offline):
+    config = tiny_config(grpo__multi_reward="per_reward", train__iterations=1,
+                         rewards=[{"name": "jpeg_compressibility"}, {"name": "jpeg_incompressibility", "weight": 0.5}])
+    trainer = Trainer(config, tmp_path)
+    trainer.setup()
+    trainer.fit()
+    rows = [r for r in RunDirectory(tmp_path).read_metrics() if r["iteration"] > 0]
+    assert len(rows) == 1 and math.isfinite(rows[0]["train/grad_norm"]) and rows[0]["train/grad_norm"] > 0
+    assert "Each reward's own group advantage" in str(build_model_card(read_run(tmp_path), "me/x"))
+
+
 def group_advantages_of(rewards):
     from jagg_core.grpo import group_advantages
     return group_advantages(rewards, 2, 5.0)
