@@ -141,6 +141,9 @@ ADVANCED_KNOBS = (
     Knob("grpo.branch_factor", "Tree rollout branch factor", "int"),
     Knob("grpo.kl_reference", "KL reference", "choice", choices=(("training pass", "train"), ("rollout", "rollout"))),
     Knob("grpo.kl_form", "KL form", "choice", choices=(("Gaussian step KL", "step"), ("Flow-GRPO's", "flow_grpo"))),
+    Knob("grpo.multi_reward", "Several rewards' advantage", "choice",
+         choices=(("of their weighted sum (Flow-GRPO)", "sum"),
+                  ("each reward's own, weighted (DanceGRPO)", "per_reward"))),
     Knob("backward.audit_every", "Fidelity audit every", "int"),
     Knob("model.guidance_scale", "CFG scale", "float"),
     Knob("model.max_sequence_length", "Text tokens", "int"),  # what the doctor's prompt-window fix names

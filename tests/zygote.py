@@ -47,8 +47,8 @@ PRELOADED = ("torch", "torch._dynamo", "bitsandbytes", "torchao")
 #: settings are read when used, by the child; torch sets some for itself as it runs, TORCHINDUCTOR_CACHE_DIR.)
 START_SETTINGS = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "BNB_")
 #: the modules whose imports the libraries tier makes: the project's commands that the tests run in a child
-COMMANDS = ("jagg_core.run", "jagg_core.trainer", "jagg_core.generate", "jagg_core.compare", "jagg_core.hub",
-            "jagg_core.bench")
+COMMANDS = ("jagg_core.run", "jagg_core.trainer", "jagg_core.generate", "jagg_core.evaluate", "jagg_core.compare",
+            "jagg_core.hub", "jagg_core.bench")
 #: environment variables read when used, not as a module imports (pytest's current test, the project's settings, the
 #: compile cache torch sets for itself): a run that differs from :func:`library_environment` only in them is forked
 #: from the libraries tier

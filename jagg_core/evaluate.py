@@ -1,0 +1,208 @@
+"""A run's adapter against its base model on many prompts and noises: its rewards and judges (or others) with
+standard errors, a benchmark beyond the run's held-out eval (one image of each of a few prompts).
+
+    python -m jagg_core.evaluate RUN [--prompts SOURCE] [--limit N] [--images-per-prompt K] [--checkpoint best|iter_N]
+                                 [--reward SPEC ...] [--batch B] [--seed S] [--out DIR]
+
+Each prompt (by default the run's held-out eval prompts; ``--prompts``: a built-in set, a file, an image folder or
+``hf://DATASET[:COLUMN]``, ``--limit`` of its distinct prompts drawn with ``--seed``) is sampled ``K`` times by the base
+model and ``K`` times by the adapter from the same ``K`` noises, with the run's fixed-seed ODE sampler, steps and sizes
+(as its evals). Every reward scores both: by default the run's rewards (``reward NAME``) and judges (``judge NAME``),
+each with its options; ``--reward`` names others instead (``geneval`` or a YAML mapping such as ``"{name: geneval,
+options: {strict: true}}"``, repeated). For each, over the ``n = N K`` pairs::
+
+    base, adapter      mean +- standard error, s / sqrt(n)
+    adapter - base     the paired difference's mean +- its standard error (same prompt, same noise)
+    adapter wins       the share of pairs the adapter scores higher (a tie counts a half)
+
+It writes ``DIR/evaluation.md`` (the table, printed too) and ``DIR/evaluation.json`` (the settings and every score),
+``DIR`` by default ``evaluations/RUN_NAME-ADAPTER`` (``latest-adapter``, ``best-adapter``, ``iter_N``); nothing is
+written in the run directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import UserError, exit_on_user_error, made_folder
+
+PROG = "jagg_core.evaluate"
+TABLE_FILE = "evaluation.md"
+SCORES_FILE = "evaluation.json"
+
+
+@dataclass
+class Scored:
+    """One reward's scores of the same pairs (prompt, noise): the base model's and the adapter's."""
+
+    label: str
+    base: list[float]
+    adapter: list[float]
+
+    def row(self) -> dict:
+        """Means with standard errors, the paired difference and the adapter's wins (module docstring)."""
+        difference = [a - b for a, b in zip(self.adapter, self.base)]
+        wins = sum(1.0 if d > 0 else 0.5 if d == 0 else 0.0 for d in difference) / len(difference)
+        return {"reward": self.label, "pairs": len(difference), "base": mean_and_error(self.base),
+                "adapter": mean_and_error(self.adapter), "difference": mean_and_error(difference),
+                "adapter_wins": wins}
+
+
+def mean_and_error(values: list[float]) -> tuple[float, float]:
+    """``(mean, s / sqrt(n))`` with ``s`` the sample standard deviation (0 for one value)."""
+    n = len(values)
+    mean = sum(values) / n
+    spread = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else 0.0
+    return mean, spread / math.sqrt(n)
+
+
+def reward_specs(config, given: list[str]):
+    """``(label, spec)`` of each reward that scores: the ``--reward`` specs given, else the run's rewards and
+    judges."""
+    import yaml
+
+    from .config import RewardSpec, term_names
+    from .rewards.catalog import reward_options
+
+    if not given:
+        rewards = [spec.model_copy(update={"weight": 1.0}) for spec in config.rewards]
+        return ([(f"reward {name}", spec) for name, spec in zip(term_names([s.name for s in rewards]), rewards)]
+                + [(f"judge {name}", spec) for name, spec in zip(term_names([s.name for s in config.eval.judges]),
+                                                                   config.eval.judges)])
+    specs = []
+    for text in given:
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError:
+            data = None
+        data = {"name": data} if isinstance(data, str) else data
+        if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+            raise UserError(f"--reward {text!r}: give a reward's name (geneval) or a mapping such as "
+                            "'{name: geneval, options: {strict: true}}'")
+        reward_options(data["name"], data.get("options") or {})  # an unknown name or option: one line
+        specs.append(RewardSpec(name=data["name"], options=data.get("options") or {}))
+    return [(f"reward {name}", spec) for name, spec in zip(term_names([spec.name for spec in specs]), specs)]
+
+
+def evaluation_prompts(config, source: str | None, limit: int | None, seed: int) -> list[str]:
+    """The distinct prompts to evaluate on (module docstring)."""
+    from .prompts import limit_prompts, load_prompts, run_prompts
+
+    prompts = run_prompts(config.prompts)[1] if source is None else load_prompts(source)
+    return limit_prompts(list(dict.fromkeys(prompts)), limit, seed)
+
+
+def evaluate(run_dir: Path, *, source: str | None = None, limit: int | None = None, images_per_prompt: int = 4,
+             checkpoint: str | None = None, given_rewards: list[str] | None = None, batch: int = 8,
+             seed: int = 0) -> tuple[dict, list[Scored]]:
+    """Sample and score (module docstring): the settings and each reward's :class:`Scored`."""
+    from .adapters import choose_adapter
+    from .config import validate_config
+    from .rewards.catalog import reward_entry
+    from .rundir import RunDirectory
+
+    if images_per_prompt < 1 or batch < 1:
+        raise UserError("--images-per-prompt and --batch must be at least 1")
+    config = validate_config(RunDirectory(run_dir).read_config())
+    adapter = choose_adapter(run_dir, checkpoint)
+    prompts = evaluation_prompts(config, source, limit, seed)
+    specs = reward_specs(config, given_rewards or [])
+    for label, spec in specs:
+        reward_entry(spec.name).check_prompts(prompts, f"the {label}")
+    from .quiet import quiet_libraries
+    quiet_libraries()
+    import torch
+
+    from .models import load_flow_model
+    from .sampler import initial_noise, ode_sample
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_flow_model(config.model, device, seed=config.train.seed, num_frames=config.sampling.num_frames)
+    model.check_size(config.sampling.size)
+    model.encode_and_cache(prompts)
+    model.release_text_encoders()
+    model.add_lora(config.lora)
+    model.load_lora(adapter.file)
+    scorers = [(label, build_rewards_of(spec, device, config)) for label, spec in specs]
+    steps, size = config.sampling.eval_num_steps or config.sampling.num_steps, config.sampling.size
+    sigmas = model.sigmas(steps, size)
+    scored = {label: Scored(label, [], []) for label, _ in scorers}
+    for k in range(images_per_prompt):
+        noise = initial_noise(model, len(prompts), size, torch.Generator().manual_seed(seed + k))
+        for start in range(0, len(prompts), batch):
+            rows = prompts[start:start + batch]
+            cond = model.conditioning(rows)
+            z0 = noise[start:start + batch]
+            with torch.no_grad():
+                model.transformer.disable_adapters()
+                base = model.decode_samples(ode_sample(model, cond, sigmas, z0), cond).float().cpu()
+                model.transformer.enable_adapters()
+                tuned = model.decode_samples(ode_sample(model, cond, sigmas, z0), cond).float().cpu()
+            for label, scorer in scorers:
+                scored[label].base += scorer(base, rows)[0].tolist()
+                scored[label].adapter += scorer(tuned, rows)[0].tolist()
+    settings = {"run": str(run_dir), "adapter": adapter.label, "prompts": source or "the run's held-out eval prompts",
+                "distinct_prompts": len(prompts), "images_per_prompt": images_per_prompt, "seed": seed,
+                "model": config.model.name, "steps": steps, "resolution": size.config_value(),
+                "rewards": [{"label": label, "name": spec.name, "options": spec.options} for label, spec in specs]}
+    return settings, list(scored.values())
+
+
+def build_rewards_of(spec, device, config):
+    """One reward as a :class:`~jagg_core.rewards.CombinedReward` of weight 1 (videos scored as the run scores them)."""
+    from .rewards import build_rewards
+    return build_rewards([spec.model_copy(update={"weight": 1.0})], device, reward_frames=config.sampling.reward_frames)
+
+
+def table(settings: dict, scored: list[Scored]) -> str:
+    """The markdown table of the evaluation, its settings above it."""
+    lines = [f"Adapter {settings['adapter']} of {settings['run']} against its base model ({settings['model']}): "
+             f"{settings['distinct_prompts']} prompts ({settings['prompts']}) x {settings['images_per_prompt']} "
+             f"noises, {settings['steps']} steps at {settings['resolution']}, mean +- standard error", "",
+             "| reward | base | adapter | adapter - base | adapter wins |", "|---|---|---|---|---|"]
+    for result in scored:
+        row = result.row()
+        base, tuned, difference = row["base"], row["adapter"], row["difference"]
+        lines.append(f"| {result.label} | {base[0]:.4f} ± {base[1]:.4f} | {tuned[0]:.4f} ± {tuned[1]:.4f} | "
+                     f"{difference[0]:+.4f} ± {difference[1]:.4f} | {row['adapter_wins']:.0%} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", type=Path, help="the run directory")
+    parser.add_argument("--prompts", metavar="SOURCE", help="a prompt set (default: the run's held-out eval prompts)")
+    parser.add_argument("--limit", type=int, metavar="N", help="evaluate on N of its distinct prompts, a seeded draw")
+    parser.add_argument("--images-per-prompt", type=int, default=4, metavar="K")
+    parser.add_argument("--checkpoint", metavar="best|iter_N", help="the best adapter or a checkpoint's (default: "
+                        "the latest)")
+    parser.add_argument("--reward", action="append", default=[], metavar="SPEC",
+                        help="a reward to score with instead of the run's rewards and judges (repeat)")
+    parser.add_argument("--batch", type=int, default=8, help="prompts sampled together")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, metavar="DIR")
+    args = parser.parse_args(argv)
+    with exit_on_user_error(PROG):
+        settings, scored = evaluate(args.run_dir, source=args.prompts, limit=args.limit,
+                                    images_per_prompt=args.images_per_prompt, checkpoint=args.checkpoint,
+                                    given_rewards=args.reward, batch=args.batch, seed=args.seed)
+        name = f"{args.run_dir.resolve().name}-{settings['adapter'].replace(' ', '-')}"
+        out = made_folder(args.out or Path("evaluations") / name)
+        text = table(settings, scored)
+        (out / TABLE_FILE).write_text(text)
+        (out / SCORES_FILE).write_text(json.dumps({
+            "settings": settings, "results": [result.row() for result in scored],
+            "scores": {result.label: {"base": result.base, "adapter": result.adapter} for result in scored}},
+            indent=1))
+        print(text, end="")
+        print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

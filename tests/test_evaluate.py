@@ -1,0 +1,119 @@
+"""``python -m jagg_core.evaluate``: a run's adapter against its base model on prompts x noises, each reward's and
+judge's scores with standard errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, run_python, tiny_config
+from jagg_core.errors import UserError
+from jagg_core.evaluate import Scored, evaluate, table
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A tiny SD3 run of 2 iterations rewarded by JPEG compressibility and judged by incompressibility."""
+    from jagg_core.trainer import Trainer
+    run = tmp_path_factory.mktemp("run")
+    config = tiny_config(eval__judges=[{"name": "jpeg_incompressibility"}], train__learning_rate=0.05)
+    trainer = Trainer(config, run)
+    trainer.setup()
+    trainer.fit()
+    return run
+
+
+def sample_scores(run, prompts, index, noise_seed):
+    """Prompt ``index``'s base and adapter JPEG compressibility from noise ``noise_seed``, sampled here on their own."""
+    from jagg_core.config import validate_config
+    from jagg_core.models import load_flow_model
+    from jagg_core.rewards.jpeg import jpeg_size_kb
+    from jagg_core.rundir import RunDirectory
+    from jagg_core.sampler import initial_noise, ode_sample
+
+    config = validate_config(RunDirectory(run).read_config())
+    model = load_flow_model(config.model, "cpu", seed=config.train.seed)
+    model.add_lora(config.lora)
+    model.load_lora(RunDirectory(run).lora_file)
+    size = config.sampling.size
+    sigmas = model.sigmas(config.sampling.eval_num_steps or config.sampling.num_steps, size)
+    z0 = initial_noise(model, len(prompts), size, torch.Generator().manual_seed(noise_seed))[index:index + 1]
+    cond = model.conditioning([prompts[index]])
+    scores = []
+    with torch.no_grad():
+        for adapters in (False, True):
+            model.transformer.enable_adapters() if adapters else model.transformer.disable_adapters()
+            images = model.decode_samples(ode_sample(model, cond, sigmas, z0), cond).float()
+            scores.append(-float(jpeg_size_kb(images)[0]))
+    return scores
+
+
+def test_each_reward_and_judge_scores_the_base_and_the_adapter_on_the_same_noises(tiny_run):
+    settings, scored = evaluate(tiny_run, images_per_prompt=2, batch=1, seed=3)
+    assert [result.label for result in scored] == ["reward jpeg_compressibility", "judge jpeg_incompressibility"]
+    prompts = settings["distinct_prompts"]
+    assert prompts == 2 and all(len(r.base) == len(r.adapter) == 4 for r in scored)
+    from jagg_core.config import validate_config
+    from jagg_core.prompts import run_prompts
+    from jagg_core.rundir import RunDirectory
+    held_out = run_prompts(validate_config(RunDirectory(tiny_run).read_config()).prompts)[1]
+    compress = scored[0]
+    for k in range(2):  # the second noise (seed 3 + 1) of the second prompt, and the first of the first
+        index = 1 - k
+        base, tuned = sample_scores(tiny_run, held_out, index, 3 + k)
+        pair = k * 2 + index
+        assert compress.base[pair] == pytest.approx(base) and compress.adapter[pair] == pytest.approx(tuned)
+    assert compress.base != compress.adapter  # the adapter draws otherwise
+    torch.testing.assert_close(torch.tensor(scored[1].base), -torch.tensor(compress.base))  # its judge: the negative
+    _, batched = evaluate(tiny_run, images_per_prompt=2, batch=2, seed=3)
+    torch.testing.assert_close(torch.tensor(batched[0].adapter), torch.tensor(compress.adapter))
+
+
+def test_a_row_is_the_means_their_standard_errors_the_paired_difference_and_the_wins():
+    result = Scored("reward x", base=[1.0, 2.0, 3.0, 4.0], adapter=[2.0, 2.0, 5.0, 3.0])
+    row = result.row()
+    assert row["pairs"] == 4
+    assert row["base"] == pytest.approx((2.5, statistics.stdev([1, 2, 3, 4]) / 2))
+    assert row["adapter"] == pytest.approx((3.0, statistics.stdev([2, 2, 5, 3]) / 2))
+    assert row["difference"] == pytest.approx((0.5, statistics.stdev([1, 0, 2, -1]) / 2))
+    assert row["adapter_wins"] == pytest.approx((1 + 0.5 + 1 + 0) / 4)
+    text = table({"adapter": "latest adapter", "run": "runs/x", "model": "m", "distinct_prompts": 2,
+                  "prompts": "p", "images_per_prompt": 2, "steps": 6, "resolution": "32"}, [result])
+    assert "| reward x | 2.5000 ± 0.6455 | 3.0000 ± 0.7071 | +0.5000 ± 0.6455 | 62% |" in text
+
+
+def test_other_rewards_and_prompt_sets_are_named_on_the_command_line(tiny_run, tmp_path):
+    settings, scored = evaluate(tiny_run, source="shapes", limit=3, images_per_prompt=1,
+                                given_rewards=["{name: jpeg_compressibility}", "shapes"])
+    assert settings["distinct_prompts"] == 3
+    assert [r.label for r in scored] == ["reward jpeg_compressibility", "reward shapes"]
+    assert all(0 <= score <= 1 for score in scored[1].base + scored[1].adapter)
+    for bad, message in [("{name: 3}", "give a reward's name"), ("nope", "unknown reward 'nope'"),
+                         ("{name: geneval, options: {strict: maybe}}", "options.strict of reward 'geneval'")]:
+        with pytest.raises(UserError, match=message):
+            evaluate(tiny_run, given_rewards=[bad])
+    with pytest.raises(UserError, match="the reward geneval cannot read the prompt"):
+        evaluate(tiny_run, given_rewards=["geneval"])  # the run's prompts are not GenEval's
+
+
+def test_the_command_writes_the_table_and_every_score_and_a_run_without_an_adapter_is_one_line(tiny_run, tmp_path):
+    out = tmp_path / "eval"
+    done = run_python(["-m", "jagg_core.evaluate", str(tiny_run), "--images-per-prompt", "1", "--out", str(out)],
+                      cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = (out / "evaluation.md").read_text()
+    assert text in done.stdout and "| reward jpeg_compressibility |" in text
+    assert "| judge jpeg_incompressibility |" in text
+    saved = json.loads((out / "evaluation.json").read_text())
+    assert saved["settings"]["adapter"] == "latest adapter"
+    assert len(saved["scores"]["reward jpeg_compressibility"]["base"]) == 2
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.yaml").write_text((Path(tiny_run) / "config.yaml").read_text())
+    done = run_python(["-m", "jagg_core.evaluate", str(empty)], cwd=ROOT)
+    assert done.returncode == 2 and "has no adapter yet" in done.stderr and "Traceback" not in done.stderr
