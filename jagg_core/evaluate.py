@@ -161,9 +161,11 @@ def build_rewards_of(spec, device, config):
 
 def table(settings: dict, scored: list[Scored]) -> str:
     """The markdown table of the evaluation, its settings above it."""
-    lines = [f"Adapter {settings['adapter']} of {settings['run']} against its base model ({settings['model']}): "
+    pairs = settings["distinct_prompts"] * settings["images_per_prompt"]
+    lines = [f"**{settings['adapter']}** of {settings['run']} against its base model {settings['model']}: "
              f"{settings['distinct_prompts']} prompts ({settings['prompts']}) x {settings['images_per_prompt']} "
-             f"noises, {settings['steps']} steps at {settings['resolution']}, mean +- standard error", "",
+             f"noises, {settings['steps']} steps at {settings['resolution']} px; mean ± standard error of {pairs} "
+             "pairs", "",
              "| reward | base | adapter | adapter - base | adapter wins |", "|---|---|---|---|---|"]
     for result in scored:
         row = result.row()
