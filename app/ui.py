@@ -14,12 +14,14 @@ Stable API endpoints (``gradio_client``):
     /delete   run name -> (message, run name)  deletes a run that is not training
     /generate run, adapter, prompt, seed[, input image] -> (image, message)  the base model beside the adapter for
               one's own prompt (an image-editing run's: an instruction and the image it applies to)
+    /evaluate run, adapter, prompt set ("" = the run's held-out prompts), prompts at most (0 = all), images per prompt
+              -> the table of ``python -m jagg_core.evaluate``: each reward's and judge's base and adapter means
     /queue_up, /queue_down, /queue_remove  queued run -> (message, queue words, queued runs)  reorder or empty the
               queue (Start while a run trains queues the new run)
 
-On a Hugging Face Space only the owner and the users in ``JAGG_ALLOWED_USERS`` may start, stop, resume, push, delete
-or generate (:mod:`app.access`); everyone can watch. The handlers only launch and signal processes (:mod:`app.jobs`)
-and read run directories (:mod:`app.live`); the form is turned into a run config by :mod:`app.form`.
+On a Hugging Face Space only the owner and the users in ``JAGG_ALLOWED_USERS`` may start, stop, resume, push, delete,
+generate or evaluate (:mod:`app.access`); everyone can watch. The handlers only launch and signal processes
+(:mod:`app.jobs`) and read run directories (:mod:`app.live`); the form is turned into a run config by :mod:`app.form`.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from jagg_core import hub
 from jagg_core.adapters import LATEST_LABEL as LATEST_ADAPTER
 from jagg_core.config import DEFAULT_PRESET, list_presets, validate_config
 from jagg_core.errors import UserError
+from jagg_core.evaluate import PROG as EVALUATE
+from jagg_core.evaluate import TABLE_FILE as EVALUATION_TABLE
 from jagg_core.generate import NOTE
 from jagg_core.generate import PROG as GENERATE
 from jagg_core.preflight import input_images_a_row
@@ -186,6 +190,12 @@ def _named(fn, names: tuple[str, ...]):
 def _refusal(profile: gr.OAuthProfile | None) -> str | None:
     """Why the signed-in user (``profile``) may not control jobs here (:mod:`app.access`), or None."""
     return access.refusal(profile.username if profile is not None else None)
+
+
+def _command_error(result: subprocess.CompletedProcess, prog: str) -> str:
+    """Why a project command (``python -m PROG``) failed: its last ``PROG: error:`` line, else its exit code."""
+    errors = [line for line in result.stderr.splitlines() if line.startswith(f"{prog}: error:")]
+    return errors[-1].split("error:", 1)[1].strip() if errors else f"exit code {result.returncode}"
 
 
 def _oauth_available() -> bool:
@@ -405,9 +415,7 @@ class Studio:
             command += ["--shape", "run"]
         result = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL)
         if result.returncode != 0 or not out.is_file():
-            errors = [line for line in result.stderr.splitlines() if line.startswith(f"{GENERATE}: error:")]
-            why = errors[-1].split("error:", 1)[1].strip() if errors else f"exit code {result.returncode}"
-            return None, f"**Not generated:** {why}"
+            return None, f"**Not generated:** {_command_error(result, GENERATE)}"
         inputs = "the input image" if len(images) == 1 else f"the {len(images)} input images"
         shown = f"{inputs}, the base model's edit and the adapter's" if images else \
             "the base model (left) and the adapter"
@@ -415,6 +423,32 @@ class Studio:
                  if line.startswith(f"{GENERATE}: {NOTE}")]
         cut = "".join(f"  \n**Note:** {note}" for note in notes)
         return str(out), f"`{run_dir.name}`, {checkpoint or LATEST_ADAPTER}: {shown}{cut}"
+
+    def evaluate(self, run: str, checkpoint: str, prompt_set: str | None, limit: float | None,
+                 images_per_prompt: float | None, profile: gr.OAuthProfile | None = None) -> str:
+        """The adapter against its base model on prompts x noises, scored by the run's rewards and judges: the table
+        of ``python -m jagg_core.evaluate``, run in its own process (the app holds no model). ``prompt_set``: a
+        built-in set, or empty for the run's held-out prompts; ``limit``: that many of its prompts (0: all)."""
+        if refused := _refusal(profile):
+            return f"**Not evaluated:** {refused}"
+        run_dir = self._run_dir(run)
+        if run_dir is None:
+            return "**Not evaluated:** choose a run first."
+        if prompt_set and prompt_set not in builtin_prompt_sets():
+            return f"**Not evaluated:** '{prompt_set}' is not a built-in prompt set; choose one, or none for the run's"
+        out = Path(tempfile.mkdtemp(prefix="jagg-evaluate-"))
+        command = [sys.executable, "-m", EVALUATE, str(run_dir), "--out", str(out),
+                   "--images-per-prompt", str(int(images_per_prompt or 1))]
+        if prompt_set:
+            command += ["--prompts", prompt_set]
+        if limit:
+            command += ["--limit", str(int(limit))]
+        if live.adapter_name(checkpoint):
+            command += ["--checkpoint", checkpoint]
+        result = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        if result.returncode != 0 or not (out / EVALUATION_TABLE).is_file():
+            return f"**Not evaluated:** {_command_error(result, EVALUATE)}"
+        return (out / EVALUATION_TABLE).read_text()
 
     def stop(self, profile: gr.OAuthProfile | None = None) -> str:
         """Stop the active job (SIGTERM to its process group, SIGKILL after a grace period)."""
@@ -856,6 +890,19 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                 try_image = gr.Image(label="Base model | adapter", show_label=False, type="filepath",
                                      interactive=False, elem_id="try-image")  # a label would cover the prompt
 
+                gr.Markdown("## 5 · Evaluate\nThe adapter chosen above against the base model on many prompts, each "
+                            "from several noises (the same for both), with the run's sampler and sizes, scored by its "
+                            "rewards and judges: means with standard errors, and how often the adapter wins.")
+                with gr.Row():
+                    evaluate_set = gr.Dropdown(["", *builtin_prompt_sets()], value="", label="Prompt set",
+                                               info="empty: the run's held-out eval prompts", elem_id="evaluate-set")
+                    evaluate_limit = gr.Number(0, label="Prompts at most", precision=0, minimum=0,
+                                               info="0: all of the set", elem_id="evaluate-limit")
+                    evaluate_images = gr.Number(4, label="Images per prompt", precision=0, minimum=1, maximum=64,
+                                                elem_id="evaluate-images")
+                evaluate = gr.Button("Evaluate", elem_id="evaluate-btn")
+                evaluate_result = gr.Markdown(elem_id="evaluate-result")
+
         # ----- events ----------------------------------------------------------------------------
         form_inputs = [preset, name, model, rewards, weights, prompt_mode, prompt_set, prompt_file, prompt_text,
                        eval_text, *knobs]
@@ -878,6 +925,8 @@ def build_app(root: Path | None = None) -> gr.Blocks:
         generate.click(studio.generate, [run_select, checkpoint, try_prompt, try_seed, *try_inputs, try_whole],
                        [try_image, try_message],
                        api_name="generate")
+        evaluate.click(studio.evaluate, [run_select, checkpoint, evaluate_set, evaluate_limit, evaluate_images],
+                       evaluate_result, api_name="evaluate")
         queue_outputs = [queue_message, queue_list, queue_select]
         queue_up.click(studio.queue_up, queue_select, queue_outputs, api_name="queue_up")
         queue_down.click(studio.queue_down, queue_select, queue_outputs, api_name="queue_down")

@@ -162,7 +162,7 @@ def build_rewards_of(spec, device, config):
 def table(settings: dict, scored: list[Scored]) -> str:
     """The markdown table of the evaluation, its settings above it."""
     pairs = settings["distinct_prompts"] * settings["images_per_prompt"]
-    lines = [f"**{settings['adapter']}** of {settings['run']} against its base model {settings['model']}: "
+    lines = [f"**{settings['adapter']}** of `{Path(settings['run']).name}` against its base model {settings['model']}: "
              f"{settings['distinct_prompts']} prompts ({settings['prompts']}) x {settings['images_per_prompt']} "
              f"noises, {settings['steps']} steps at {settings['resolution']} px; mean ± standard error of {pairs} "
              "pairs", "",

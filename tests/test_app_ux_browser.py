@@ -210,6 +210,12 @@ def test_a_prompt_of_ones_own_is_generated_with_the_adapter_and_an_input_image_i
     page.locator("#generate-btn").click()
     expect(page.locator("#try-message")).to_contain_text("the base model (left) and the adapter")
     expect(page.locator("#try-image img")).to_be_visible()
+    _fill(page, "evaluate-images", "1")  # the adapter against the base model on its held-out prompts, 1 noise each
+    page.locator("#evaluate-btn").click()
+    result = page.locator("#evaluate-result")
+    expect(result).to_contain_text("latest adapter")
+    expect(result.locator("table")).to_contain_text("reward shapes")
+    expect(result.locator("table")).to_contain_text("judge shapes_fidelity")
     page.wait_for_timeout(2000)  # let the plots draw
     page.screenshot(path=str(REPO / "docs" / "screenshot-finished.png"), full_page=True)  # the README's second
 

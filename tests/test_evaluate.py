@@ -117,3 +117,17 @@ def test_the_command_writes_the_table_and_every_score_and_a_run_without_an_adapt
     (empty / "config.yaml").write_text((Path(tiny_run) / "config.yaml").read_text())
     done = run_python(["-m", "jagg_core.evaluate", str(empty)], cwd=ROOT)
     assert done.returncode == 2 and "has no adapter yet" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_page_evaluates_the_chosen_adapter_on_a_built_in_set(tiny_run):
+    from app.ui import Studio
+    studio = Studio(Path(tiny_run).parent)
+    text = studio.evaluate(Path(tiny_run).name, "latest adapter", "shapes", 2, 1)
+    assert "**latest adapter** of" in text and "2 prompts (shapes) x 1 noises" in text
+    assert "| reward jpeg_compressibility |" in text and "| judge jpeg_incompressibility |" in text
+    assert studio.evaluate(Path(tiny_run).name, "latest adapter", "/etc", 0, 1) == (
+        "**Not evaluated:** '/etc' is not a built-in prompt set; choose one, or none for the run's")
+    (Path(tiny_run).parent / "no-runs").mkdir(exist_ok=True)
+    assert Studio(Path(tiny_run).parent / "no-runs").evaluate("", "latest adapter", "", 0, 1) == (
+        "**Not evaluated:** choose a run first.")
+    assert studio.evaluate(Path(tiny_run).name, "iter_000099", "", 0, 1).startswith("**Not evaluated:** ")
