@@ -6,8 +6,9 @@ standard errors, a benchmark beyond the run's held-out eval (one image of each o
 
 Each prompt (by default the run's held-out eval prompts; ``--prompts``: a built-in set, a file, an image folder or
 ``hf://DATASET[:COLUMN]``, ``--limit`` of its distinct prompts drawn with ``--seed``) is sampled ``K`` times by the base
-model and ``K`` times by the adapter from the same ``K`` noises, with the run's fixed-seed ODE sampler, steps and sizes
-(as its evals). Every reward scores both: by default the run's rewards (``reward NAME``) and judges (``judge NAME``),
+model and ``K`` times by the adapter from the same ``K`` noises (each drawn from its own seed, :func:`pair_seed`, on the
+CPU, so a batch changes nothing and the device holds one batch's), with the run's fixed-seed ODE sampler, steps and
+sizes (as its evals). Every reward scores both: by default the run's rewards (``reward NAME``) and judges (``judge NAME``),
 each with its options; ``--reward`` names others instead (``geneval`` or a YAML mapping such as ``"{name: geneval,
 options: {strict: true}}"``, repeated). For each, over the ``n = N K`` pairs::
 
@@ -89,6 +90,11 @@ def reward_specs(config, given: list[str]):
     return [(f"reward {name}", spec) for name, spec in zip(term_names([spec.name for spec in specs]), specs)]
 
 
+def pair_seed(seed: int, k: int, index: int) -> int:
+    """The seed of the ``k``-th noise of prompt ``index``: each pair's noise is its own draw, whatever the batch."""
+    return (seed * 1_000_003 + k * 65_537 + index) % (2 ** 63)
+
+
 def evaluation_prompts(config, source: str | None, limit: int | None, seed: int) -> list[str]:
     """The distinct prompts to evaluate on (module docstring)."""
     from .prompts import limit_prompts, load_prompts, run_prompts
@@ -133,11 +139,11 @@ def evaluate(run_dir: Path, *, source: str | None = None, limit: int | None = No
     sigmas = model.sigmas(steps, size)
     scored = {label: Scored(label, [], []) for label, _ in scorers}
     for k in range(images_per_prompt):
-        noise = initial_noise(model, len(prompts), size, torch.Generator().manual_seed(seed + k))
         for start in range(0, len(prompts), batch):
             rows = prompts[start:start + batch]
             cond = model.conditioning(rows)
-            z0 = noise[start:start + batch]
+            z0 = torch.cat([initial_noise(model, 1, size, torch.Generator().manual_seed(pair_seed(seed, k, index)))
+                            for index in range(start, start + len(rows))])
             with torch.no_grad():
                 model.transformer.disable_adapters()
                 base = model.decode_samples(ode_sample(model, cond, sigmas, z0), cond).float().cpu()

@@ -13,7 +13,7 @@ import torch
 
 from conftest import ROOT, run_python, tiny_config
 from jagg_core.errors import UserError
-from jagg_core.evaluate import Scored, evaluate, table
+from jagg_core.evaluate import Scored, evaluate, pair_seed, table
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,8 @@ def tiny_run(tmp_path_factory):
 
 
 def sample_scores(run, prompts, index, noise_seed):
-    """Prompt ``index``'s base and adapter JPEG compressibility from noise ``noise_seed``, sampled here on their own."""
+    """Prompt ``index``'s base and adapter JPEG compressibility from the noise of seed ``noise_seed``, sampled here on
+    their own."""
     from jagg_core.config import validate_config
     from jagg_core.models import load_flow_model
     from jagg_core.rewards.jpeg import jpeg_size_kb
@@ -42,7 +43,7 @@ def sample_scores(run, prompts, index, noise_seed):
     model.load_lora(RunDirectory(run).lora_file)
     size = config.sampling.size
     sigmas = model.sigmas(config.sampling.eval_num_steps or config.sampling.num_steps, size)
-    z0 = initial_noise(model, len(prompts), size, torch.Generator().manual_seed(noise_seed))[index:index + 1]
+    z0 = initial_noise(model, 1, size, torch.Generator().manual_seed(noise_seed))
     cond = model.conditioning([prompts[index]])
     scores = []
     with torch.no_grad():
@@ -63,9 +64,9 @@ def test_each_reward_and_judge_scores_the_base_and_the_adapter_on_the_same_noise
     from jagg_core.rundir import RunDirectory
     held_out = run_prompts(validate_config(RunDirectory(tiny_run).read_config()).prompts)[1]
     compress = scored[0]
-    for k in range(2):  # the second noise (seed 3 + 1) of the second prompt, and the first of the first
+    for k in range(2):  # the second noise of the second prompt, and the first of the first
         index = 1 - k
-        base, tuned = sample_scores(tiny_run, held_out, index, 3 + k)
+        base, tuned = sample_scores(tiny_run, held_out, index, pair_seed(3, k, index))
         pair = k * 2 + index
         assert compress.base[pair] == pytest.approx(base) and compress.adapter[pair] == pytest.approx(tuned)
     assert compress.base != compress.adapter  # the adapter draws otherwise
