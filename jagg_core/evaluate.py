@@ -8,15 +8,19 @@ Each prompt (by default the run's held-out eval prompts; ``--prompts``: a built-
 ``hf://DATASET[:COLUMN]``, ``--limit`` of its distinct prompts drawn with ``--seed``) is sampled ``K`` times by the base
 model and ``K`` times by the adapter from the same ``K`` noises (each drawn from its own seed, :func:`pair_seed`, on the
 CPU, so a batch changes nothing and the device holds one batch's), with the run's fixed-seed ODE sampler, steps and
-sizes (as its evals). Every reward scores both: by default the run's rewards (``reward NAME``) and judges (``judge NAME``),
-each with its options; ``--reward`` names others instead (``geneval`` or a YAML mapping such as ``"{name: geneval,
-options: {strict: true}}"``, repeated). For each, over the ``n = N K`` pairs::
+sizes (as its evals). Every reward scores both: by default the run's rewards (``reward NAME``) and judges (``judge
+NAME``), each with its options; ``--reward`` names others instead (``geneval`` or a YAML mapping such as ``"{name:
+geneval, options: {strict: true}}"``, repeated). For each, over the ``n = N K`` pairs::
 
     base, adapter      mean +- standard error, s / sqrt(n)
     adapter - base     the paired difference's mean +- its standard error (same prompt, same noise)
     adapter wins       the share of pairs the adapter scores higher (a tie counts a half)
 
-It writes ``DIR/evaluation.md`` (the table, printed too) and ``DIR/evaluation.json`` (the settings and every score),
+When every prompt reads as the ``geneval`` reward reads prompts (the ``geneval`` and ``compositional`` sets), each
+reward's means are also given by GenEval task (single object, two objects, counting, colours, position, colour
+attribution: :attr:`~jagg_core.object_prompts.PromptRequirements.task`), as GenEval reports them.
+
+It writes ``DIR/evaluation.md`` (the tables, printed too) and ``DIR/evaluation.json`` (the settings and every score),
 ``DIR`` by default ``evaluations/RUN_NAME-ADAPTER`` (``latest-adapter``, ``best-adapter``, ``iter_N``); nothing is
 written in the run directory.
 """
@@ -155,8 +159,29 @@ def evaluate(run_dir: Path, *, source: str | None = None, limit: int | None = No
     settings = {"run": str(run_dir), "adapter": adapter.label, "prompts": source or "the run's held-out eval prompts",
                 "distinct_prompts": len(prompts), "images_per_prompt": images_per_prompt, "seed": seed,
                 "model": config.model.name, "steps": steps, "resolution": size.config_value(),
-                "rewards": [{"label": label, "name": spec.name, "options": spec.options} for label, spec in specs]}
+                "rewards": [{"label": label, "name": spec.name, "options": spec.options} for label, spec in specs],
+                "tasks": geneval_tasks(prompts)}
     return settings, list(scored.values())
+
+
+def geneval_tasks(prompts: list[str]) -> list[str] | None:
+    """Each prompt's GenEval task (:attr:`~jagg_core.object_prompts.PromptRequirements.task`) when every prompt reads
+    as the geneval reward reads them, else None."""
+    from .object_prompts import read_prompt
+    read = [read_prompt(prompt) for prompt in prompts]
+    return None if None in read else [requirements.task for requirements in read]
+
+
+def by_task(result: Scored, tasks: list[str]) -> dict[str, dict]:
+    """The base's and the adapter's mean of each task's pairs (pair ``k N + i`` is prompt ``i``'s ``k``-th) and its
+    number of prompts, the tasks in GenEval's order."""
+    order = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
+    rows = {}
+    for task in sorted(set(tasks), key=order.index):
+        pairs = [p for p in range(len(result.base)) if tasks[p % len(tasks)] == task]
+        rows[task] = {"prompts": tasks.count(task), "base": sum(result.base[p] for p in pairs) / len(pairs),
+                      "adapter": sum(result.adapter[p] for p in pairs) / len(pairs)}
+    return rows
 
 
 def build_rewards_of(spec, device, config):
@@ -178,6 +203,14 @@ def table(settings: dict, scored: list[Scored]) -> str:
         base, tuned, difference = row["base"], row["adapter"], row["difference"]
         lines.append(f"| {result.label} | {base[0]:.4f} ± {base[1]:.4f} | {tuned[0]:.4f} ± {tuned[1]:.4f} | "
                      f"{difference[0]:+.4f} ± {difference[1]:.4f} | {row['adapter_wins']:.0%} |")
+    if settings.get("tasks"):
+        tasks = [by_task(result, settings["tasks"]) for result in scored]
+        lines += ["", "By GenEval task (the prompts' kind), mean of the base model -> the adapter:", "",
+                  "| task | prompts | " + " | ".join(result.label for result in scored) + " |",
+                  "|---|---|" + "---|" * len(scored)]
+        for task, first in tasks[0].items():
+            means = " | ".join(f"{rows[task]['base']:.4f} -> {rows[task]['adapter']:.4f}" for rows in tasks)
+            lines.append(f"| {task} | {first['prompts']} | {means} |")
     return "\n".join(lines) + "\n"
 
 
@@ -205,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         (out / TABLE_FILE).write_text(text)
         (out / SCORES_FILE).write_text(json.dumps({
             "settings": settings, "results": [result.row() for result in scored],
+            "by_task": {result.label: by_task(result, settings["tasks"]) for result in scored} if settings["tasks"]
+            else None,
             "scores": {result.label: {"base": result.base, "adapter": result.adapter} for result in scored}},
             indent=1))
         print(text, end="")

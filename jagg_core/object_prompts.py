@@ -84,6 +84,17 @@ class PromptRequirements:
         """How many checks the prompt makes (the denominator of its partial score)."""
         return sum(item.checks() for item in self.objects) + (self.relation is not None)
 
+    @property
+    def task(self) -> str:
+        """GenEval's task of such a prompt: ``single_object``, ``counting`` (two or more of it), ``colors`` (with its
+        colour), ``two_object``, ``position`` (with a relation checked) or ``color_attr`` (two, with a colour)."""
+        if len(self.objects) == 1:
+            only = self.objects[0]
+            return "counting" if only.exact else "colors" if only.colour else "single_object"
+        if self.relation is not None:
+            return "position"
+        return "color_attr" if any(item.colour for item in self.objects) else "two_object"
+
 
 def singular(noun: str) -> str:
     """``noun`` with its last word singular: "teddy bears" -> "teddy bear", "boxes" -> "box", "knives" -> "knife"."""

@@ -132,3 +132,20 @@ def test_the_page_evaluates_the_chosen_adapter_on_a_built_in_set(tiny_run):
     assert Studio(Path(tiny_run).parent / "no-runs").evaluate("", "latest adapter", "", 0, 1) == (
         "**Not evaluated:** choose a run first.")
     assert studio.evaluate(Path(tiny_run).name, "iter_000099", "", 0, 1).startswith("**Not evaluated:** ")
+
+
+def test_prompts_the_geneval_reward_reads_are_also_reported_by_genevals_task():
+    from jagg_core.evaluate import by_task, geneval_tasks
+    prompts = ["a photo of a dog", "a photo of two cats", "a photo of a cat left of a dog", "a photo of a red car"]
+    tasks = geneval_tasks(prompts)
+    assert tasks == ["single_object", "counting", "position", "colors"]
+    assert geneval_tasks([*prompts, "a red circle on a blue background, top left"]) is None
+    # two noises: pair k N + i is prompt i's k-th
+    result = Scored("reward geneval", base=[1, 0, 0, 1, 1, 1, 0, 0], adapter=[1, 1, 0, 1, 1, 1, 1, 1])
+    rows = by_task(result, tasks)
+    assert list(rows) == ["single_object", "counting", "colors", "position"]
+    assert rows["counting"] == {"prompts": 1, "base": 0.5, "adapter": 1.0}
+    assert rows["position"] == {"prompts": 1, "base": 0.0, "adapter": 0.5}
+    text = table({"adapter": "best adapter", "run": "runs/x", "model": "m", "distinct_prompts": 4, "prompts": "p",
+                  "images_per_prompt": 2, "steps": 6, "resolution": "32", "tasks": tasks}, [result])
+    assert "| task | prompts | reward geneval |" in text and "| counting | 1 | 0.5000 -> 1.0000 |" in text

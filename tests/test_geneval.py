@@ -86,6 +86,8 @@ def test_the_geneval_set_is_genevals_six_templates_over_cocos_80_classes():
                      ("two objects", "plain"): 200, ("two objects", "colour"): 200,  # colour attribution
                      **{("two objects", r): 50 for r in BOX_RELATIONS}}
     assert len({item.noun for requirements in read for item in requirements.objects}) == 80
+    assert Counter(requirements.task for requirements in read) == {
+        "single_object": 80, "two_object": 200, "counting": 200, "colors": 200, "position": 200, "color_attr": 200}
 
 
 @pytest.mark.parametrize("plural, noun", [("teddy bears", "teddy bear"), ("wine glasses", "wine glass"),
