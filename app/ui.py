@@ -15,7 +15,7 @@ Stable API endpoints (``gradio_client``):
     /generate run, adapter, prompt, seed[, input image] -> (image, message)  the base model beside the adapter for
               one's own prompt (an image-editing run's: an instruction and the image it applies to)
     /evaluate run, adapter, prompt set ("" = the run's held-out prompts), prompts at most (0 = all), images per prompt
-              -> the table of ``python -m jagg_core.evaluate``: each reward's and judge's base and adapter means
+              -> (image, table) of ``python -m jagg_core.evaluate``: first samples, each reward's and judge's means
     /queue_up, /queue_down, /queue_remove  queued run -> (message, queue words, queued runs)  reorder or empty the
               queue (Start while a run trains queues the new run)
 
@@ -45,6 +45,7 @@ from jagg_core.adapters import LATEST_LABEL as LATEST_ADAPTER
 from jagg_core.config import DEFAULT_PRESET, list_presets, validate_config
 from jagg_core.errors import UserError
 from jagg_core.evaluate import PROG as EVALUATE
+from jagg_core.evaluate import GRID_FILE as EVALUATION_GRID
 from jagg_core.evaluate import TABLE_FILE as EVALUATION_TABLE
 from jagg_core.generate import NOTE
 from jagg_core.generate import PROG as GENERATE
@@ -425,17 +426,19 @@ class Studio:
         return str(out), f"`{run_dir.name}`, {checkpoint or LATEST_ADAPTER}: {shown}{cut}"
 
     def evaluate(self, run: str, checkpoint: str, prompt_set: str | None, limit: float | None,
-                 images_per_prompt: float | None, profile: gr.OAuthProfile | None = None) -> str:
-        """The adapter against its base model on prompts x noises, scored by the run's rewards and judges: the table
-        of ``python -m jagg_core.evaluate``, run in its own process (the app holds no model). ``prompt_set``: a
-        built-in set, or empty for the run's held-out prompts; ``limit``: that many of its prompts (0: all)."""
+                 images_per_prompt: float | None, profile: gr.OAuthProfile | None = None) -> tuple[str | None, str]:
+        """The adapter against its base model on prompts x noises, scored by the run's rewards and judges: the grid
+        of samples and the table of ``python -m jagg_core.evaluate``, run in its own process (the app holds no
+        model). ``prompt_set``: a built-in set, or empty for the run's held-out prompts; ``limit``: that many of its
+        prompts (0: all)."""
         if refused := _refusal(profile):
-            return f"**Not evaluated:** {refused}"
+            return None, f"**Not evaluated:** {refused}"
         run_dir = self._run_dir(run)
         if run_dir is None:
-            return "**Not evaluated:** choose a run first."
+            return None, "**Not evaluated:** choose a run first."
         if prompt_set and prompt_set not in builtin_prompt_sets():
-            return f"**Not evaluated:** '{prompt_set}' is not a built-in prompt set; choose one, or none for the run's"
+            return None, (f"**Not evaluated:** '{prompt_set}' is not a built-in prompt set; choose one, or none for "
+                          "the run's")
         out = Path(tempfile.mkdtemp(prefix="jagg-evaluate-"))
         command = [sys.executable, "-m", EVALUATE, str(run_dir), "--out", str(out),
                    "--images-per-prompt", str(int(images_per_prompt or 1))]
@@ -447,8 +450,8 @@ class Studio:
             command += ["--checkpoint", checkpoint]
         result = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL)
         if result.returncode != 0 or not (out / EVALUATION_TABLE).is_file():
-            return f"**Not evaluated:** {_command_error(result, EVALUATE)}"
-        return (out / EVALUATION_TABLE).read_text()
+            return None, f"**Not evaluated:** {_command_error(result, EVALUATE)}"
+        return str(out / EVALUATION_GRID), (out / EVALUATION_TABLE).read_text()
 
     def stop(self, profile: gr.OAuthProfile | None = None) -> str:
         """Stop the active job (SIGTERM to its process group, SIGKILL after a grace period)."""
@@ -902,6 +905,8 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                                                 elem_id="evaluate-images")
                 evaluate = gr.Button("Evaluate", elem_id="evaluate-btn")
                 evaluate_result = gr.Markdown(elem_id="evaluate-result")
+                evaluate_image = gr.Image(label="First samples: base model | adapter", type="filepath",
+                                          interactive=False, elem_id="evaluate-image")
 
         # ----- events ----------------------------------------------------------------------------
         form_inputs = [preset, name, model, rewards, weights, prompt_mode, prompt_set, prompt_file, prompt_text,
@@ -926,7 +931,7 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                        [try_image, try_message],
                        api_name="generate")
         evaluate.click(studio.evaluate, [run_select, checkpoint, evaluate_set, evaluate_limit, evaluate_images],
-                       evaluate_result, api_name="evaluate")
+                       [evaluate_image, evaluate_result], api_name="evaluate")
         queue_outputs = [queue_message, queue_list, queue_select]
         queue_up.click(studio.queue_up, queue_select, queue_outputs, api_name="queue_up")
         queue_down.click(studio.queue_down, queue_select, queue_outputs, api_name="queue_down")

@@ -20,9 +20,10 @@ When every prompt reads as the ``geneval`` reward reads prompts (the ``geneval``
 reward's means are also given by GenEval task (single object, two objects, counting, colours, position, colour
 attribution: :attr:`~jagg_core.object_prompts.PromptRequirements.task`), as GenEval reports them.
 
-It writes ``DIR/evaluation.md`` (the tables, printed too) and ``DIR/evaluation.json`` (the settings and every score),
-``DIR`` by default ``evaluations/RUN_NAME-ADAPTER`` (``latest-adapter``, ``best-adapter``, ``iter_N``); nothing is
-written in the run directory.
+It writes ``DIR/evaluation.md`` (the tables, printed too), ``DIR/evaluation.json`` (the settings and every score) and
+``DIR/evaluation.png`` (the first noise's samples of the first 8 prompts, base beside adapter, with the first reward's
+scores), ``DIR`` by default ``evaluations/RUN_NAME-ADAPTER`` (``latest-adapter``, ``best-adapter``, ``iter_N``);
+nothing is written in the run directory.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ from .errors import UserError, exit_on_user_error, made_folder
 PROG = "jagg_core.evaluate"
 TABLE_FILE = "evaluation.md"
 SCORES_FILE = "evaluation.json"
+GRID_FILE = "evaluation.png"
+#: prompts whose first samples the grid shows
+GRID_PROMPTS = 8
 
 
 @dataclass
@@ -110,7 +114,7 @@ def evaluation_prompts(config, source: str | None, limit: int | None, seed: int)
 def evaluate(run_dir: Path, *, source: str | None = None, limit: int | None = None, images_per_prompt: int = 4,
              checkpoint: str | None = None, given_rewards: list[str] | None = None, batch: int = 8,
              seed: int = 0) -> tuple[dict, list[Scored]]:
-    """Sample and score (module docstring): the settings and each reward's :class:`Scored`."""
+    """Sample and score (module docstring): the settings, each reward's :class:`Scored` and the samples' grid."""
     from .adapters import choose_adapter
     from .config import validate_config
     from .rewards.catalog import reward_entry
@@ -128,6 +132,7 @@ def evaluate(run_dir: Path, *, source: str | None = None, limit: int | None = No
     quiet_libraries()
     import torch
 
+    from .images import still_frames
     from .models import load_flow_model
     from .sampler import initial_noise, ode_sample
 
@@ -142,6 +147,7 @@ def evaluate(run_dir: Path, *, source: str | None = None, limit: int | None = No
     steps, size = config.sampling.eval_num_steps or config.sampling.num_steps, config.sampling.size
     sigmas = model.sigmas(steps, size)
     scored = {label: Scored(label, [], []) for label, _ in scorers}
+    shown: list[tuple[torch.Tensor, torch.Tensor]] = []  # the first noise's samples of the first GRID_PROMPTS prompts
     for k in range(images_per_prompt):
         for start in range(0, len(prompts), batch):
             rows = prompts[start:start + batch]
@@ -156,12 +162,30 @@ def evaluate(run_dir: Path, *, source: str | None = None, limit: int | None = No
             for label, scorer in scorers:
                 scored[label].base += scorer(base, rows)[0].tolist()
                 scored[label].adapter += scorer(tuned, rows)[0].tolist()
+            if k == 0 and start < GRID_PROMPTS:
+                shown.append((still_frames(base), still_frames(tuned)))
     settings = {"run": str(run_dir), "adapter": adapter.label, "prompts": source or "the run's held-out eval prompts",
                 "distinct_prompts": len(prompts), "images_per_prompt": images_per_prompt, "seed": seed,
                 "model": config.model.name, "steps": steps, "resolution": size.config_value(),
                 "rewards": [{"label": label, "name": spec.name, "options": spec.options} for label, spec in specs],
                 "tasks": geneval_tasks(prompts)}
-    return settings, list(scored.values())
+    results = list(scored.values())
+    return settings, results, sample_grid(shown, prompts, results[0], size.width)
+
+
+def sample_grid(shown: list[tuple], prompts: list[str], first: Scored, width: int):
+    """The base model's and the adapter's first samples of the first :data:`GRID_PROMPTS` prompts, side by side, each
+    captioned with the first reward's score."""
+    import torch
+
+    from .images import captioned_grid, to_pil
+    base, tuned = (torch.cat([pair[side] for pair in shown])[:GRID_PROMPTS] for side in (0, 1))
+    pictures, captions = [], []
+    for index, (before, after) in enumerate(zip(to_pil(base), to_pil(tuned))):
+        pictures += [before, after]
+        captions += [f"base {first.base[index]:.3f}: {prompts[index]}", f"adapter {first.adapter[index]:.3f}"]
+    return captioned_grid(pictures, captions, title=f"first noise: base model | adapter ({first.label})", columns=4,
+                          cell=min(256, max(128, width)))
 
 
 def geneval_tasks(prompts: list[str]) -> list[str] | None:
@@ -229,13 +253,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, metavar="DIR")
     args = parser.parse_args(argv)
     with exit_on_user_error(PROG):
-        settings, scored = evaluate(args.run_dir, source=args.prompts, limit=args.limit,
+        settings, scored, grid = evaluate(args.run_dir, source=args.prompts, limit=args.limit,
                                     images_per_prompt=args.images_per_prompt, checkpoint=args.checkpoint,
                                     given_rewards=args.reward, batch=args.batch, seed=args.seed)
         name = f"{args.run_dir.resolve().name}-{settings['adapter'].replace(' ', '-')}"
         out = made_folder(args.out or Path("evaluations") / name)
         text = table(settings, scored)
         (out / TABLE_FILE).write_text(text)
+        grid.save(out / GRID_FILE)
         (out / SCORES_FILE).write_text(json.dumps({
             "settings": settings, "results": [result.row() for result in scored],
             "by_task": {result.label: by_task(result, settings["tasks"]) for result in scored} if settings["tasks"]

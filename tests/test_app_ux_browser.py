@@ -216,6 +216,7 @@ def test_a_prompt_of_ones_own_is_generated_with_the_adapter_and_an_input_image_i
     expect(result).to_contain_text("latest adapter")
     expect(result.locator("table")).to_contain_text("reward shapes")
     expect(result.locator("table")).to_contain_text("judge shapes_fidelity")
+    expect(page.locator("#evaluate-image img")).to_be_visible()
     page.wait_for_timeout(2000)  # let the plots draw
     page.screenshot(path=str(REPO / "docs" / "screenshot-finished.png"), full_page=True)  # the README's second
 

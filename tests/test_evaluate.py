@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
 from conftest import ROOT, run_python, tiny_config
 from jagg_core.errors import UserError
@@ -55,7 +56,7 @@ def sample_scores(run, prompts, index, noise_seed):
 
 
 def test_each_reward_and_judge_scores_the_base_and_the_adapter_on_the_same_noises(tiny_run):
-    settings, scored = evaluate(tiny_run, images_per_prompt=2, batch=1, seed=3)
+    settings, scored, _ = evaluate(tiny_run, images_per_prompt=2, batch=1, seed=3)
     assert [result.label for result in scored] == ["reward jpeg_compressibility", "judge jpeg_incompressibility"]
     prompts = settings["distinct_prompts"]
     assert prompts == 2 and all(len(r.base) == len(r.adapter) == 4 for r in scored)
@@ -71,7 +72,7 @@ def test_each_reward_and_judge_scores_the_base_and_the_adapter_on_the_same_noise
         assert compress.base[pair] == pytest.approx(base) and compress.adapter[pair] == pytest.approx(tuned)
     assert compress.base != compress.adapter  # the adapter draws otherwise
     torch.testing.assert_close(torch.tensor(scored[1].base), -torch.tensor(compress.base))  # its judge: the negative
-    _, batched = evaluate(tiny_run, images_per_prompt=2, batch=2, seed=3)
+    _, batched, _ = evaluate(tiny_run, images_per_prompt=2, batch=2, seed=3)
     torch.testing.assert_close(torch.tensor(batched[0].adapter), torch.tensor(compress.adapter))
 
 
@@ -89,7 +90,7 @@ def test_a_row_is_the_means_their_standard_errors_the_paired_difference_and_the_
 
 
 def test_other_rewards_and_prompt_sets_are_named_on_the_command_line(tiny_run, tmp_path):
-    settings, scored = evaluate(tiny_run, source="shapes", limit=3, images_per_prompt=1,
+    settings, scored, _ = evaluate(tiny_run, source="shapes", limit=3, images_per_prompt=1,
                                 given_rewards=["{name: jpeg_compressibility}", "shapes"])
     assert settings["distinct_prompts"] == 3
     assert [r.label for r in scored] == ["reward jpeg_compressibility", "reward shapes"]
@@ -110,6 +111,7 @@ def test_the_command_writes_the_table_and_every_score_and_a_run_without_an_adapt
     text = (out / "evaluation.md").read_text()
     assert text in done.stdout and "| reward jpeg_compressibility |" in text
     assert "| judge jpeg_incompressibility |" in text
+    assert Image.open(out / "evaluation.png").size[0] == 4 * 128  # two prompts a row, base and adapter
     saved = json.loads((out / "evaluation.json").read_text())
     assert saved["settings"]["adapter"] == "latest adapter"
     assert len(saved["scores"]["reward jpeg_compressibility"]["base"]) == 2
@@ -123,15 +125,15 @@ def test_the_command_writes_the_table_and_every_score_and_a_run_without_an_adapt
 def test_the_page_evaluates_the_chosen_adapter_on_a_built_in_set(tiny_run):
     from app.ui import Studio
     studio = Studio(Path(tiny_run).parent)
-    text = studio.evaluate(Path(tiny_run).name, "latest adapter", "shapes", 2, 1)
-    assert "**latest adapter** of" in text and "2 prompts (shapes) x 1 noises" in text
+    image, text = studio.evaluate(Path(tiny_run).name, "latest adapter", "shapes", 2, 1)
+    assert Image.open(image).size[0] == 4 * 128 and "**latest adapter** of" in text and "2 prompts (shapes) x 1 noises" in text
     assert "| reward jpeg_compressibility |" in text and "| judge jpeg_incompressibility |" in text
-    assert studio.evaluate(Path(tiny_run).name, "latest adapter", "/etc", 0, 1) == (
+    assert studio.evaluate(Path(tiny_run).name, "latest adapter", "/etc", 0, 1)[1] == (
         "**Not evaluated:** '/etc' is not a built-in prompt set; choose one, or none for the run's")
     (Path(tiny_run).parent / "no-runs").mkdir(exist_ok=True)
-    assert Studio(Path(tiny_run).parent / "no-runs").evaluate("", "latest adapter", "", 0, 1) == (
+    assert Studio(Path(tiny_run).parent / "no-runs").evaluate("", "latest adapter", "", 0, 1)[1] == (
         "**Not evaluated:** choose a run first.")
-    assert studio.evaluate(Path(tiny_run).name, "iter_000099", "", 0, 1).startswith("**Not evaluated:** ")
+    assert studio.evaluate(Path(tiny_run).name, "iter_000099", "", 0, 1)[1].startswith("**Not evaluated:** ")
 
 
 def test_prompts_the_geneval_reward_reads_are_also_reported_by_genevals_task():
