@@ -34,8 +34,12 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import UserError, exit_on_user_error, made_folder
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 PROG = "jagg_core.evaluate"
 TABLE_FILE = "evaluation.md"
@@ -113,7 +117,7 @@ def evaluation_prompts(config, source: str | None, limit: int | None, seed: int)
 
 def evaluate(run_dir: Path, *, source: str | None = None, limit: int | None = None, images_per_prompt: int = 4,
              checkpoint: str | None = None, given_rewards: list[str] | None = None, batch: int = 8,
-             seed: int = 0) -> tuple[dict, list[Scored]]:
+             seed: int = 0) -> tuple[dict, list[Scored], "Image.Image"]:
     """Sample and score (module docstring): the settings, each reward's :class:`Scored` and the samples' grid."""
     from .adapters import choose_adapter
     from .config import validate_config

@@ -218,7 +218,7 @@ def detector_boxes(folder, picture, noun, threshold, iou):
     with torch.no_grad():
         result = processor.post_process_grounded_object_detection(
             model(**encoded), encoded["input_ids"], threshold=threshold, text_threshold=0.0,
-            target_sizes=[(picture.height, picture.width)])[0]
+            target_sizes=[(picture.height, picture.width)])[0]  # the text's ids given: the model's outputs hold them
     return without_duplicates(result["boxes"], result["scores"], iou, 16)
 
 

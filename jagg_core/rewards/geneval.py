@@ -135,8 +135,8 @@ class GenEval(Reward):
             encoded = processor(images=shown, text=[[noun] for _, noun in batch], padding=True,
                                 return_tensors="pt").to(self.device)
             outputs = model(**encoded)
-            results = processor.post_process_grounded_object_detection(
-                outputs, encoded["input_ids"], threshold=self.options.threshold, text_threshold=0.0,
+            results = processor.post_process_grounded_object_detection(  # Grounding DINO's and OWL's alike
+                outputs, threshold=self.options.threshold,
                 target_sizes=[(picture.height, picture.width) for picture in shown])
             for (index, noun), result in zip(batch, results):
                 found[index][noun] = without_duplicates(result["boxes"].float().cpu(), result["scores"].float().cpu(),
