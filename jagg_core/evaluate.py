@@ -242,6 +242,19 @@ def table(settings: dict, scored: list[Scored]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_evaluation(out: Path, settings: dict, scored: list[Scored], grid: "Image.Image") -> str:
+    """Write the evaluation's files into ``out`` (module docstring); its tables' text."""
+    text = table(settings, scored)
+    (out / TABLE_FILE).write_text(text)
+    grid.save(out / GRID_FILE)
+    (out / SCORES_FILE).write_text(json.dumps({
+        "settings": settings, "results": [result.row() for result in scored],
+        "by_task": {result.label: by_task(result, settings["tasks"]) for result in scored} if settings["tasks"]
+        else None,
+        "scores": {result.label: {"base": result.base, "adapter": result.adapter} for result in scored}}, indent=1))
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path, help="the run directory")
@@ -262,16 +275,7 @@ def main(argv: list[str] | None = None) -> int:
                                     given_rewards=args.reward, batch=args.batch, seed=args.seed)
         name = f"{args.run_dir.resolve().name}-{settings['adapter'].replace(' ', '-')}"
         out = made_folder(args.out or Path("evaluations") / name)
-        text = table(settings, scored)
-        (out / TABLE_FILE).write_text(text)
-        grid.save(out / GRID_FILE)
-        (out / SCORES_FILE).write_text(json.dumps({
-            "settings": settings, "results": [result.row() for result in scored],
-            "by_task": {result.label: by_task(result, settings["tasks"]) for result in scored} if settings["tasks"]
-            else None,
-            "scores": {result.label: {"base": result.base, "adapter": result.adapter} for result in scored}},
-            indent=1))
-        print(text, end="")
+        print(write_evaluation(out, settings, scored, grid), end="")
         print(out)
     return 0
 

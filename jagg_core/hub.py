@@ -1,14 +1,15 @@
 """Publish a run's LoRA to the Hugging Face Hub.
 
-    python -m jagg_core.hub push RUN --repo-id USER/NAME [--private] [--checkpoint best|iter_N]
-    python -m jagg_core.hub card RUN --repo-id USER/NAME [--checkpoint best|iter_N]   # print the model card
+    python -m jagg_core.hub push RUN --repo-id USER/NAME [--private] [--checkpoint best|iter_N] [--evaluation DIR]
+    python -m jagg_core.hub card RUN --repo-id USER/NAME [--checkpoint best|iter_N] [--evaluation DIR]   # print it
 
 A push creates the repo if needed and uploads, in one commit, the adapter, the model card, the eval samples, the
 reward curve, the before/after grid and the config without secrets (see :mod:`jagg_core.model_card`). The adapter
 is the latest by default; ``--checkpoint best`` pushes the best one (``RUN/best``: the best eval by
 ``eval.best_by``, its card saying which iteration and why), ``--checkpoint iter_N`` a checkpoint's
-(:mod:`jagg_core.adapters`). It only reads the run directory, so a failed push changes nothing locally and can
-simply be retried.
+(:mod:`jagg_core.adapters`). ``--evaluation DIR`` adds an evaluation of that adapter (``python -m jagg_core.evaluate
+RUN --out DIR``) to the card, its tables and its first samples. It only reads the run directory, so a failed push
+changes nothing locally and can simply be retried.
 
 The token is the one passed in (the app's field), else ``HF_TOKEN``, else the one stored by ``hf auth login``.
 It is only handed to ``huggingface_hub`` for the HTTP headers: never written, logged, or put in an uploaded file
@@ -51,21 +52,23 @@ def _token_in(operation: CommitOperationAdd, needle: bytes, chunk_size: int = 1 
     return False
 
 
-def write_model_card(run_dir: str | Path, repo_id: str, checkpoint: str | None = None) -> ModelCard:
-    """The model card a push of ``run_dir`` (latest adapter, or ``checkpoint``: ``best`` or ``iter_N``) to
-    ``repo_id`` would upload."""
-    return build_model_card(read_run(run_dir, checkpoint), repo_id)
+def write_model_card(run_dir: str | Path, repo_id: str, checkpoint: str | None = None,
+                     evaluation: str | Path | None = None) -> ModelCard:
+    """The model card a push of ``run_dir`` (latest adapter, or ``checkpoint``: ``best`` or ``iter_N``; with the
+    ``evaluation`` folder of that adapter) to ``repo_id`` would upload."""
+    return build_model_card(read_run(run_dir, checkpoint, evaluation), repo_id)
 
 
 def push_run(run_dir: str | Path, repo_id: str, *, private: bool = False, checkpoint: str | None = None,
-             token: str | None = None) -> str:
+             token: str | None = None, evaluation: str | Path | None = None) -> str:
     """Upload a run's adapter and model card to ``repo_id`` in one commit; return the repo URL.
 
     ``repo_id`` is ``USER/NAME`` or ``ORG/NAME`` (a bare ``NAME`` goes under the token's user). ``private`` only
     applies when the repo is created. ``checkpoint`` publishes the best adapter (``best``) or a checkpoint's
-    (``iter_N``) instead of the latest. Raises :class:`UserError` for anything the user can fix.
+    (``iter_N``) instead of the latest; ``evaluation``, its evaluation's folder, adds that to the card. Raises
+    :class:`UserError` for anything the user can fix.
     """
-    snap = read_run(run_dir, checkpoint)  # what the user can fix first: there is an adapter, the id is well formed
+    snap = read_run(run_dir, checkpoint, evaluation)  # what the user can fix first: the adapter, then the id
     if not repo_id:
         raise UserError("enter a repo id, e.g. your-name/my-lora")
     if not is_repo_id(repo_id if "/" in repo_id else f"user/{repo_id}"):
@@ -114,14 +117,18 @@ def main(argv: list[str] | None = None) -> None:
         command.add_argument("--checkpoint", metavar="best|iter_N",
                              help="publish the best adapter (best: RUN/best, the best eval by eval.best_by) or a "
                                   "checkpoint's (iter_N) instead of the latest adapter")
+        command.add_argument("--evaluation", metavar="DIR",
+                             help="add this evaluation of the adapter to the card (python -m jagg_core.evaluate's "
+                                  "--out folder)")
         if name == "push":
             command.add_argument("--private", action="store_true", help="create the repo as private")
     args = parser.parse_args(argv)
     with exit_on_user_error(PROG):
         if args.command == "push":
-            print(push_run(args.run_dir, args.repo_id, private=args.private, checkpoint=args.checkpoint))
+            print(push_run(args.run_dir, args.repo_id, private=args.private, checkpoint=args.checkpoint,
+                           evaluation=args.evaluation))
         else:
-            print(write_model_card(args.run_dir, args.repo_id, args.checkpoint))
+            print(write_model_card(args.run_dir, args.repo_id, args.checkpoint, args.evaluation))
 
 
 if __name__ == "__main__":

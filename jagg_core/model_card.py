@@ -17,6 +17,8 @@ Files in the published repo::
     samples/NNN.mp4                    a video model's eval videos, embedded in the card
     images/eval_grid_iter_NNNNNN.png   every eval sample of the base model and of the adapter, captioned with its
                                        prompt and reward (the run's ``samples/iter_N/grid.png``)
+    images/evaluation.png              with an evaluation of the pushed adapter (``python -m jagg_core.evaluate``):
+                                       its first samples, base beside adapter; its tables are the card's Evaluation
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from .rundir import GRID_FILE as GRID_NAME
 from .rundir import LORA_FILE, ImageSet, RunDirectory, iteration_dirname
 
 CURVE_FILE = "images/reward_curve.png"
+EVALUATION_IMAGE = "images/evaluation.png"
 GRID_FILE = "images/before_after.png"
 SAMPLES_DIR = "samples"
 GRID_COLUMNS = 4
@@ -62,15 +65,47 @@ class RunSnapshot:
     iteration: int | None
     before: ImageSet | None
     after: ImageSet | None
+    evaluation: "Evaluation | None" = None
 
     @property
     def base_model(self) -> str:
         return self.run_info.get("base_model") or self.config.get("model", {}).get("name", "")
 
 
-def read_run(run_dir: str | Path, checkpoint: str | None = None) -> RunSnapshot:
-    """Gather what a push publishes: the latest adapter, the best (``best``) or a checkpoint's (``iter_N``), and the
-    metrics rows and eval samples up to its iteration."""
+@dataclass(frozen=True)
+class Evaluation:
+    """An evaluation of the pushed adapter (``python -m jagg_core.evaluate``'s folder): its tables and its grid."""
+
+    tables: str
+    grid: Path | None
+
+
+def read_evaluation(folder: str | Path, run_dir: str | Path, adapter: Adapter) -> Evaluation:
+    """The evaluation in ``folder``, once it is of this run's ``adapter`` (the run's folder name and the adapter's
+    label, as the evaluation recorded them); any other is a one-line :class:`UserError`."""
+    from .evaluate import GRID_FILE as EVALUATION_GRID
+    from .evaluate import SCORES_FILE, TABLE_FILE
+
+    folder = Path(folder)
+    try:
+        settings = json.loads((folder / SCORES_FILE).read_text())["settings"]
+        tables = (folder / TABLE_FILE).read_text()
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UserError(f"{folder} holds no evaluation: make one with python -m jagg_core.evaluate RUN --out "
+                        f"{folder}") from None
+    if Path(settings.get("run", "")).name != Path(run_dir).resolve().name:
+        raise UserError(f"the evaluation in {folder} is of the run '{Path(settings.get('run', '')).name}', not "
+                        f"'{Path(run_dir).resolve().name}'")
+    if settings.get("adapter") != adapter.label:
+        raise UserError(f"the evaluation in {folder} is of the {settings.get('adapter')}, but the {adapter.label} is "
+                        "pushed: evaluate that one (--checkpoint), or push the one evaluated")
+    grid = folder / EVALUATION_GRID
+    return Evaluation(tables, grid if grid.is_file() else None)
+
+
+def read_run(run_dir: str | Path, checkpoint: str | None = None, evaluation: str | Path | None = None) -> RunSnapshot:
+    """Gather what a push publishes: the latest adapter, the best (``best``) or a checkpoint's (``iter_N``), the
+    metrics rows and eval samples up to its iteration, and the ``evaluation`` folder of that adapter if given."""
     run = RunDirectory(run_dir)
     config = run.read_config()
     adapter = choose_adapter(run.path, checkpoint)
@@ -83,7 +118,8 @@ def read_run(run_dir: str | Path, checkpoint: str | None = None) -> RunSnapshot:
     sampled = run.sample_iterations()
     trained = [i for i in sampled if i > 0 and (iteration is None or i <= iteration)]
     return RunSnapshot(config, run.read_run_info(), rows, adapter, iteration,
-                       run.samples(0) if 0 in sampled else None, run.samples(trained[-1]) if trained else None)
+                       run.samples(0) if 0 in sampled else None, run.samples(trained[-1]) if trained else None,
+                       read_evaluation(evaluation, run.path, adapter) if evaluation is not None else None)
 
 
 def _scrub(node):
@@ -447,6 +483,10 @@ pipe.load_lora_weights("{repo_id}")
         results.append(f"![Reward per iteration]({CURVE_FILE})\n")
     if len(results) > 1:
         parts.append("\n".join(results))
+    if snap.evaluation is not None:
+        image = f"\n![First samples of the evaluation: base model, adapter]({EVALUATION_IMAGE})\n" \
+            if snap.evaluation.grid else ""
+        parts.append(f"## Evaluation\n\n{snap.evaluation.tables}{image}")
     parts.append(_recipe(snap.config, snap, editing))
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(parts))
 
@@ -472,6 +512,8 @@ def publish_files(snap: RunSnapshot, repo_id: str) -> dict[str, bytes | Path]:
     if snap.before and snap.after:
         files[GRID_FILE] = sample_grid_png(snap.before, snap.after)
     files.update(eval_grids(snap))
+    if snap.evaluation is not None and snap.evaluation.grid is not None:
+        files[EVALUATION_IMAGE] = snap.evaluation.grid
     if snap.after:
         for i, path in enumerate(snap.after.images):
             files[f"{SAMPLES_DIR}/{i:03d}.png"] = path

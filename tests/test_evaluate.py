@@ -150,3 +150,29 @@ def test_prompts_the_geneval_reward_reads_are_also_reported_by_genevals_task():
     text = table({"adapter": "best adapter", "run": "runs/x", "model": "m", "distinct_prompts": 4, "prompts": "p",
                   "images_per_prompt": 2, "steps": 6, "resolution": "32", "tasks": tasks}, [result])
     assert "| task | prompts | reward geneval |" in text and "| counting | 1 | 0.5000 -> 1.0000 |" in text
+
+
+def test_a_push_carries_an_evaluation_of_the_adapter_it_pushes(tiny_run, tmp_path):
+    from jagg_core.evaluate import write_evaluation
+    from jagg_core.hub import write_model_card
+    from jagg_core.model_card import publish_files, read_run
+    out = tmp_path / "eval"
+    out.mkdir()
+    write_evaluation(out, *evaluate(tiny_run, images_per_prompt=1))
+    card = str(write_model_card(tiny_run, "me/x", evaluation=out))
+    assert "## Evaluation\n\n**latest adapter** of" in card and "| reward jpeg_compressibility |" in card
+    assert "![First samples of the evaluation: base model, adapter](images/evaluation.png)" in card
+    assert publish_files(read_run(tiny_run, None, out), "me/x")["images/evaluation.png"] == out / "evaluation.png"
+    assert "## Evaluation" not in str(write_model_card(tiny_run, "me/x"))
+    with pytest.raises(UserError, match=r"is of the latest adapter, but the iter_000001 is pushed: evaluate that one"):
+        write_model_card(tiny_run, "me/x", "iter_000001", out)
+    other = tmp_path / "other"
+    other.mkdir()
+    saved = json.loads((out / "evaluation.json").read_text())
+    saved["settings"]["run"] = "runs/someone-else"
+    (other / "evaluation.json").write_text(json.dumps(saved))
+    (other / "evaluation.md").write_text("x")
+    with pytest.raises(UserError, match=r"is of the run 'someone-else', not '"):
+        write_model_card(tiny_run, "me/x", evaluation=other)
+    with pytest.raises(UserError, match=r"holds no evaluation: make one with python -m jagg_core.evaluate"):
+        write_model_card(tiny_run, "me/x", evaluation=tmp_path / "nothing")
