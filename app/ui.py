@@ -193,6 +193,15 @@ def _refusal(profile: gr.OAuthProfile | None) -> str | None:
     return access.refusal(profile.username if profile is not None else None)
 
 
+def _adapter_stamp(run_dir: Path, checkpoint: str) -> int | None:
+    """When the adapter of Publish's choice ``checkpoint`` was last written (ns), None while there is none."""
+    adapter = live.chosen_adapter(run_dir, checkpoint)
+    try:
+        return adapter.file.stat().st_mtime_ns if adapter is not None else None
+    except OSError:
+        return None
+
+
 def _command_error(result: subprocess.CompletedProcess, prog: str) -> str:
     """Why a project command (``python -m PROG``) failed: its last ``PROG: error:`` line, else its exit code."""
     errors = [line for line in result.stderr.splitlines() if line.startswith(f"{prog}: error:")]
@@ -255,6 +264,8 @@ class Studio:
 
     def __init__(self, root: Path):
         self.jobs = JobControl(root)
+        #: the page's last evaluation of each (run, adapter choice): its folder and the adapter file's mtime then
+        self.evaluations: dict[tuple[str, str | None], tuple[Path, int]] = {}
 
     # ----- helpers ---------------------------------------------------------------------------
     def _run_dir(self, name: str | None) -> Path | None:
@@ -451,7 +462,14 @@ class Studio:
         result = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL)
         if result.returncode != 0 or not (out / EVALUATION_TABLE).is_file():
             return None, f"**Not evaluated:** {_command_error(result, EVALUATE)}"
+        self.evaluations[(run_dir.name, live.adapter_name(checkpoint))] = (out, _adapter_stamp(run_dir, checkpoint))
         return str(out / EVALUATION_GRID), (out / EVALUATION_TABLE).read_text()
+
+    def evaluation_of(self, run_dir: Path, checkpoint: str) -> Path | None:
+        """The folder of the page's evaluation of ``run_dir``'s adapter ``checkpoint``, while that adapter is the one
+        evaluated (a run that trained on since has a newer latest adapter), else None."""
+        folder, stamp = self.evaluations.get((run_dir.name, live.adapter_name(checkpoint)), (None, None))
+        return folder if folder is not None and _adapter_stamp(run_dir, checkpoint) == stamp else None
 
     def stop(self, profile: gr.OAuthProfile | None = None) -> str:
         """Stop the active job (SIGTERM to its process group, SIGKILL after a grace period)."""
@@ -703,20 +721,22 @@ class Studio:
     # ----- push ------------------------------------------------------------------------------
     def push(self, run: str, checkpoint: str, repo_id: str, visibility: str, token: str,
              oauth_token: gr.OAuthToken | None = None, profile: gr.OAuthProfile | None = None) -> str:
-        """Push the run's adapter (or a checkpoint) to the Hub; the token is the field's, else the signed-in
-        user's, else HF_TOKEN / ``hf auth login``."""
+        """Push the run's adapter (or a checkpoint) to the Hub, with the page's evaluation of it if there is one
+        (:meth:`evaluation_of`); the token is the field's, else the signed-in user's, else HF_TOKEN / ``hf auth
+        login``."""
         if refused := _refusal(profile):
             return f"**Not pushed:** {refused}"
         run_dir = self._run_dir(run)
         if run_dir is None:
             return "**Not pushed:** choose a run first."
         token = (token or "").strip() or (oauth_token.token if oauth_token else None)
+        evaluation = self.evaluation_of(run_dir, checkpoint)
         try:
             url = hub.push_run(run_dir, (repo_id or "").strip(), private=visibility == PRIVATE,
-                               checkpoint=live.adapter_name(checkpoint), token=token)
+                               checkpoint=live.adapter_name(checkpoint), token=token, evaluation=evaluation)
         except UserError as err:
             return f"**Not pushed:** {err}"
-        return f"**Pushed:** [{url}]({url})"
+        return f"**Pushed:** [{url}]({url})" + (", with its evaluation made here" if evaluation else "")
 
 
 def build_app(root: Path | None = None) -> gr.Blocks:

@@ -122,12 +122,23 @@ def test_the_command_writes_the_table_and_every_score_and_a_run_without_an_adapt
     assert done.returncode == 2 and "has no adapter yet" in done.stderr and "Traceback" not in done.stderr
 
 
-def test_the_page_evaluates_the_chosen_adapter_on_a_built_in_set(tiny_run):
-    from app.ui import Studio
+def test_the_page_evaluates_the_chosen_adapter_on_a_built_in_set_and_a_push_carries_it(tiny_run, monkeypatch):
+    from app.ui import Studio, hub
     studio = Studio(Path(tiny_run).parent)
     image, text = studio.evaluate(Path(tiny_run).name, "latest adapter", "shapes", 2, 1)
     assert Image.open(image).size[0] == 4 * 128 and "**latest adapter** of" in text and "2 prompts (shapes) x 1 noises" in text
     assert "| reward jpeg_compressibility |" in text and "| judge jpeg_incompressibility |" in text
+    assert studio.evaluation_of(Path(tiny_run), "latest adapter") is not None  # a push takes it into the card
+    assert studio.evaluation_of(Path(tiny_run), "iter_000001") is None
+    pushed = {}
+    monkeypatch.setattr(hub, "push_run", lambda *args, **kwargs: pushed.update(kwargs) or "https://hub/me/x")
+    assert studio.push(Path(tiny_run).name, "latest adapter", "me/x", "private", "t").endswith(
+        ", with its evaluation made here")
+    assert (pushed["evaluation"] / "evaluation.json").is_file()
+    adapter = Path(tiny_run) / "lora" / "pytorch_lora_weights.safetensors"
+    os.utime(adapter, ns=(adapter.stat().st_atime_ns, adapter.stat().st_mtime_ns + 1))  # trained on since
+    assert studio.evaluation_of(Path(tiny_run), "latest adapter") is None
+    os.utime(adapter, ns=(adapter.stat().st_atime_ns, adapter.stat().st_mtime_ns - 1))
     assert studio.evaluate(Path(tiny_run).name, "latest adapter", "/etc", 0, 1)[1] == (
         "**Not evaluated:** '/etc' is not a built-in prompt set; choose one, or none for the run's")
     (Path(tiny_run).parent / "no-runs").mkdir(exist_ok=True)
