@@ -124,8 +124,8 @@ def evaluate(run_dir: Path, *, source: str | None = None, limit: int | None = No
     from .rewards.catalog import reward_entry
     from .rundir import RunDirectory
 
-    if images_per_prompt < 1 or batch < 1:
-        raise UserError("--images-per-prompt and --batch must be at least 1")
+    if images_per_prompt < 1 or batch < 1 or (limit is not None and limit < 1):
+        raise UserError("--images-per-prompt, --batch and --limit must be at least 1")
     config = validate_config(RunDirectory(run_dir).read_config())
     adapter = choose_adapter(run_dir, checkpoint)
     prompts = evaluation_prompts(config, source, limit, seed)

@@ -99,6 +99,8 @@ def test_other_rewards_and_prompt_sets_are_named_on_the_command_line(tiny_run, t
                          ("{name: geneval, options: {strict: maybe}}", "options.strict of reward 'geneval'")]:
         with pytest.raises(UserError, match=message):
             evaluate(tiny_run, given_rewards=[bad])
+    with pytest.raises(UserError, match="--images-per-prompt, --batch and --limit must be at least 1"):
+        evaluate(tiny_run, limit=0)
     with pytest.raises(UserError, match="the reward geneval cannot read the prompt"):
         evaluate(tiny_run, given_rewards=["geneval"])  # the run's prompts are not GenEval's
 
