@@ -193,6 +193,10 @@ def _refusal(profile: gr.OAuthProfile | None) -> str | None:
     return access.refusal(profile.username if profile is not None else None)
 
 
+#: images per prompt the page's Evaluate takes at most
+MAX_EVALUATION_IMAGES = 64
+
+
 def _adapter_stamp(run_dir: Path, checkpoint: str) -> int | None:
     """When the adapter of Publish's choice ``checkpoint`` was last written (ns), None while there is none."""
     adapter = live.chosen_adapter(run_dir, checkpoint)
@@ -447,12 +451,15 @@ class Studio:
         run_dir = self._run_dir(run)
         if run_dir is None:
             return None, "**Not evaluated:** choose a run first."
+        if not 1 <= int(images_per_prompt or 0) <= MAX_EVALUATION_IMAGES or int(limit or 0) < 0:
+            return None, (f"**Not evaluated:** give 1 to {MAX_EVALUATION_IMAGES} images per prompt and 0 or more "
+                          "prompts at most")
         if prompt_set and prompt_set not in builtin_prompt_sets():
             return None, (f"**Not evaluated:** '{prompt_set}' is not a built-in prompt set; choose one, or none for "
                           "the run's")
         out = Path(tempfile.mkdtemp(prefix="jagg-evaluate-"))
         command = [sys.executable, "-m", EVALUATE, str(run_dir), "--out", str(out),
-                   "--images-per-prompt", str(int(images_per_prompt or 1))]
+                   "--images-per-prompt", str(int(images_per_prompt))]
         if prompt_set:
             command += ["--prompts", prompt_set]
         if limit:
@@ -921,8 +928,8 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                                                info="empty: the run's held-out eval prompts", elem_id="evaluate-set")
                     evaluate_limit = gr.Number(0, label="Prompts at most", precision=0, minimum=0,
                                                info="0: all of the set", elem_id="evaluate-limit")
-                    evaluate_images = gr.Number(4, label="Images per prompt", precision=0, minimum=1, maximum=64,
-                                                elem_id="evaluate-images")
+                    evaluate_images = gr.Number(4, label="Images per prompt", precision=0, minimum=1,
+                                                maximum=MAX_EVALUATION_IMAGES, elem_id="evaluate-images")
                 evaluate = gr.Button("Evaluate", elem_id="evaluate-btn")
                 evaluate_result = gr.Markdown(elem_id="evaluate-result")
                 evaluate_image = gr.Image(label="First samples: base model | adapter", type="filepath",

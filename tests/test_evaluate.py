@@ -143,6 +143,9 @@ def test_the_page_evaluates_the_chosen_adapter_on_a_built_in_set_and_a_push_carr
     os.utime(adapter, ns=(adapter.stat().st_atime_ns, adapter.stat().st_mtime_ns - 1))
     assert studio.evaluate(Path(tiny_run).name, "latest adapter", "/etc", 0, 1)[1] == (
         "**Not evaluated:** '/etc' is not a built-in prompt set; choose one, or none for the run's")
+    for limit, images in ((0, 0), (0, 65), (-1, 1)):
+        assert studio.evaluate(Path(tiny_run).name, "latest adapter", "", limit, images)[1] == (
+            "**Not evaluated:** give 1 to 64 images per prompt and 0 or more prompts at most")
     (Path(tiny_run).parent / "no-runs").mkdir(exist_ok=True)
     assert Studio(Path(tiny_run).parent / "no-runs").evaluate("", "latest adapter", "", 0, 1)[1] == (
         "**Not evaluated:** choose a run first.")
