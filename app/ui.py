@@ -48,6 +48,7 @@ from jagg_core.evaluate import PROG as EVALUATE
 from jagg_core.evaluate import GRID_FILE as EVALUATION_GRID
 from jagg_core.evaluate import TABLE_FILE as EVALUATION_TABLE
 from jagg_core.generate import NOTE
+from jagg_core.model_card import read_evaluation
 from jagg_core.generate import PROG as GENERATE
 from jagg_core.preflight import input_images_a_row
 from jagg_core.prompts import ARCHIVE_SUFFIX, FILE_SUFFIXES, builtin_prompt_sets
@@ -197,15 +198,6 @@ def _refusal(profile: gr.OAuthProfile | None) -> str | None:
 MAX_EVALUATION_IMAGES = 64
 
 
-def _adapter_stamp(run_dir: Path, checkpoint: str) -> int | None:
-    """When the adapter of Publish's choice ``checkpoint`` was last written (ns), None while there is none."""
-    adapter = live.chosen_adapter(run_dir, checkpoint)
-    try:
-        return adapter.file.stat().st_mtime_ns if adapter is not None else None
-    except OSError:
-        return None
-
-
 def _command_error(result: subprocess.CompletedProcess, prog: str) -> str:
     """Why a project command (``python -m PROG``) failed: its last ``PROG: error:`` line, else its exit code."""
     errors = [line for line in result.stderr.splitlines() if line.startswith(f"{prog}: error:")]
@@ -268,8 +260,8 @@ class Studio:
 
     def __init__(self, root: Path):
         self.jobs = JobControl(root)
-        #: the page's last evaluation of each (run, adapter choice): its folder and the adapter file's mtime then
-        self.evaluations: dict[tuple[str, str | None], tuple[Path, int]] = {}
+        #: the folder of the page's last evaluation of each (run, adapter choice)
+        self.evaluations: dict[tuple[str, str | None], Path] = {}
 
     # ----- helpers ---------------------------------------------------------------------------
     def _run_dir(self, name: str | None) -> Path | None:
@@ -469,14 +461,22 @@ class Studio:
         result = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL)
         if result.returncode != 0 or not (out / EVALUATION_TABLE).is_file():
             return None, f"**Not evaluated:** {_command_error(result, EVALUATE)}"
-        self.evaluations[(run_dir.name, live.adapter_name(checkpoint))] = (out, _adapter_stamp(run_dir, checkpoint))
+        self.evaluations[(run_dir.name, live.adapter_name(checkpoint))] = out
         return str(out / EVALUATION_GRID), (out / EVALUATION_TABLE).read_text()
 
     def evaluation_of(self, run_dir: Path, checkpoint: str) -> Path | None:
-        """The folder of the page's evaluation of ``run_dir``'s adapter ``checkpoint``, while that adapter is the one
-        evaluated (a run that trained on since has a newer latest adapter), else None."""
-        folder, stamp = self.evaluations.get((run_dir.name, live.adapter_name(checkpoint)), (None, None))
-        return folder if folder is not None and _adapter_stamp(run_dir, checkpoint) == stamp else None
+        """The folder of the page's evaluation of ``run_dir``'s adapter ``checkpoint``, while it is of that adapter's
+        weights (:func:`~jagg_core.model_card.read_evaluation`: a run that trained on since has a newer latest
+        adapter), else None."""
+        folder = self.evaluations.get((run_dir.name, live.adapter_name(checkpoint)))
+        adapter = live.chosen_adapter(run_dir, checkpoint)
+        if folder is None or adapter is None:
+            return None
+        try:
+            read_evaluation(folder, run_dir, adapter)
+        except UserError:
+            return None
+        return folder
 
     def stop(self, profile: gr.OAuthProfile | None = None) -> str:
         """Stop the active job (SIGTERM to its process group, SIGKILL after a grace period)."""

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +32,11 @@ class Adapter:
     choice: str | None
     iteration: int | None
     record: dict = field(default_factory=dict)
+
+    def digest(self) -> str:
+        """The SHA-256 of the adapter file, hex: which weights an evaluation of it scored."""
+        with self.file.open("rb") as weights:
+            return hashlib.file_digest(weights, "sha256").hexdigest()
 
     @property
     def label(self) -> str:

@@ -20,7 +20,7 @@ When every prompt reads as the ``geneval`` reward reads prompts (the ``geneval``
 reward's means are also given by GenEval task (single object, two objects, counting, colours, position, colour
 attribution: :attr:`~jagg_core.object_prompts.PromptRequirements.task`), as GenEval reports them.
 
-It writes ``DIR/evaluation.md`` (the tables, printed too), ``DIR/evaluation.json`` (the settings and every score) and
+It writes ``DIR/evaluation.md`` (the tables, printed too), ``DIR/evaluation.json`` (the settings, the adapter file's SHA-256 among them, and every score) and
 ``DIR/evaluation.png`` (the first noise's samples of the first 8 prompts, base beside adapter, with the first reward's
 scores), ``DIR`` by default ``evaluations/RUN_NAME-ADAPTER`` (``latest-adapter``, ``best-adapter``, ``iter_N``);
 nothing is written in the run directory.
@@ -168,7 +168,8 @@ def evaluate(run_dir: Path, *, source: str | None = None, limit: int | None = No
                 scored[label].adapter += scorer(tuned, rows)[0].tolist()
             if k == 0 and start < GRID_PROMPTS:
                 shown.append((still_frames(base), still_frames(tuned)))
-    settings = {"run": str(run_dir), "adapter": adapter.label, "prompts": source or "the run's held-out eval prompts",
+    settings = {"run": str(run_dir), "adapter": adapter.label, "adapter_sha256": adapter.digest(),
+                "prompts": source or "the run's held-out eval prompts",
                 "distinct_prompts": len(prompts), "images_per_prompt": images_per_prompt, "seed": seed,
                 "model": config.model.name, "steps": steps, "resolution": size.config_value(),
                 "rewards": [{"label": label, "name": spec.name, "options": spec.options} for label, spec in specs],

@@ -81,8 +81,9 @@ class Evaluation:
 
 
 def read_evaluation(folder: str | Path, run_dir: str | Path, adapter: Adapter) -> Evaluation:
-    """The evaluation in ``folder``, once it is of this run's ``adapter`` (the run's folder name and the adapter's
-    label, as the evaluation recorded them); any other is a one-line :class:`UserError`."""
+    """The evaluation in ``folder``, once it is of this run's ``adapter`` (the run's folder name, the adapter's label
+    and its file's SHA-256, as the evaluation recorded them: a latest adapter trained on since is another); any other
+    is a one-line :class:`UserError`."""
     from .evaluate import GRID_FILE as EVALUATION_GRID
     from .evaluate import SCORES_FILE, TABLE_FILE
 
@@ -99,6 +100,9 @@ def read_evaluation(folder: str | Path, run_dir: str | Path, adapter: Adapter) -
     if settings.get("adapter") != adapter.label:
         raise UserError(f"the evaluation in {folder} is of the {settings.get('adapter')}, but the {adapter.label} is "
                         "pushed: evaluate that one (--checkpoint), or push the one evaluated")
+    if settings.get("adapter_sha256") != adapter.digest():
+        raise UserError(f"the evaluation in {folder} is of other weights than the {adapter.label} now (the run "
+                        "trained on since): evaluate it again")
     grid = folder / EVALUATION_GRID
     return Evaluation(tables, grid if grid.is_file() else None)
 

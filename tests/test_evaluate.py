@@ -138,9 +138,12 @@ def test_the_page_evaluates_the_chosen_adapter_on_a_built_in_set_and_a_push_carr
         ", with its evaluation made here")
     assert (pushed["evaluation"] / "evaluation.json").is_file()
     adapter = Path(tiny_run) / "lora" / "pytorch_lora_weights.safetensors"
-    os.utime(adapter, ns=(adapter.stat().st_atime_ns, adapter.stat().st_mtime_ns + 1))  # trained on since
-    assert studio.evaluation_of(Path(tiny_run), "latest adapter") is None
-    os.utime(adapter, ns=(adapter.stat().st_atime_ns, adapter.stat().st_mtime_ns - 1))
+    weights = adapter.read_bytes()
+    adapter.write_bytes(weights + b" ")  # trained on since: other weights
+    try:
+        assert studio.evaluation_of(Path(tiny_run), "latest adapter") is None
+    finally:
+        adapter.write_bytes(weights)
     assert studio.evaluate(Path(tiny_run).name, "latest adapter", "/etc", 0, 1)[1] == (
         "**Not evaluated:** '/etc' is not a built-in prompt set; choose one, or none for the run's")
     for limit, images in ((0, 0), (0, 65), (-1, 1)):
@@ -182,9 +185,16 @@ def test_a_push_carries_an_evaluation_of_the_adapter_it_pushes(tiny_run, tmp_pat
     assert "## Evaluation" not in str(write_model_card(tiny_run, "me/x"))
     with pytest.raises(UserError, match=r"is of the latest adapter, but the iter_000001 is pushed: evaluate that one"):
         write_model_card(tiny_run, "me/x", "iter_000001", out)
+    saved = json.loads((out / "evaluation.json").read_text())
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    (stale / "evaluation.json").write_text(json.dumps({**saved, "settings": {**saved["settings"],
+                                                                              "adapter_sha256": "0" * 64}}))
+    (stale / "evaluation.md").write_text("x")
+    with pytest.raises(UserError, match=r"is of other weights than the latest adapter now .*: evaluate it again$"):
+        write_model_card(tiny_run, "me/x", evaluation=stale)
     other = tmp_path / "other"
     other.mkdir()
-    saved = json.loads((out / "evaluation.json").read_text())
     saved["settings"]["run"] = "runs/someone-else"
     (other / "evaluation.json").write_text(json.dumps(saved))
     (other / "evaluation.md").write_text("x")
