@@ -20,10 +20,10 @@ When every prompt reads as the ``geneval`` reward reads prompts (the ``geneval``
 reward's means are also given by GenEval task (single object, two objects, counting, colours, position, colour
 attribution: :attr:`~jagg_core.object_prompts.PromptRequirements.task`), as GenEval reports them.
 
-It writes ``DIR/evaluation.md`` (the tables, printed too), ``DIR/evaluation.json`` (the settings, the adapter file's SHA-256 among them, and every score) and
-``DIR/evaluation.png`` (the first noise's samples of the first 8 prompts, base beside adapter, with the first reward's
-scores), ``DIR`` by default ``evaluations/RUN_NAME-ADAPTER`` (``latest-adapter``, ``best-adapter``, ``iter_N``);
-nothing is written in the run directory.
+It writes ``DIR/evaluation.md`` (the tables, printed too), ``DIR/evaluation.json`` (the settings, the adapter file's
+SHA-256 among them, and every score) and ``DIR/evaluation.png`` (the first noise's samples of the first 8 prompts, base
+beside adapter, with the first reward's scores), ``DIR`` by default ``evaluations/RUN_NAME-ADAPTER``
+(``latest-adapter``, ``best-adapter``, ``iter_N``); nothing is written in the run directory.
 """
 
 from __future__ import annotations
