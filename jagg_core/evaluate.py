@@ -83,7 +83,7 @@ def reward_specs(config, given: list[str]):
     from .rewards.catalog import reward_options
 
     if not given:
-        rewards = [spec.model_copy(update={"weight": 1.0}) for spec in config.rewards]
+        rewards = config.rewards
         return ([(f"reward {name}", spec) for name, spec in zip(term_names([s.name for s in rewards]), rewards)]
                 + [(f"judge {name}", spec) for name, spec in zip(term_names([s.name for s in config.eval.judges]),
                                                                    config.eval.judges)])
@@ -136,21 +136,17 @@ def evaluate(run_dir: Path, *, source: str | None = None, limit: int | None = No
     quiet_libraries()
     import torch
 
+    from .generate import adapter_model
     from .images import still_frames
-    from .models import load_flow_model
+    from .config import term_names
+    from .rewards import CombinedReward, build_reward
     from .sampler import initial_noise, ode_sample
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_flow_model(config.model, device, seed=config.train.seed, num_frames=config.sampling.num_frames)
-    model.check_size(config.sampling.size)
-    model.encode_and_cache(prompts)
-    model.release_text_encoders()
-    model.add_lora(config.lora)
-    model.load_lora(adapter.file)
-    scorers = [(label, build_rewards_of(spec, device, config)) for label, spec in specs]
-    steps, size = config.sampling.eval_num_steps or config.sampling.num_steps, config.sampling.size
-    sigmas = model.sigmas(steps, size)
-    scored = {label: Scored(label, [], []) for label, _ in scorers}
+    model, sigmas = adapter_model(config, prompts, adapter.file)
+    scorer = CombinedReward([build_reward(spec, model.device) for _, spec in specs], [1.0] * len(specs),
+                            term_names([spec.name for _, spec in specs]), config.sampling.reward_frames)
+    steps, size = len(sigmas) - 1, config.sampling.size
+    scored = [Scored(label, [], []) for label, _ in specs]
     shown: list[tuple[torch.Tensor, torch.Tensor]] = []  # the first noise's samples of the first GRID_PROMPTS prompts
     for k in range(images_per_prompt):
         for start in range(0, len(prompts), batch):
@@ -163,9 +159,9 @@ def evaluate(run_dir: Path, *, source: str | None = None, limit: int | None = No
                 base = model.decode_samples(ode_sample(model, cond, sigmas, z0), cond).float().cpu()
                 model.transformer.enable_adapters()
                 tuned = model.decode_samples(ode_sample(model, cond, sigmas, z0), cond).float().cpu()
-            for label, scorer in scorers:
-                scored[label].base += scorer(base, rows)[0].tolist()
-                scored[label].adapter += scorer(tuned, rows)[0].tolist()
+            for result, before, after in zip(scored, scorer(base, rows)[1].values(), scorer(tuned, rows)[1].values()):
+                result.base += before.tolist()  # each reward's own scores, unweighted
+                result.adapter += after.tolist()
             if k == 0 and start < GRID_PROMPTS:
                 shown.append((still_frames(base), still_frames(tuned)))
     settings = {"run": str(run_dir), "adapter": adapter.label, "adapter_sha256": adapter.digest(),
@@ -174,8 +170,7 @@ def evaluate(run_dir: Path, *, source: str | None = None, limit: int | None = No
                 "model": config.model.name, "steps": steps, "resolution": size.config_value(),
                 "rewards": [{"label": label, "name": spec.name, "options": spec.options} for label, spec in specs],
                 "tasks": geneval_tasks(prompts)}
-    results = list(scored.values())
-    return settings, results, sample_grid(shown, prompts, results[0], size.width)
+    return settings, scored, sample_grid(shown, prompts, scored[0], size.width)
 
 
 def sample_grid(shown: list[tuple], prompts: list[str], first: Scored, width: int):
@@ -211,12 +206,6 @@ def by_task(result: Scored, tasks: list[str]) -> dict[str, dict]:
         rows[task] = {"prompts": tasks.count(task), "base": sum(result.base[p] for p in pairs) / len(pairs),
                       "adapter": sum(result.adapter[p] for p in pairs) / len(pairs)}
     return rows
-
-
-def build_rewards_of(spec, device, config):
-    """One reward as a :class:`~jagg_core.rewards.CombinedReward` of weight 1 (videos scored as the run scores them)."""
-    from .rewards import build_rewards
-    return build_rewards([spec.model_copy(update={"weight": 1.0})], device, reward_frames=config.sampling.reward_frames)
 
 
 def table(settings: dict, scored: list[Scored]) -> str:

@@ -54,6 +54,23 @@ def shaped_like_picture(config, picture: bytes):
         f"model.condition_resolution={config.model.condition_size.shaped_like(width, height).config_value()}"])
 
 
+def adapter_model(config, rows: list[str], adapter_file: Path):
+    """``(model, sigmas)``: the run's base model on this machine's GPU (else the CPU) with ``rows`` encoded, its text
+    encoders released, and the run's LoRA ``adapter_file`` loaded (``model.transformer.disable_adapters()`` samples
+    the base model); the run's eval schedule (``sampling.eval_num_steps``, else ``num_steps``)."""
+    import torch
+
+    from .models import load_flow_model
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_flow_model(config.model, device, seed=config.train.seed, num_frames=config.sampling.num_frames)
+    model.check_size(config.sampling.size)
+    model.encode_and_cache(rows)
+    model.release_text_encoders()
+    model.add_lora(config.lora)
+    model.load_lora(adapter_file)
+    return model, model.sigmas(config.sampling.eval_num_steps or config.sampling.num_steps, config.sampling.size)
+
+
 def generate(run_dir: Path, prompt: str, checkpoint: str | None = None, seed: int = 0,
              images: list[Path] | tuple[Path, ...] = (), shape: str = "input"):
     """A PIL image of ``prompt``: the base model's sample beside the adapter's (the latest, ``best`` or ``iter_N``:
@@ -66,7 +83,6 @@ def generate(run_dir: Path, prompt: str, checkpoint: str | None = None, seed: in
     import torch
 
     from .images import captioned_grid, still_frames, to_pil
-    from .models import load_flow_model
     from .models.text_windows import prompt_notes
     from .sampler import initial_noise, ode_sample
 
@@ -89,23 +105,16 @@ def generate(run_dir: Path, prompt: str, checkpoint: str | None = None, seed: in
         raise UserError(f"the run's model ({family.label}) generates from the prompt alone; leave out the input image")
     if editing and shape == "input":
         config = shaped_like_picture(config, row.images_bytes[0])
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_flow_model(config.model, device, seed=config.train.seed, num_frames=config.sampling.num_frames)
-    model.check_size(config.sampling.size)
+    model, sigmas = adapter_model(config, [row], adapter.file)
     for note in prompt_notes(model.read_text_windows([row])):
         log_to_stderr(f"{PROG}: {NOTE} {note}")
-    model.encode_and_cache([row])
-    model.release_text_encoders()
-    model.add_lora(config.lora)
-    steps, size = config.sampling.eval_num_steps or config.sampling.num_steps, config.sampling.size
-    sigmas = model.sigmas(steps, size)
+    size = config.sampling.size
     z0 = initial_noise(model, 1, size, torch.Generator().manual_seed(seed))
     cond = model.conditioning([row])
     with torch.no_grad():
         model.transformer.disable_adapters()
         base = model.decode_samples(ode_sample(model, cond, sigmas, z0), cond)
         model.transformer.enable_adapters()
-        model.load_lora(adapter.file)
         tuned = model.decode_samples(ode_sample(model, cond, sigmas, z0), cond)
     pictures, captions = to_pil(torch.cat([still_frames(base), still_frames(tuned)]).cpu()), ["base model",
                                                                                               adapter.label]
