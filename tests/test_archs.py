@@ -47,6 +47,8 @@ SIZES["z-image-turbo"] = {"transformer": (6.1, 6.2), "text_encoder": (4.0, 4.05)
 SIZES["wan21-t2v-1.3b"] = {"transformer": (1.40, 1.45), "text_encoder": (5.6, 5.8), "vae": (0.12, 0.13)}
 SIZES["wan21-t2v-14b"] = {"transformer": (14.2, 14.35), "text_encoder": (5.6, 5.8), "vae": (0.12, 0.13)}
 SIZES["wan22-ti2v-5b"] = {"transformer": (4.95, 5.05), "text_encoder": (5.6, 5.8), "vae": (0.70, 0.71)}
+SIZES["wan21-i2v-14b-480p"] = {"transformer": (16.35, 16.45), "text_encoder": (5.6, 5.8), "vae": (0.12, 0.13),
+                               "image_encoder": (0.63, 0.635)}  # the 14B's blocks with image cross-attention; ViT-H
 PIPELINES = {"sd35-medium": "StableDiffusion3Pipeline", "sd35-large": "StableDiffusion3Pipeline",
              "flux-dev": "FluxPipeline", "flux-schnell": "FluxPipeline", "qwen-image": "QwenImagePipeline",
              "qwen-image-2512": "QwenImagePipeline",
@@ -54,9 +56,10 @@ PIPELINES = {"sd35-medium": "StableDiffusion3Pipeline", "sd35-large": "StableDif
              "flux-kontext": "FluxKontextPipeline", "qwen-image-edit": "QwenImageEditPipeline",
              "qwen-image-edit-2509": "QwenImageEditPlusPipeline", "qwen-image-edit-2511": "QwenImageEditPlusPipeline",
              "wan21-t2v-1.3b": "WanPipeline", "wan21-t2v-14b": "WanPipeline",
-             "wan22-ti2v-5b": "WanPipeline"}
+             "wan22-ti2v-5b": "WanPipeline", "wan21-i2v-14b-480p": "WanImageToVideoPipeline"}
 #: components of a pipeline besides its models, scheduler and tokenizers (their files are not shipped)
 OTHER_COMPONENTS = {arch: {"processor"} for arch in ("qwen-image-edit", "qwen-image-edit-2509", "qwen-image-edit-2511")}
+OTHER_COMPONENTS["wan21-i2v-14b-480p"] = {"image_processor"}  # its file ships: the random-weight model's processor
 
 
 def model_index(arch: str) -> dict:
@@ -105,11 +108,12 @@ READ_HERE = [arch for arch in SIZES if arch != "flux2-dev"]
 @pytest.mark.parametrize("arch", READ_HERE)
 def test_diffusers_reads_the_folder_as_a_pipeline(arch):
     """``DiffusionPipeline.from_pretrained`` on the folder picks the pipeline class of model_index.json, takes every
-    component given, and loads the real scheduler config. (For WanPipeline, whose ``transformer`` argument is optional,
-    DiffusionPipeline.from_pretrained would reload the passed transformer from the folder: its own class takes it.)"""
+    component given, and loads the real scheduler config. (For the Wan pipelines, whose ``transformer`` and image
+    encoder arguments are optional, DiffusionPipeline.from_pretrained would reload the passed ones from the folder:
+    their own class takes them.)"""
     pipe = build_random_pipeline(arch, device="meta")
     given = {name: module for name, module in pipe.components.items() if name != "scheduler"}
-    loader = diffusers.WanPipeline if PIPELINES[arch] == "WanPipeline" else diffusers.DiffusionPipeline
+    loader = getattr(diffusers, PIPELINES[arch]) if PIPELINES[arch].startswith("Wan") else diffusers.DiffusionPipeline
     loaded = loader.from_pretrained(arch_folder(arch), **given)
     assert type(loaded).__name__ == PIPELINES[arch]
     scheduler = json.loads((arch_folder(arch) / "scheduler" / "scheduler_config.json").read_text())

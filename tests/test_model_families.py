@@ -106,10 +106,10 @@ def test_flux_rejects_t5_sequences_longer_than_the_pipeline_allows():
 
 
 def test_families_are_registered_by_pipeline_class():
-    """The image families here, Wan (video, tests/test_video.py), the editing families (tests/test_editing.py) and
-    FLUX.2 [klein] and [dev] and Z-Image (tests/test_flux2_zimage.py)."""
+    """The image families here, Wan and Wan 2.1 image-to-video (video, tests/test_video.py), the editing families
+    (tests/test_editing.py) and FLUX.2 [klein] and [dev] and Z-Image (tests/test_flux2_zimage.py)."""
     assert {cls.family for cls in FAMILIES.values()} == set(FAMILY.values()) | {
-        "wan", "flux-kontext", "qwen-image-edit", "qwen-image-edit-plus", "flux2", "flux2-dev", "z-image"}
+        "wan", "wan-i2v", "flux-kontext", "qwen-image-edit", "qwen-image-edit-plus", "flux2", "flux2-dev", "z-image"}
 
 
 def test_tiny_qwen_tokenizer_drops_exactly_the_template_prefix():

@@ -174,6 +174,7 @@ def test_the_derived_tables_agree_with_the_declarations():
     from jagg_core.models import FAMILIES, TINY_BUILDERS
     from jagg_core.models.editing import EditingFlowModel
     from jagg_core.models.registry import DECLARATIONS
+    from jagg_core.models.wan import FirstFrameModel
 
     families = declared_families()
     assert list(DECLARATIONS) == [family.module for family in families]
@@ -184,7 +185,9 @@ def test_the_derived_tables_agree_with_the_declarations():
                                           family.edits_images, family.edit_model is not None,
                                           family.max_input_images, family.requires, family.edit_pipeline,
                                           family.image_to_video)
-        assert family.edits_images == issubclass(family.model, EditingFlowModel)
+        # prompted by rows with input images: an image editor, or Wan 2.1's image-to-video (a video from the image)
+        assert family.edits_images == issubclass(family.model, (EditingFlowModel, FirstFrameModel))
+        assert family.image_to_video == (family.edit_model or family.model).is_video
         assert family.edit_model is None or (  # an image editor, or a video model that starts from the image
             (issubclass(family.edit_model, EditingFlowModel) or family.edit_model.is_video)
             and issubclass(family.edit_model, family.model))

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline, WanPipeline
-from diffusers.pipelines.wan import pipeline_wan, pipeline_wan_i2v
 from PIL import Image
 
 from app import live
@@ -26,7 +25,8 @@ from jagg_core.model_card import build_model_card, publish_files, read_run
 from jagg_core.models import build_tiny_pipeline, load_flow_model
 from jagg_core.models.meta import meta_pipeline
 from jagg_core.models.editing import IMAGE_LATENTS
-from jagg_core.models.wan import WanImageToVideoModel, WanModel
+from jagg_core.models.wan import IMAGE_STATES, WanImageToVideoModel, WanModel
+from jagg_core.models.wan_i2v import VIDEO_CONDITION, Wan21ImageToVideoModel
 from jagg_core.rewards import CombinedReward, build_reward
 from jagg_core.rewards.base import Reward
 from jagg_core.rewards.catalog import NoOptions
@@ -190,11 +190,9 @@ def first_frame_rows(size: ImageSize = LANDSCAPE) -> list[EditPrompt]:
     return rows
 
 
-def i2v_pipeline(pipe: WanPipeline, monkeypatch, **scheduler) -> WanImageToVideoPipeline:
+def i2v_pipeline(pipe: WanPipeline, **scheduler) -> WanImageToVideoPipeline:
     """``WanImageToVideoPipeline`` of ``pipe``'s components (``scheduler``: another scheduler) with Wan 2.2's
-    first-frame mask. Without ftfy its prompt cleaning fails; the t2v pipeline's (which the model's encoding uses)
-    skips it, so it is patched in and the two clean alike."""
-    monkeypatch.setattr(pipeline_wan_i2v, "prompt_clean", pipeline_wan.prompt_clean)
+    first-frame mask."""
     parts = {name: pipe.components[name] for name in ("tokenizer", "text_encoder", "vae", "transformer", "scheduler")}
     i2v = WanImageToVideoPipeline(**{**parts, **scheduler}, expand_timesteps=True)
     i2v.set_progress_bar_config(disable=True)
@@ -206,7 +204,7 @@ def load_i2v(size: ImageSize = LANDSCAPE, **overrides):
 
 
 @pytest.mark.parametrize(("guidance_scale", "size"), [(1.0, SIZE), (5.0, LANDSCAPE)])
-def test_image_to_video_euler_ode_reproduces_the_i2v_pipeline(guidance_scale, size, monkeypatch):
+def test_image_to_video_euler_ode_reproduces_the_i2v_pipeline(guidance_scale, size):
     """Wan 2.2 TI2V-5B image-to-video: the Euler ODE over the generated latent frames, the input image's frame before
     them at timestep 0 in every call, equals WanImageToVideoPipeline.__call__ (expand_timesteps: the first frame's
     mask) with FlowMatchEulerDiscreteScheduler(shift=5) from the same noise and image, latents and frames, with and
@@ -222,7 +220,7 @@ def test_image_to_video_euler_ode_reproduces_the_i2v_pipeline(guidance_scale, si
     sigmas = model.sigmas(STEPS, size)
     z, frames = euler_ode(model, z0, sigmas, cond)
 
-    pipe = i2v_pipeline(model.pipe, monkeypatch, scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0))
+    pipe = i2v_pipeline(model.pipe, scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0))
     for i, row in enumerate(rows):  # the pipeline's first latent frame is overwritten by the image's: any noise
         latents = torch.cat([torch.randn((1, 8, 1, rows_, cols)), z0[i:i + 1]], dim=2)
         output, final = pipeline_with_final_latents(
@@ -316,6 +314,90 @@ def test_the_i2v_presets_transformer_sees_the_first_frames_tokens_with_the_gener
     assert model.image_seq_len(config.sampling.size) == 9 * 17 * 30
 
 
+# ----- Wan 2.1 image-to-video: a CLIP image encoder, 36 input channels ----------------------------------------------
+def load_wan21_i2v(size: ImageSize = LANDSCAPE, num_frames: int = I2V_FRAMES, **overrides):
+    return load(num_frames, "tiny-wan-i2v", condition_resolution=size.config_value(), **overrides)
+
+
+@pytest.mark.parametrize(("guidance_scale", "size"), [(1.0, SIZE), (5.0, LANDSCAPE)])
+def test_wan21_image_to_video_euler_ode_reproduces_the_i2v_pipeline(guidance_scale, size):
+    """Wan 2.1 image-to-video: the Euler ODE over every latent frame, each transformer call seeing the mask and the
+    video [image, 0, ..., 0]'s latents as 4 + C more input channels and the CLIP image states beside the text's,
+    equals WanImageToVideoPipeline.__call__ with FlowMatchEulerDiscreteScheduler(shift=3) from the same noise and
+    image, latents and frames, with and without CFG, square and landscape."""
+    model = load_wan21_i2v(size, guidance_scale=guidance_scale, negative_prompt="ugly")
+    assert isinstance(model, Wan21ImageToVideoModel) and model.transformer.config.in_channels == 4 + 2 * 4
+    rows = first_frame_rows(size)
+    cond = model.conditioning(rows)
+    rows_, cols = size.latent(8)
+    assert model.latent_shape(size) == (4, 3, rows_, cols)  # the first latent frame is generated too
+    assert cond[VIDEO_CONDITION].shape == (2, 4 + 4, 3, rows_, cols) and cond[IMAGE_STATES].shape == (2, 17, 8)
+    assert cond[VIDEO_CONDITION][:, :4, 0].eq(1).all() and cond[VIDEO_CONDITION][:, :4, 1:].eq(0).all()
+    assert not torch.equal(cond[IMAGE_STATES][0], cond[IMAGE_STATES][1])  # each row's own image
+    z0 = noise(model, len(rows), seed=1, size=size)
+    z, frames = euler_ode(model, z0, model.sigmas(STEPS, size), cond)
+
+    pipe = model.pipe
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    for i, row in enumerate(rows):
+        output, final = pipeline_with_final_latents(
+            pipe, image=row.image(size), prompt=row.instruction, negative_prompt="ugly", guidance_scale=guidance_scale,
+            height=size.height, width=size.width, num_frames=I2V_FRAMES, num_inference_steps=STEPS,
+            latents=z0[i:i + 1].clone(), max_sequence_length=16, output_type="pt")
+        torch.testing.assert_close(final, z[i:i + 1], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(frames[i:i + 1], output.frames.float(), atol=1e-4, rtol=1e-4)
+    assert frames.shape == (2, I2V_FRAMES, 3, *size)
+
+
+def test_wan21_image_to_video_is_refused_where_it_cannot_run():
+    """Rows without an image, a video of its first frame alone, an input image of another size than the frames, two
+    input images a row, and Wan 2.2 I2V-A14B (the same pipeline class with two experts): one line each."""
+    model = load_wan21_i2v()
+    with pytest.raises(UserError, match=r"^the wan-i2v model makes videos from an input image, but the prompt 'a red "
+                                        r"ball rolling' has no input image; give prompts.source an image folder"):
+        model.conditioning(PROMPTS)
+    with pytest.raises(UserError, match="sampling.num_frames is 1: image-to-video makes frames after the input image"):
+        load_wan21_i2v(num_frames=1)
+    with pytest.raises(UserError, match="model.condition_resolution is 64x32 but sampling.resolution is 32"):
+        model.check_size(SIZE)
+    with pytest.raises(UserError, match="model.input_images is 2, but the Wan 2.1 image-to-video model takes 1 input"):
+        load_wan21_i2v(input_images=2)
+    pipe = build_tiny_pipeline("tiny-wan-i2v")
+    pipe.register_modules(transformer_2=build_tiny_pipeline("tiny-wan-i2v").transformer)
+    with pytest.raises(UserError, match=r"^model 'tiny-wan-i2v' is a Wan 2.2 pipeline of two experts \(A14B\), which is "
+                                        r"not supported; Wan 2.1 \(text- and image-to-video\) and Wan 2.2 TI2V-5B are$"):
+        Wan21ImageToVideoModel(pipe, model.config, num_frames=I2V_FRAMES)
+
+
+def test_the_wan21_i2v_arch_with_random_weights_conditions_at_the_real_widths_and_its_plan_counts_the_image_encoder():
+    """Wan2.1-I2V-14B-480P's arch, one block: the image states are CLIP ViT-H/14's 257 x 1280 at the real width, the
+    video condition 4 + 16 channels (36 inputs); the memory plan counts the image encoder with UMT5 at set-up, the
+    first frames' video encoding, and the cached image states and video condition a prompt."""
+    name = "random:wan21-i2v-14b-480p@1"
+    model = load_flow_model(ModelConfig(name=name, max_sequence_length=16, condition_resolution=64), num_frames=5)
+    assert isinstance(model, Wan21ImageToVideoModel) and model.transformer.config.in_channels == 36
+    assert [type(encoder).__name__ for encoder in model.text_encoders] == ["UMT5EncoderModel",
+                                                                            "CLIPVisionModelWithProjection"]
+    cond = model.conditioning(first_frame_rows(ImageSize.square(64))[:1])
+    assert cond[IMAGE_STATES].shape == (1, 257, 1280) and cond[VIDEO_CONDITION].shape == (1, 20, 2, 8, 8)
+    z = torch.randn(1, *model.latent_shape(ImageSize.square(64)), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        velocity = model.velocity(z, torch.tensor(0.7), cond)
+    assert velocity.shape == z.shape == (1, 16, 2, 8, 8) and torch.isfinite(velocity).all()
+    model.release_text_encoders()
+    assert model.text_encoders == [] and model.pipe.image_encoder is None
+
+    config = tiny_config("Wan-AI/Wan2.1-I2V-14B-480P-Diffusers", model__condition_resolution=128,  # its real configs
+                         sampling__resolution=128, sampling__num_frames=9, prompts__source="animate",
+                         grpo__num_generations=2)
+    plan = plan_memory(config)
+    encoders = next(key for key in plan.setup if key.startswith("text encoders"))
+    assert "CLIPVisionModelWithProjection" in encoders and plan.setup[encoders] > 0.63e9 * 4
+    assert "VAE (encodes the input images, float32)" in plan.setup
+    text, video_condition = config.model.max_sequence_length * 4096, 20 * 3 * 16 * 16  # 9 frames: 3 latent ones
+    assert plan.bytes_per_cached_prompt == 4 * (text + 257 * 1280 + video_condition)
+
+
 # ----- rewards on videos ----------------------------------------------------------------------------
 class Brightness(Reward):
     """The mean pixel value of each image; records the prompts it was called with."""
@@ -402,12 +484,14 @@ def read_mp4(path) -> tuple[dict, list[np.ndarray]]:
     return meta, [np.frombuffer(f, np.uint8).reshape(height, width, 3) for f in reader]
 
 
-@pytest.mark.parametrize(("name", "from_image"), [("tiny-wan", False), ("tiny-wan22", True)])
-def test_two_iterations_on_tiny_wan_write_mp4s_and_strips_and_the_adapter_loads_back(name, from_image, tmp_path,
-                                                                                       tiny_clip, monkeypatch):
+@pytest.mark.parametrize(("name", "model_class"), [("tiny-wan", WanModel), ("tiny-wan22", WanImageToVideoModel),
+                                                  ("tiny-wan-i2v", Wan21ImageToVideoModel)])
+def test_two_iterations_on_tiny_wan_write_mp4s_and_strips_and_the_adapter_loads_back(name, model_class, tmp_path,
+                                                                                       tiny_clip):
     """GRPO with a JAGG window of 3 (one interpolated step) and its audit, an image reward on 2 frames of each video
-    and the temporal-consistency reward, through the CLI: Wan 2.1 text-to-video, and Wan 2.2 TI2V-5B image-to-video
-    on the built-in ``animate`` set with CLIP directional similarity to each video's input image."""
+    and the temporal-consistency reward, through the CLI: Wan 2.1 text-to-video, and Wan 2.2 TI2V-5B's and Wan 2.1's
+    image-to-video on the built-in ``animate`` set with CLIP directional similarity to each video's input image."""
+    from_image = model_class is not WanModel
     clip = f"options: {{model_id: '{tiny_clip[0]}'}}"
     image_reward = f"{{name: clip_directional, {clip}}}" if from_image else "{name: jpeg_compressibility}"
     out, rewards = tmp_path / "run", f"rewards=[{image_reward}, {{name: temporal_consistency, weight: 0.5, {clip}}}]"
@@ -442,7 +526,9 @@ def test_two_iterations_on_tiny_wan_write_mp4s_and_strips_and_the_adapter_loads_
     assert '<video src="samples/000.mp4"' in card and "export_to_video(frames" in card
     assert publish_files(snapshot, "alice/wan-lora")["samples/000.mp4"] == run.samples(2).videos[0]
     if from_image:
-        assert "pipe = WanImageToVideoPipeline.from_pretrained(" in card
+        # TI2V-5B's model_index names WanPipeline, Wan 2.1 I2V's the image-to-video pipeline itself
+        pipeline = "WanImageToVideoPipeline" if model_class is WanImageToVideoModel else "DiffusionPipeline"
+        assert f"pipe = {pipeline}.from_pretrained(" in card
         assert 'frames = pipe(image=load_image("input.png"), prompt="' in card
         assert all(".png " in prompt for prompt in run.samples(2).prompts)  # a row's text names its image
         with pytest.raises(UserError, match=r"^the run's model \(Wan .*\) makes videos from an input image: give the "
@@ -450,12 +536,13 @@ def test_two_iterations_on_tiny_wan_write_mp4s_and_strips_and_the_adapter_loads_
             generate(out, "the circle rolls")  # Try it without its image
 
     pipe = build_tiny_pipeline(name)  # the run's base model: drawn from train.seed 0
-    if from_image:  # the pipeline class the card names loads the adapter
-        pipe = i2v_pipeline(pipe, monkeypatch)
+    if model_class is WanImageToVideoModel:  # the pipeline class the card names loads the adapter
+        pipe = i2v_pipeline(pipe)
+    assert isinstance(pipe, WanImageToVideoPipeline) == from_image
     pipe.load_lora_weights(str(run.lora_dir))
     config = ModelConfig(name=name, max_sequence_length=16, input_images=1 if from_image else None,
                          condition_resolution=32)
-    model = (WanImageToVideoModel if from_image else WanModel)(pipe, config, num_frames=5)
+    model = model_class(pipe, config, num_frames=5)
     prompts = first_frame_rows(SIZE)[:1] if from_image else PROMPTS[:1]
     tuned, base = adapter_and_base_velocity(model, noise(model, 1), torch.tensor([0.6]), model.conditioning(prompts))
     assert not torch.equal(tuned, base)  # two updates moved the adapter's zero-initialised B

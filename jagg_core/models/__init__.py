@@ -18,7 +18,7 @@ from ..config import ModelConfig
 from ..errors import UserError
 from ..hubclient import hub_offline
 from ..model_index import embedded_models, model_source, read_model_index  # noqa: F401 (embedded_models re-exported)
-from .base import TEXT_ENCODERS, FlowModel, drop_text_encoders
+from .base import PROMPT_ENCODERS, FlowModel, drop_text_encoders
 from ..kernels import apply_kernel_settings, settle_cpu_math
 from .quantize import (check_quantization, pipeline_quantization, quantize_in_memory, transformer_dtype,
                        transformer_quantization)
@@ -74,7 +74,7 @@ def _load_pipeline(config: ModelConfig, source: str, index: dict, dtype: torch.d
     pipeline_class = getattr(diffusers, index["_class_name"])
     # components saved as [null, null] (e.g. an SD3 without T5) must be passed as None explicitly
     absent = {key: None for key, value in index.items()
-              if value == [None, None] or (not text_encoders and key in TEXT_ENCODERS)
+              if value == [None, None] or (not text_encoders and key in PROMPT_ENCODERS)
               or (not transformer and key == "transformer")}
     dtypes = {"transformer": transformer_dtype(config.quantize, dtype), "default": dtype}
     quantization = pipeline_quantization(config.quantize) if transformer else None

@@ -32,7 +32,9 @@ from .text_windows import TextWindow, WindowReading, read_windows
 
 Conditioning = dict[str, torch.Tensor]
 NEGATIVE = "negative/"
-TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+#: the pipeline components that encode a prompt row at set-up, released together after it: its text encoders, and
+#: the image encoder of Wan 2.1's image-to-video (a CLIP vision tower that reads the row's input image)
+PROMPT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3", "image_encoder")
 #: prompts encoded together at set-up
 ENCODE_BATCH = 16
 
@@ -63,8 +65,8 @@ def decode_scaled(vae, latents: torch.Tensor) -> torch.Tensor:
 
 
 def drop_text_encoders(pipe) -> None:
-    """Set the pipeline's text encoders to None (its tokenizers stay)."""
-    for name in TEXT_ENCODERS:
+    """Set the pipeline's prompt encoders (:data:`PROMPT_ENCODERS`) to None (its tokenizers and processors stay)."""
+    for name in PROMPT_ENCODERS:
         if getattr(pipe, name, None) is not None:
             setattr(pipe, name, None)
 
@@ -140,7 +142,8 @@ class FlowModel(ABC):
 
     @property
     def text_encoders(self) -> list[torch.nn.Module]:
-        return [module for name in TEXT_ENCODERS if (module := getattr(self.pipe, name, None)) is not None]
+        """The pipeline's prompt encoders (:data:`PROMPT_ENCODERS`): placed, offloaded and released together."""
+        return [module for name in PROMPT_ENCODERS if (module := getattr(self.pipe, name, None)) is not None]
 
     def release_text_encoders(self) -> None:
         """Drop the text encoders (device and host memory) once every prompt is encoded, then place the

@@ -41,9 +41,15 @@ def _hub_configs(name: str, revision: str | None) -> Path:
     index = json.loads(index_file.read_text())
     for component, value in index.items():
         if isinstance(value, list) and value[0] in ("diffusers", "transformers") and not component.startswith("sched"):
-            if "tokenizer" not in component:
+            if not _is_processor(component):
                 download(name, f"{component}/config.json", purpose, revision=revision)
     return index_file.parent
+
+
+def _is_processor(component: str) -> bool:
+    """A component of files that are no model (a tokenizer, Qwen-Image-Edit's ``processor``, Wan 2.1 image-to-video's
+    ``image_processor``): it holds no weights, and no ``config.json``."""
+    return "tokenizer" in component or component.endswith("processor")
 
 
 def _meta_component(folder: Path, component: str, library: str, class_name: str):
@@ -79,7 +85,7 @@ def meta_pipeline(name: str, revision: str | None = None):
             parts[component] = None
         elif component.startswith("scheduler"):
             parts[component] = diffusers.FlowMatchEulerDiscreteScheduler()
-        elif "tokenizer" in component or component == "processor":  # a processor holds a tokenizer
+        elif _is_processor(component):
             parts[component] = _tokenizer(folder / component, library, class_name)
         else:
             parts[component] = _meta_component(folder, component, library, class_name)
@@ -87,7 +93,8 @@ def meta_pipeline(name: str, revision: str | None = None):
 
 
 def _tokenizer(path: Path, library: str, class_name: str):
-    """The component's tokenizer when its files are in the folder (the embedded model), else None."""
+    """The component's tokenizer (or processor) when its files are in the folder (the embedded model, a shipped arch's
+    image processor), else None."""
     if not path.is_dir() or not any(path.iterdir()) or library != "transformers":
         return None
     import transformers

@@ -15,7 +15,9 @@ pipeline (``StableDiffusion3Pipeline``, ``FluxPipeline``, ``QwenImagePipeline``,
   real shapes, but one layer (Qwen3 and Mistral3: as many as the pipeline reads, FLUX.2 [klein] 27, [dev] 30), a small feed-forward, and the in-memory
   character tokenizers of :mod:`jagg_core.models.in_memory_parts` (nothing is downloaded; the token sequences are
   longer than real ones for the same prompt, the tensors' lengths are fixed by the pipeline's
-  ``max_sequence_length`` padding as with real tokenizers).
+  ``max_sequence_length`` padding as with real tokenizers);
+- an **image encoder** (Wan 2.1 image-to-video's CLIP ViT-H/14) is a stand-in of the same kind, the real width,
+  heads and patches with one layer, beside the arch's own image processor.
 
 So the transformer's compute and memory, for any resolution and depth, are those of the real model, and its
 LoRA targets are the real module names: what the benchmarks and memory plans of real models need, on any
@@ -151,6 +153,18 @@ def text_stand_ins(folder, index: dict) -> dict:
     return parts
 
 
+def image_stand_ins(folder, index: dict) -> dict:
+    """The pipeline's image encoder (Wan 2.1 image-to-video's CLIP vision tower), if it has one, at its real width,
+    heads and patches (so its states have the real shape) with one layer and a small feed-forward, and its image
+    processor from the arch's own config."""
+    if (index.get("image_encoder") or [None])[0] is None:
+        return {}
+    config = _real_config(folder, "image_encoder")
+    config.update({"num_hidden_layers": 1, "intermediate_size": STAND_IN_INTERMEDIATE})
+    return {"image_encoder": _component_class(*index["image_encoder"])(config),
+            "image_processor": _component_class(*index["image_processor"]).from_pretrained(folder / "image_processor")}
+
+
 @contextmanager
 def _creating(device: torch.device, dtype: torch.dtype):
     """New tensors on ``device`` in ``dtype`` (weights are created in their final precision: a 20B transformer
@@ -181,7 +195,7 @@ def build_random_pipeline(arch: str, layers: int | None = None, seed: int = 0, *
         with _creating(device, dtype):
             components = {"transformer": transformer_class.from_config(transformer_config),
                           "vae": vae_class.from_config(vae_class.load_config(folder / "vae")),
-                          **text_stand_ins(folder, index)}
+                          **text_stand_ins(folder, index), **image_stand_ins(folder, index)}
             draw_pad_tokens(components["transformer"])
     for name in ("transformer", "vae"):  # buffers made in float32 (SD3's position table) too, as from_pretrained
         components[name].to(dtype=dtype)

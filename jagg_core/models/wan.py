@@ -13,8 +13,8 @@ that is 0 on the tokens of a conditioning first frame (image-to-video) and 1 els
 token's timestep is the step's ``t``, so the velocity passes ``t`` once per sample, the same modulation of every
 token without the per-token copies (``[B, tokens, 6, dim]``: at 1280x704 x 33 frames, 7,920 tokens, 0.29 GB a
 sample in bf16, and a 0.58 GB float32 sum of it in every block). Image-to-video (``model.input_images: 1``) is
-:class:`WanImageToVideoModel`. Wan 2.2 A14B (two experts switched at ``boundary_ratio``) and Wan 2.1's
-image-to-video models (a CLIP image encoder, 36 input channels) are not supported.
+:class:`WanImageToVideoModel`; Wan 2.1's image-to-video models are their own family (:mod:`.wan_i2v`). Wan 2.2
+A14B (two experts switched at ``boundary_ratio``) is not supported.
 
 Sigmas: the pipeline's default scheduler is UniPC with ``flow_shift``; the sampler takes Euler steps on the
 flow-matching schedule of ``FlowMatchEulerDiscreteScheduler(shift=flow_shift)`` (what diffusers' Wan training
@@ -28,6 +28,7 @@ frames ``[B, F, 3, H, W]`` in [0, 1]. CFG is the pipeline's: ``v = v_neg + g (v_
 from __future__ import annotations
 
 import torch
+from PIL import Image
 from diffusers import (AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler, WanPipeline,
                        WanTransformer3DModel)
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
@@ -36,13 +37,17 @@ from transformers import UMT5Config, UMT5EncoderModel
 from ..config import ModelConfig
 from ..edit_prompts import EditPrompt, edit_rows
 from ..errors import UserError
-from ..family_names import MAKES_VIDEOS_FROM_IMAGES
+from ..family_names import MAKES_VIDEOS_FROM_IMAGES, family_of_pipeline
 from ..image_size import ImageSize
 from .base import NEGATIVE, Conditioning, FlowModel
 from .editing import IMAGE_LATENTS
 from .family import Family
 from .in_memory_parts import tiny_t5_tokenizer
 from .text_windows import MAX_SEQUENCE_LENGTH, TextWindow, tokens_of
+
+#: the image encoder's states of a row's first frame (Wan 2.1 image-to-video), which the transformer's
+#: cross-attention reads beside the text's
+IMAGE_STATES = "image_embeds"
 
 
 class WanModel(FlowModel):
@@ -54,8 +59,8 @@ class WanModel(FlowModel):
     def __init__(self, pipe, config: ModelConfig, device: torch.device | str = "cpu", *, num_frames: int = 1,
                  **placement):
         if pipe.transformer_2 is not None:
-            raise UserError("this is a Wan 2.2 pipeline of two experts (A14B); Wan 2.1 and Wan 2.2 TI2V-5B "
-                            "text-to-video are supported")
+            raise UserError(f"model '{config.name}' is a Wan 2.2 pipeline of two experts (A14B), which is not "
+                            "supported; Wan 2.1 (text- and image-to-video) and Wan 2.2 TI2V-5B are")
         group = pipe.vae_scale_factor_temporal
         if (num_frames - 1) % group:
             raise UserError(f"sampling.num_frames is {num_frames}; this Wan VAE needs {group}k + 1 frames")
@@ -97,7 +102,7 @@ class WanModel(FlowModel):
 
     def latent_shape(self, size: ImageSize) -> tuple[int, ...]:
         rows, cols = size.latent(self.pipe.vae_scale_factor_spatial)
-        return (self.transformer.config.in_channels, self.latent_frames(), rows, cols)
+        return (self.transformer.config.out_channels, self.latent_frames(), rows, cols)
 
     def image_seq_len(self, size: ImageSize) -> int:
         """The tokens the transformer sees: ``F' h w / 4``."""
@@ -112,10 +117,12 @@ class WanModel(FlowModel):
 
     def transformer_output(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Conditioning) -> torch.Tensor:
         """The transformer's float32 output for video latents [B, C, F', h, w] at ``timestep`` ([B], or [B, tokens]
-        per token) under the text states of ``cond``."""
+        per token) under the text states of ``cond`` (and its image states, Wan 2.1 image-to-video's)."""
         dtype = self.transformer.dtype
+        image_states = cond[IMAGE_STATES].to(dtype) if IMAGE_STATES in cond else None
         return self.transformer(hidden_states=latents.to(dtype), timestep=timestep,
-                                encoder_hidden_states=cond["prompt_embeds"].to(dtype), return_dict=False)[0].float()
+                                encoder_hidden_states=cond["prompt_embeds"].to(dtype),
+                                encoder_hidden_states_image=image_states, return_dict=False)[0].float()
 
     def latent_statistics(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The VAE's per-channel ``latents_mean`` and ``latents_std``, float32 [1, C, 1, 1, 1]."""
@@ -133,29 +140,18 @@ class WanModel(FlowModel):
         return (video.float() / 2 + 0.5).clamp(0, 1).transpose(1, 2)
 
 
-class WanImageToVideoModel(WanModel):
-    """Wan 2.2 TI2V-5B image-to-video, as ``WanImageToVideoPipeline`` with ``expand_timesteps`` (a run of
-    ``model.input_images: 1``): a prompt row (:class:`~jagg_core.edit_prompts.EditPrompt`) is a text and the first
-    frame of its video.
-
-    The row's image, centre-cropped and resized to ``model.condition_resolution`` (which is ``sampling.resolution``:
-    it is the video's first frame) and preprocessed to [-1, 1], is encoded by the VAE as a one-frame video (the
-    posterior's mode) and normalised, ``c = (E(x) - latents_mean) / latents_std``: ``image_latents`` [C, 1, h, w],
-    cached with the text's states (under CFG the negative prompt's branch sees it too, as in the pipeline). The
-    sampler's latent ``z`` is the video's other ``F' - 1`` latent frames; every transformer call sees ``[c ; z]``
-    along the frame axis, with timestep 0 on ``c``'s tokens and ``1000 sigma`` on ``z``'s (the pipeline's
-    ``first_frame_mask``), and the velocity is ``z``'s. The pipeline steps the whole latent but writes ``c`` over its
-    first frame before every transformer call and at the end, so the same videos come out; decoding puts ``c``
-    first (:meth:`decode_samples`).
-    """
+class FirstFrameModel(WanModel):
+    """What Wan's image-to-video models share (runs of ``model.input_images: 1``): a prompt row
+    (:class:`~jagg_core.edit_prompts.EditPrompt`) is a text and its video's first frame, centre-cropped and resized to
+    ``model.condition_resolution``, which is ``sampling.resolution``; the video has frames after it."""
 
     encodes_input_images = True
+    #: its family generates from text alone too (a run without ``model.input_images``), as messages say
+    generates_from_text_too = True
 
     def __init__(self, pipe, config: ModelConfig, device: torch.device | str = "cpu", *, num_frames: int = 1,
                  **placement):
-        if not pipe.config.get("expand_timesteps", False):
-            raise UserError(f"model '{config.name}' is a Wan model that generates from text alone (image-to-video "
-                            "with model.input_images=1 is Wan 2.2 TI2V-5B's): unset model.input_images")
+        family_of_pipeline(type(pipe).__name__).input_images(config.input_images)  # 1: else one line
         super().__init__(pipe, config, device, num_frames=num_frames, **placement)
         if self.latent_frames() < 2:
             raise UserError(f"sampling.num_frames is {num_frames}: image-to-video makes frames after the input image, "
@@ -169,34 +165,62 @@ class WanImageToVideoModel(WanModel):
                             f"sampling.resolution is {size.config_value()}: an image-to-video run's input image is its "
                             f"videos' first frame; set model.condition_resolution={size.config_value()}")
 
-    def encode_prompts(self, prompts: list[str]) -> Conditioning:
-        rows = self.rows(prompts)
-        cond = super().encode_prompts(self.prompt_texts(rows))
-        cond[IMAGE_LATENTS] = self.first_frame_latents(rows)
-        if self.use_cfg:
-            cond[NEGATIVE + IMAGE_LATENTS] = cond[IMAGE_LATENTS]
-        return cond
-
     def prompt_texts(self, prompts: list[str]) -> list[str]:
         return [row.instruction for row in self.rows(prompts)]
 
     def rows(self, prompts: list[str]) -> list[EditPrompt]:
         """``prompts`` as rows of a text and an image (:func:`~jagg_core.edit_prompts.edit_rows`)."""
-        return edit_rows(prompts, self.family, 1, generates_from_text_too=True, does=MAKES_VIDEOS_FROM_IMAGES)
+        return edit_rows(prompts, self.family, 1, generates_from_text_too=self.generates_from_text_too,
+                         does=MAKES_VIDEOS_FROM_IMAGES)
 
-    def first_frame_latents(self, rows: list[EditPrompt]) -> torch.Tensor:
-        """The rows' normalised first-frame latents ``c`` [N, C, 1, h, w] (the class docstring)."""
+    def first_frames(self, rows: list[EditPrompt]) -> list[Image.Image]:
+        """Each row's image at ``model.condition_resolution``: its video's first frame."""
+        return [row.image(self.config.condition_size) for row in rows]
+
+    def preprocessed(self, images: list[Image.Image]) -> torch.Tensor:
+        """First frames as the pipeline preprocesses them: [N, 3, H, W] in [-1, 1]."""
         size = self.config.condition_size
-        images = [row.image(size) for row in rows]
-        return self.input_pixel_latents(self.pipe.video_processor.preprocess(images, size.height, size.width))
+        return self.pipe.video_processor.preprocess(images, size.height, size.width)
+
+    def normalised_latents(self, video: torch.Tensor) -> torch.Tensor:
+        """Videos [N, 3, F, H, W] in [-1, 1] -> their VAE latents (the posterior's mode) normalised with the VAE's
+        per-channel statistics, ``(E(x) - latents_mean) / latents_std``: float32 [N, C, F', h, w]."""
+        vae = self.pipe.vae
+        latents = vae.encode(video.to(vae.device, vae.dtype)).latent_dist.mode().float()
+        mean, std = self.latent_statistics(latents.device)
+        return (latents - mean) / std
+
+
+class WanImageToVideoModel(FirstFrameModel):
+    """Wan 2.2 TI2V-5B image-to-video, as ``WanImageToVideoPipeline`` with ``expand_timesteps``.
+
+    The row's first frame, preprocessed to [-1, 1], is encoded by the VAE as a one-frame video and normalised, ``c =
+    (E(x) - latents_mean) / latents_std``: ``image_latents`` [C, 1, h, w], cached with the text's states (under CFG the
+    negative prompt's branch sees it too, as in the pipeline). The sampler's latent ``z`` is the video's other ``F' -
+    1`` latent frames; every transformer call sees ``[c ; z]`` along the frame axis, with timestep 0 on ``c``'s tokens
+    and ``1000 sigma`` on ``z``'s (the pipeline's ``first_frame_mask``), and the velocity is ``z``'s. The pipeline
+    steps the whole latent but writes ``c`` over its first frame before every transformer call and at the end, so the
+    same videos come out; decoding puts ``c`` first (:meth:`decode_samples`).
+    """
+
+    def __init__(self, pipe, config: ModelConfig, device: torch.device | str = "cpu", *, num_frames: int = 1,
+                 **placement):
+        if not pipe.config.get("expand_timesteps", False):
+            raise UserError(f"model '{config.name}' is a Wan model that generates from text alone (image-to-video "
+                            "with model.input_images=1 is Wan 2.2 TI2V-5B's): unset model.input_images")
+        super().__init__(pipe, config, device, num_frames=num_frames, **placement)
+
+    def encode_prompts(self, prompts: list[str]) -> Conditioning:
+        rows = self.rows(prompts)
+        cond = super().encode_prompts(self.prompt_texts(rows))
+        cond[IMAGE_LATENTS] = self.input_pixel_latents(self.preprocessed(self.first_frames(rows)))
+        if self.use_cfg:
+            cond[NEGATIVE + IMAGE_LATENTS] = cond[IMAGE_LATENTS]
+        return cond
 
     def input_pixel_latents(self, pixels: torch.Tensor) -> torch.Tensor:
         """Preprocessed first frames [N, 3, H, W] in [-1, 1] -> ``c`` [N, C, 1, h, w], encoded as one-frame videos."""
-        vae = self.pipe.vae
-        posterior = vae.encode(pixels.unsqueeze(2).to(vae.device, vae.dtype)).latent_dist
-        latents = posterior.mode().float()
-        mean, std = self.latent_statistics(latents.device)
-        return (latents - mean) / std
+        return self.normalised_latents(pixels.unsqueeze(2))
 
     def conditioning_shapes(self) -> dict[str, tuple[int, ...]]:
         channels, _, rows, cols = super().latent_shape(self.config.condition_size)
@@ -221,30 +245,37 @@ class WanImageToVideoModel(WanModel):
         return self.decode(torch.cat([cond[IMAGE_LATENTS].to(z.dtype), z], dim=2))
 
 
-def _tiny_wan(vae: AutoencoderKLWan, flow_shift: float, **settings) -> WanPipeline:
+def tiny_wan_pipeline(vae: AutoencoderKLWan, flow_shift: float, pipeline_class=WanPipeline, *,
+                      transformer_settings: dict | None = None, **parts):
     """A tiny UMT5 encoder and transformer around ``vae``; UniPC with flow sigmas and ``flow_shift``, as the
-    Diffusers repos' schedulers; ``settings``: the pipeline's (``expand_timesteps``)."""
+    Diffusers repos' schedulers; ``transformer_settings``: the transformer's beyond the tiny ones (an image-to-video
+    one's input channels); ``parts``: the pipeline's other components and settings (``expand_timesteps``)."""
     tokenizer, text_hidden, z_dim = tiny_t5_tokenizer(), 32, vae.config.z_dim
     text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), d_model=text_hidden, d_kv=8, d_ff=64,
                                                num_layers=2, num_heads=4, relative_attention_num_buckets=8,
                                                pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
-    transformer = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
-                                        in_channels=z_dim, out_channels=z_dim, text_dim=text_hidden, freq_dim=32,
-                                        ffn_dim=32, num_layers=2, cross_attn_norm=True,
-                                        qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
+    transformer = WanTransformer3DModel(**{**dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
+                                                  in_channels=z_dim, out_channels=z_dim, text_dim=text_hidden,
+                                                  freq_dim=32, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+                                                  qk_norm="rms_norm_across_heads", rope_max_seq_len=32),
+                                           **(transformer_settings or {})})
     with torch.device("cpu"):  # its sigmas: it copies them to the CPU, which a meta pipeline's build cannot
         scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                             flow_shift=flow_shift)
-    return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
-                       transformer=transformer, **settings)
+    return pipeline_class(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
+                          transformer=transformer, **parts)
+
+
+def tiny_wan21_vae() -> AutoencoderKLWan:
+    """The Wan 2.1 video VAE in small (4x frames, 8x pixels, per-channel latent mean/std)."""
+    return AutoencoderKLWan(base_dim=4, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                            temperal_downsample=[False, True, True], latents_mean=[0.1, -0.2, 0.05, 0.0],
+                            latents_std=[1.5, 0.8, 1.2, 1.0])
 
 
 def build_tiny_wan() -> WanPipeline:
-    """Wan 2.1 T2V-like: the Wan 2.1 video VAE (4x frames, 8x pixels, per-channel latent mean/std) and the
-    scheduler of Wan-AI/Wan2.1-T2V-1.3B-Diffusers (flow_shift 3)."""
-    return _tiny_wan(AutoencoderKLWan(base_dim=4, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                                      temperal_downsample=[False, True, True], latents_mean=[0.1, -0.2, 0.05, 0.0],
-                                      latents_std=[1.5, 0.8, 1.2, 1.0]), flow_shift=3.0)
+    """Wan 2.1 T2V-like: the Wan 2.1 video VAE and the scheduler of Wan-AI/Wan2.1-T2V-1.3B-Diffusers (flow_shift 3)."""
+    return tiny_wan_pipeline(tiny_wan21_vae(), flow_shift=3.0)
 
 
 def build_tiny_wan22() -> WanPipeline:
@@ -255,7 +286,7 @@ def build_tiny_wan22() -> WanPipeline:
                            out_channels=12, patch_size=2, scale_factor_spatial=16,
                            latents_mean=[0.1, -0.2, 0.05, 0.0, 0.3, -0.1, 0.0, 0.2],
                            latents_std=[1.5, 0.8, 1.2, 1.0, 0.9, 1.1, 1.3, 0.7])
-    return _tiny_wan(vae, flow_shift=5.0, expand_timesteps=True)
+    return tiny_wan_pipeline(vae, flow_shift=5.0, expand_timesteps=True)
 
 
 FAMILY = Family(label="Wan 2.1 / Wan 2.2 TI2V-5B video", pipeline="WanPipeline", model=WanModel,

@@ -1,0 +1,106 @@
+"""Wan 2.1 image-to-video (``WanImageToVideoPipeline``: Wan2.1-I2V-14B-480P and -720P): a video that starts from an
+input image, prompted by rows of a text and that image (:class:`~jagg_core.edit_prompts.EditPrompt`).
+
+A row is encoded once, at set-up, as the pipeline encodes it:
+
+* its text by UMT5, as Wan's text-to-video (:class:`~jagg_core.models.wan.WanModel`);
+* its image ``x`` (centre-cropped and resized to ``model.condition_resolution``, which is ``sampling.resolution``:
+  it is the video's first frame) by the CLIP ViT-H/14 image encoder, the penultimate layer's states
+  (``image_embeds`` [257, 1280]; the pipeline's ``encode_image``, whose processor resizes the image's shorter side to
+  224 and centre-crops it);
+* the video ``[x, 0, ..., 0]`` of ``sampling.num_frames`` frames by the VAE (the posterior's mode, normalised with its
+  per-channel statistics), after ``m = 4`` mask channels, one per frame of a latent frame (the VAE's temporal factor),
+  1 on the first latent frame and 0 after it: ``video_condition = [m ; (E(video) - latents_mean) / latents_std]``
+  [4 + C, F', h, w], the pipeline's ``condition``.
+
+Every transformer call sees ``[z ; video_condition]`` along the channels (C + 4 + C = 36 input channels for C = 16)
+at timestep ``1000 sigma``, its cross-attention reading the image's states before the text's (Wan 2.1 I2V's
+``added_kv_proj``), and the velocity is the whole latent's: unlike Wan 2.2 TI2V-5B's, the first latent frame is
+generated too (the image conditions it, nothing overwrites it), so the sampler's latent is the video's every latent
+frame and decoding is Wan's. Under CFG the negative prompt's branch sees the same image states and video condition,
+as in the pipeline. The CLIP image encoder is a prompt encoder: it sits on the device at set-up beside UMT5 and is
+released with it (:data:`~jagg_core.models.base.PROMPT_ENCODERS`).
+
+Wan 2.2 I2V-A14B has the same pipeline class with two experts (``transformer_2``): refused in one line, as Wan 2.2
+T2V-A14B (:class:`~jagg_core.models.wan.WanModel`).
+"""
+
+from __future__ import annotations
+
+import torch
+from PIL import Image
+from diffusers import WanImageToVideoPipeline
+from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
+
+from .base import NEGATIVE, Conditioning
+from .family import Family
+from .wan import IMAGE_STATES, FirstFrameModel, tiny_wan21_vae, tiny_wan_pipeline
+
+#: the pipeline's ``condition``: the first-frame mask's channels, then the video ``[x, 0, ..., 0]``'s latents
+VIDEO_CONDITION = "video_condition"
+
+
+class Wan21ImageToVideoModel(FirstFrameModel):
+    """Wan 2.1 image-to-video (see the module docstring)."""
+
+    family = "wan-i2v"
+    generates_from_text_too = False
+
+    def encode_prompts(self, prompts: list[str]) -> Conditioning:
+        rows = self.rows(prompts)
+        cond = super().encode_prompts(self.prompt_texts(rows))
+        frames = self.first_frames(rows)
+        cond[IMAGE_STATES] = self.image_states(frames)
+        cond[VIDEO_CONDITION] = self.input_pixel_latents(self.preprocessed(frames))
+        if self.use_cfg:
+            cond[NEGATIVE + IMAGE_STATES], cond[NEGATIVE + VIDEO_CONDITION] = cond[IMAGE_STATES], cond[VIDEO_CONDITION]
+        return cond
+
+    def image_states(self, frames: list[Image.Image]) -> torch.Tensor:
+        """The image encoder's penultimate hidden states of each first frame, [N, tokens, width] (``encode_image``)."""
+        encoder = self.pipe.image_encoder
+        pixels = self.pipe.image_processor(images=frames, return_tensors="pt").pixel_values
+        return encoder(pixel_values=pixels.to(encoder.device, encoder.dtype), output_hidden_states=True).hidden_states[-2]
+
+    def input_pixel_latents(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Preprocessed first frames [N, 3, H, W] in [-1, 1] -> ``video_condition`` [N, 4 + C, F', h, w]: the mask,
+        then the normalised latents of each video ``[x, 0, ..., 0]`` (the module docstring)."""
+        count, channels, height, width = pixels.shape
+        video = torch.cat([pixels.unsqueeze(2), pixels.new_zeros((count, channels, self.num_frames - 1, height, width))],
+                          dim=2)
+        latents = self.normalised_latents(video)
+        mask = torch.zeros_like(latents[:, :1]).expand(-1, self.pipe.vae_scale_factor_temporal, -1, -1, -1).clone()
+        mask[:, :, 0] = 1
+        return torch.cat([mask, latents], dim=1)
+
+    def conditioning_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The text's states, the image's (from the image encoder's config: a token a patch and the class token) and
+        the video condition (before the prompt encoders are released)."""
+        encoder = self.pipe.image_encoder.config
+        channels, frames, rows, cols = self.latent_shape(self.config.condition_size)
+        return {**super().conditioning_shapes(),
+                IMAGE_STATES: ((encoder.image_size // encoder.patch_size) ** 2 + 1, encoder.hidden_size),
+                VIDEO_CONDITION: (self.pipe.vae_scale_factor_temporal + channels, frames, rows, cols)}
+
+    def transformer_velocity(self, z: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        """``v = transformer([z ; video_condition], 1000 sigma, text, image states)``."""
+        joint = torch.cat([z, cond[VIDEO_CONDITION].to(z.dtype)], dim=1)
+        return self.transformer_output(joint, sigma.float() * 1000, cond)
+
+
+def build_tiny_wan_i2v() -> WanImageToVideoPipeline:
+    """Wan 2.1 I2V-like: the Wan 2.1 video VAE, a tiny CLIP vision encoder (32 px in 4 x 4 patches of 8 px: 17
+    states) and its processor, the transformer's 4 + 2C input channels and image cross-attention, flow_shift 3."""
+    vae = tiny_wan21_vae()
+    encoder = CLIPVisionModelWithProjection(CLIPVisionConfig(hidden_size=8, projection_dim=8, num_hidden_layers=2,
+                                                             num_attention_heads=2, intermediate_size=16,
+                                                             image_size=32, patch_size=8))
+    processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    z_dim = vae.config.z_dim
+    return tiny_wan_pipeline(vae, 3.0, WanImageToVideoPipeline, image_encoder=encoder, image_processor=processor,
+                             transformer_settings=dict(in_channels=4 + 2 * z_dim, image_dim=8, added_kv_proj_dim=24))
+
+
+FAMILY = Family(label="Wan 2.1 image-to-video", pipeline="WanImageToVideoPipeline", model=Wan21ImageToVideoModel,
+                edits_images=True, image_to_video=True, tiny_builders={"tiny-wan-i2v": build_tiny_wan_i2v},
+                archs={"wan21-i2v-14b-480p": "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers"})
