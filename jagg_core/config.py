@@ -103,14 +103,16 @@ class ModelConfig(_Section):
                                             "images, a square's side (512) or WIDTHxHEIGHT (1024x768) as "
                                             "sampling.resolution; each is centre-cropped to its shape and resized "
                                             "to it before the model encodes it (the pipelines keep each input's own "
-                                            "shape at about 1024 x 1024 pixels); Wan 2.2 TI2V-5B image-to-video: "
-                                            "sampling.resolution (the image is the first frame)")
+                                            "shape at about 1024 x 1024 pixels); Wan's image-to-video (Wan 2.1 "
+                                            "I2V, Wan 2.2 TI2V-5B): sampling.resolution (the image is the first "
+                                            "frame)")
     input_images: int | None = Field(None, ge=0, le=3, description="input images of each prompt row, every row "
                                      "the same, 'Picture 1' first: the image-editing models take 1 (unset) to their "
                                      "most (Qwen-Image-Edit-2509/2511: 3; FLUX.1 Kontext, Qwen-Image-Edit: 1); FLUX.2 "
                                      "[klein] and [dev] generate from text when unset or 0 and edit with 1-3 reference "
                                      "images; Wan 2.2 TI2V-5B generates video from text when unset or 0 and from a "
-                                     "first frame with 1; other models read text alone")
+                                     "first frame with 1; Wan 2.1 I2V from a first frame (1, unset); other models read "
+                                     "text alone")
     cudnn_attention: bool = Field(False, description="let torch choose cuDNN's attention kernel on a CUDA GPU; off: "
                                   "flash, memory-efficient or math attention. Off by default: it made "
                                   "FLUX.1-dev's backward fail on an H200 (cuDNN 9.19, torch 2.11; the GPU check's "
