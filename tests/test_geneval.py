@@ -15,7 +15,7 @@ from jagg_core.config import RewardSpec
 from jagg_core.errors import UserError
 from jagg_core.object_prompts import ObjectRequirement, PromptRequirements, read_prompt, read_prompts, singular
 from jagg_core.rewards import build_reward
-from jagg_core.rewards.geneval import BOX_RELATIONS, box_relations, pixel_box, without_duplicates
+from jagg_core.rewards.geneval import BOX_RELATIONS, box_relations, pixel_box, without_duplicates, without_groups
 from jagg_core.rundir import RunDirectory
 
 COMPOSITIONAL = Path(__file__).resolve().parent.parent / "presets" / "prompts" / "compositional.txt"
@@ -135,6 +135,19 @@ def test_duplicates_are_dropped_by_score_and_overlap():
     torch.testing.assert_close(kept, boxes(1, 1, 11, 11, 50, 50, 60, 60))
     assert len(without_duplicates(found, torch.tensor([0.5, 0.9, 0.6]), iou_above=0.99, most=2)) == 2
     assert without_duplicates(boxes(), torch.zeros(0), 0.5, 16).shape == (0, 4)
+
+
+def test_a_box_around_a_group_of_others_is_dropped():
+    """'two dogs': two dog boxes and one around both (IoU 0.5 with each, under NMS's 0.5) count two; a box around
+    one other (a dog beside its own head) or around two that stick out of it stays."""
+    pair = boxes(0, 0, 10, 10, 10, 0, 20, 10)
+    torch.testing.assert_close(without_groups(torch.cat([boxes(0, 0, 20, 10), pair])), pair)
+    torch.testing.assert_close(without_groups(torch.cat([boxes(-1, -1, 19, 11), pair])), pair)  # 90% inside
+    nested = boxes(0, 0, 20, 20, 2, 2, 8, 8)
+    torch.testing.assert_close(without_groups(nested), nested)
+    spilling = torch.cat([boxes(0, 0, 20, 10), boxes(0, 0, 10, 10, 12, 0, 32, 10)])  # the second half outside
+    torch.testing.assert_close(without_groups(spilling), spilling)
+    assert without_groups(boxes()).shape == (0, 4)
 
 
 @pytest.mark.parametrize("prompt, found, colours, score", [

@@ -7,7 +7,9 @@ relation of the first to the second) are checked on the image:
 * **detection**: a zero-shot object detector (transformers ``AutoModelForZeroShotObjectDetection`` with its
   ``AutoProcessor``; Grounding DINO tiny by default) is asked for one object at a time (the text ``"{noun}."``); the
   boxes scoring above ``options.threshold`` are kept, a box overlapping a kept one of a higher score by an IoU above
-  ``options.nms_iou`` dropped (one object found twice), at most ``options.max_objects``;
+  ``options.nms_iou`` dropped (one object found twice), at most ``options.max_objects``; then a box that holds two
+  or more of the others, each at least :data:`GROUP_INSIDE` inside it, is dropped too: an open-vocabulary detector
+  asked for "dog" may box a group of dogs beside each of them, which NMS keeps (the boxes barely overlap by IoU);
 * **count**: an object with "a"/"an"/"one" is met with one box or more; with two or more, with exactly as many boxes;
 * **colour**: each box of an object with a colour is cut out and classified by CLIP (ViT-L/14, as GenEval) among
   GenEval's ten colours, ``argmax_c cos(E_img(box), E_txt("a photo of a {c} {noun}"))``; met when at least the
@@ -39,6 +41,8 @@ from ..object_prompts import COLOURS, PromptRequirements, read_prompts
 from .base import Reward
 from .clip import clip_image_embeds, clip_text_embeds, load_clip
 
+#: the share of a box's area inside another for the other to hold it (:func:`without_groups`)
+GROUP_INSIDE = 0.9
 #: the relations between two boxes that a prompt can ask for (:func:`box_relations`)
 BOX_RELATIONS = ("left of", "right of", "above", "below")
 
@@ -71,13 +75,30 @@ def without_duplicates(boxes: torch.Tensor, scores: torch.Tensor, iou_above: flo
     return torch.stack(kept) if kept else boxes.new_zeros((0, 4))
 
 
-def box_iou(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Intersection over union of two boxes (x0, y0, x1, y1)."""
+def without_groups(boxes: torch.Tensor) -> torch.Tensor:
+    """The boxes [K, 4] but each that holds two or more of the others: a box ``G`` holds ``B`` when at least
+    :data:`GROUP_INSIDE` of ``B``'s area lies inside ``G``, ``|B n G| >= GROUP_INSIDE |B|``."""
+    def holds(group: torch.Tensor, box: torch.Tensor) -> bool:
+        area = float((box[2] - box[0]) * (box[3] - box[1]))
+        return area > 0 and box_intersection(group, box) >= GROUP_INSIDE * area
+
+    kept = [k for k, group in enumerate(boxes)
+            if sum(holds(group, box) for j, box in enumerate(boxes) if j != k) < 2]
+    return boxes[kept]
+
+
+def box_intersection(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The area two boxes (x0, y0, x1, y1) share."""
     width = (torch.minimum(a[2], b[2]) - torch.maximum(a[0], b[0])).clamp(min=0)
     height = (torch.minimum(a[3], b[3]) - torch.maximum(a[1], b[1])).clamp(min=0)
-    inter = width * height
-    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
-    return float(inter / union) if union > 0 else 0.0
+    return float(width * height)
+
+
+def box_iou(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Intersection over union of two boxes (x0, y0, x1, y1)."""
+    inter = box_intersection(a, b)
+    union = float((a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1])) - inter
+    return inter / union if union > 0 else 0.0
 
 
 def box_relations(a: torch.Tensor, b: torch.Tensor, margin: float) -> set[str]:
@@ -139,8 +160,9 @@ class GenEval(Reward):
                 outputs, threshold=self.options.threshold,
                 target_sizes=[(picture.height, picture.width) for picture in shown])
             for (index, noun), result in zip(batch, results):
-                found[index][noun] = without_duplicates(result["boxes"].float().cpu(), result["scores"].float().cpu(),
-                                                        self.options.nms_iou, self.options.max_objects)
+                found[index][noun] = without_groups(without_duplicates(
+                    result["boxes"].float().cpu(), result["scores"].float().cpu(), self.options.nms_iou,
+                    self.options.max_objects))
         return found
 
     def score(self, requirements: PromptRequirements, boxes: dict[str, torch.Tensor], picture: Image.Image) -> float:
