@@ -4,6 +4,8 @@ and free memory (its container's, :mod:`jagg_core.host`)."""
 
 from __future__ import annotations
 
+import os
+
 import psutil
 
 from jagg_core.gpus import gpu_free_gb, gpu_rows
@@ -31,6 +33,25 @@ def hardware_words() -> str:
     return (f"**No CUDA GPU:** runs train on the CPU ({named}{psutil.cpu_count(logical=False) or 1} cores, "
             f"{psutil.cpu_percent():.0f}% busy, {available_memory() / 2**30:.1f} / {total_memory() / 2**30:.1f} GiB "
             "memory free)")
+
+
+def sampling_environment() -> dict[str, str]:
+    """The environment of Try it's and Evaluate's processes, which load the run's model on one GPU: on a machine of
+    several, the one with the most free memory (``CUDA_VISIBLE_DEVICES``, numbered in PCI bus order as nvidia-smi
+    lists them: ``CUDA_DEVICE_ORDER=PCI_BUS_ID``), not GPU 0, where a run trains first; a ``CUDA_VISIBLE_DEVICES``
+    the page was started with is kept."""
+    environment = dict(os.environ)
+    rows = gpu_rows()
+    if len(rows) < 2 or "CUDA_VISIBLE_DEVICES" in environment:
+        return environment
+
+    def free(index: int) -> float:
+        try:
+            return float(rows[index][1])
+        except ValueError:
+            return -1.0
+    environment.update(CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES=str(max(range(len(rows)), key=free)))
+    return environment
 
 
 def free_gpus() -> int:

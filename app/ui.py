@@ -60,7 +60,7 @@ from .form import (ADVANCED_KNOBS, ALGORITHM_KNOBS, KNOBS, MAIN_KNOBS, PROMPT_MO
                    PROMPTS_UPLOAD, Form, Knob, build_config, checked_config, cli_command, config_form, model_choices,
                    preset_form, prompt_preview, weight_rows)
 from .jobs import JobControl, queue_placement, runs_root
-from .system import gpu_free_gb, gpu_rows, hardware_words, placement_for, process_choices
+from .system import gpu_free_gb, gpu_rows, hardware_words, placement_for, process_choices, sampling_environment
 
 REFRESH_S = 1.5
 HARDWARE_REFRESH_S = 5.0
@@ -421,7 +421,8 @@ class Studio:
             command += ["--image", path]
         if images and not whole:
             command += ["--shape", "run"]
-        result = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        result = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                                env=sampling_environment())
         if result.returncode != 0 or not out.is_file():
             return None, f"**Not generated:** {_command_error(result, GENERATE)}"
         inputs = "the input image" if len(images) == 1 else f"the {len(images)} input images"
@@ -458,7 +459,8 @@ class Studio:
             command += ["--limit", str(int(limit))]
         if live.adapter_name(checkpoint):
             command += ["--checkpoint", checkpoint]
-        result = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        result = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                                env=sampling_environment())
         if result.returncode != 0 or not (out / EVALUATION_TABLE).is_file():
             return None, f"**Not evaluated:** {_command_error(result, EVALUATE)}"
         self.evaluations[(run_dir.name, live.adapter_name(checkpoint))] = out

@@ -142,7 +142,7 @@ def evaluate(run_dir: Path, *, source: str | None = None, limit: int | None = No
     from .rewards import CombinedReward, build_reward
     from .sampler import initial_noise, ode_sample
 
-    model, sigmas = adapter_model(config, prompts, adapter.file)
+    model, sigmas = adapter_model(config, prompts, adapter.file, scoring=not given_rewards)  # the run's scorers
     scorer = CombinedReward([build_reward(spec, model.device) for _, spec in specs], [1.0] * len(specs),
                             term_names([spec.name for _, spec in specs]), config.sampling.reward_frames)
     steps, size = len(sigmas) - 1, config.sampling.size

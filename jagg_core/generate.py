@@ -54,14 +54,19 @@ def shaped_like_picture(config, picture: bytes):
         f"model.condition_resolution={config.model.condition_size.shaped_like(width, height).config_value()}"])
 
 
-def adapter_model(config, rows: list[str], adapter_file: Path):
+def adapter_model(config, rows: list[str], adapter_file: Path, scoring: bool = False):
     """``(model, sigmas)``: the run's base model on this machine's GPU (else the CPU) with ``rows`` encoded, its text
     encoders released, and the run's LoRA ``adapter_file`` loaded (``model.transformer.disable_adapters()`` samples
-    the base model); the run's eval schedule (``sampling.eval_num_steps``, else ``num_steps``)."""
+    the base model); the run's eval schedule (``sampling.eval_num_steps``, else ``num_steps``). On a GPU whose free
+    memory cannot hold the model's weights (``scoring``: and the run's rewards and judges, which the caller loads),
+    a one-line :class:`UserError` first (:func:`~jagg_core.memory_plan.check_room_to_sample`)."""
     import torch
 
+    from .memory_plan import check_room_to_sample
     from .models import load_flow_model
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        check_room_to_sample(config, torch.cuda.mem_get_info(device)[0], scoring)
     model = load_flow_model(config.model, device, seed=config.train.seed, num_frames=config.sampling.num_frames)
     model.check_size(config.sampling.size)
     model.encode_and_cache(rows)

@@ -138,6 +138,14 @@ class MemoryPlan:
     resident: dict[str, float] = field(default_factory=dict)
     #: of the resident bytes, those the optimizer's first step makes (AdamW's states): not there at set-up
     optimizer_states: float = 0.0
+    #: of the resident bytes, those only training holds: the optimizer's states, an EMA, a lagging copy of the LoRA
+    training_state: float = 0.0
+    #: the prompt encoders' weights on the device while they encode, and whether they stay there (resident: a run
+    #: without the text-embedding cache)
+    encoder_bytes: float = 0.0
+    encoders_stay: bool = False
+    #: of the resident bytes, the rewards' and the judges' models on the device
+    scorer_bytes: float = 0.0
     #: the prompts' encoding at set-up (the text encoders and their activations)
     setup: dict[str, float] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)       # transient of each training phase
@@ -172,6 +180,14 @@ class MemoryPlan:
     def setup_resident(self) -> float:
         """Bytes on the device at the end of set-up: the resident parts but the optimizer's states."""
         return sum(self.resident.values()) - self.optimizer_states
+
+    def sampling_floor(self, scoring: bool = False) -> float:
+        """Bytes that sampling with the run's model and adapter needs on the device at the least (Try it, evaluate:
+        no optimizer, one sample at a time), before any activation: the prompt encoders' weights while they encode,
+        then the resident parts but the prompt encoders and what only training holds (``training_state``) and,
+        unless ``scoring``, the rewards and judges."""
+        after = sum(self.resident.values()) - self.encoders_stay * self.encoder_bytes - self.training_state
+        return max(self.encoder_bytes, after - (0.0 if scoring else self.scorer_bytes))
 
     @property
     def peak_phase(self) -> str:
@@ -375,7 +391,8 @@ def plan_memory(config: RunConfig, traces: dict[tuple, int] | None = None, trace
         encoder_names += ", offloaded: 1 layer"
     else:
         encoder_bytes = sum(_params(e) for e in encoders) * element
-    if not cfg.model.cache_text_embeddings:
+    plan.encoder_bytes, plan.encoders_stay = encoder_bytes, not cfg.model.cache_text_embeddings
+    if plan.encoders_stay:
         plan.resident[f"text encoders ({encoder_names})"] = encoder_bytes
     device_judges = [] if cfg.eval.judges_on_cpu else cfg.eval.judges
     plan.host_judges = cpu_judges(cfg)
@@ -383,6 +400,7 @@ def plan_memory(config: RunConfig, traces: dict[tuple, int] | None = None, trace
         dtype, size = reward_entry(spec.name).device_dtype, scoring_model_size(spec.name, spec.options)
         if size.params:
             plan.resident[f"{role} {spec.name} ({size.describe()}, {dtype})"] = size.bytes_in(dtype)
+            plan.scorer_bytes += size.bytes_in(dtype)
 
     if trace or lora_params is None:
         lora = model.add_lora(cfg.lora)
@@ -397,6 +415,7 @@ def plan_memory(config: RunConfig, traces: dict[tuple, int] | None = None, trace
     plan.resident[f"LoRA ({_count(lora_count)}): weights, AdamW states{extras} (fp32)"] = \
         lora_count * (4 + state_bytes + ema + lagging)
     plan.optimizer_states = lora_count * state_bytes
+    plan.training_state = lora_count * (state_bytes + ema + lagging)
 
     # ----- set-up: the text encoders encode every prompt, then leave; the host keeps their embeddings
     if cfg.model.cache_text_embeddings:
@@ -606,6 +625,18 @@ def check_host(plan: MemoryPlan, run_dir: Path, processes: int = 1) -> str:
     except UserError as err:
         return f"host: {err}"
     return f"host: fits {' and '.join(parts)}"
+
+
+def check_room_to_sample(config: RunConfig, free_bytes: int, scoring: bool = False) -> None:
+    """Refuse, in one line, to load a run's model to sample with it (Try it, evaluate; ``scoring``: with its rewards
+    and judges) on a GPU with ``free_bytes`` free that cannot hold even its weights
+    (:meth:`MemoryPlan.sampling_floor`): a run training on that GPU would run out of memory beside it."""
+    floor = plan_memory(config, trace=False).sampling_floor(scoring)
+    if floor + CUDA_CONTEXT_GB * GB > free_bytes:
+        parts = "its weights, rewards and judges" if scoring else "its weights"
+        raise UserError(f"the GPU has {free_bytes / GB:.1f} GB free, and sampling with this run's model needs "
+                        f"{floor / GB + CUDA_CONTEXT_GB:.1f} GB at least ({parts} and a CUDA context, before any "
+                        "activation): is a run training on it? Wait for it to end, or stop it, then try again")
 
 
 def fits(plan: MemoryPlan, gpu_gb: float) -> bool:

@@ -551,6 +551,39 @@ def test_the_page_reads_the_gpus_from_nvidia_smi_and_plans_and_places_runs_again
     assert len(plans) == 1  # Start plans once, for its warning and for the placement
 
 
+def test_try_it_and_evaluate_load_the_model_on_the_gpu_with_the_most_free_memory(tmp_path, studio, monkeypatch):
+    """Not GPU 0, where a run trains first: the second L4 of the fake nvidia-smi, numbered as nvidia-smi lists them;
+    a CUDA_VISIBLE_DEVICES the page was started with, or a single GPU, leaves the processes' environment alone."""
+    import subprocess
+
+    from app import system, ui
+
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "nvidia-smi").write_text(FAKE_NVIDIA_SMI)
+    (tools / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    launched, run = [], subprocess.run
+
+    def refused(command, **options):  # the commands' processes; nvidia-smi's runs
+        if command[0] != sys.executable:
+            return run(command, **options)
+        launched.append(options["env"])
+        return subprocess.CompletedProcess(command, 2, "", f"{command[2]}: error: the GPU has 0.5 GB free")
+    monkeypatch.setattr(ui.subprocess, "run", refused)
+    (tmp_path / "a-run").mkdir()
+    (tmp_path / "a-run" / "config.yaml").write_text("name: a-run\n")
+    assert studio.generate("a-run", "", "a red square", 0) == (
+        None, "**Not generated:** the GPU has 0.5 GB free")
+    assert studio.evaluate("a-run", "", None, 2, 1)[1] == "**Not evaluated:** the GPU has 0.5 GB free"
+    assert [(env["CUDA_VISIBLE_DEVICES"], env["CUDA_DEVICE_ORDER"]) for env in launched] == [("1", "PCI_BUS_ID")] * 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert system.sampling_environment()["CUDA_VISIBLE_DEVICES"] == "3"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setattr(system, "gpu_rows", lambda: [["NVIDIA L4", "8192", "23034", "3"]])
+    assert "CUDA_VISIBLE_DEVICES" not in system.sampling_environment()
+
 def test_the_compare_section_overlays_tabulates_and_shows_the_grids_of_the_chosen_runs(tmp_path, studio):
     from tests.test_compare import fabricated_run
 

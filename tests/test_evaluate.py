@@ -202,3 +202,41 @@ def test_a_push_carries_an_evaluation_of_the_adapter_it_pushes(tiny_run, tmp_pat
         write_model_card(tiny_run, "me/x", evaluation=other)
     with pytest.raises(UserError, match=r"holds no evaluation: make one with python -m jagg_core.evaluate"):
         write_model_card(tiny_run, "me/x", evaluation=tmp_path / "nothing")
+
+
+def test_sampling_needs_the_weights_but_not_trainings_state_and_a_gpu_without_room_refuses_in_one_line():
+    """The floor of Try it's and evaluate's memory: the prompt encoders while they encode, then the transformer, VAE
+    and LoRA weights without AdamW's states (or NFT's lagging copy), with the rewards and judges when they score."""
+    from jagg_core.config import load_config
+    from jagg_core.memory_plan import CUDA_CONTEXT_GB, GB, check_room_to_sample, plan_memory
+
+    whole = plan_memory(load_config(preset="sd35-medium-pickscore-16gb"), trace=False)
+    assert whole.encoder_bytes > 9e9 and whole.sampling_floor() == whole.encoder_bytes  # T5-XXL and the CLIPs first
+    config = load_config(preset="sd35-medium-pickscore-16gb", overrides=["model.offload_text_encoders=true"])
+    plan = plan_memory(config, trace=False)  # the encoders a layer at a time: the weights after them are the floor
+    weights = sum(size for part, size in plan.resident.items() if part.startswith(("transformer", "VAE")))
+    assert plan.encoder_bytes < 1e9 and plan.scorer_bytes > 3e9  # PickScore and two judges
+    assert plan.sampling_floor() == pytest.approx(weights + 4 * plan.lora_params)
+    assert plan.sampling_floor(scoring=True) == pytest.approx(weights + 4 * plan.lora_params + plan.scorer_bytes)
+    nft = plan_memory(load_config(preset="sd35-medium-pickscore-nft-24gb"), trace=False)
+    assert nft.training_state == nft.lora_params * (2 + 4 + 4)  # 8-bit AdamW's states, the EMA, the lagging copy
+
+    needed = plan.sampling_floor() + CUDA_CONTEXT_GB * GB
+    check_room_to_sample(config, int(needed) + 1)
+    with pytest.raises(UserError, match=r"^the GPU has 3\.0 GB free, and sampling with this run's model needs "
+                                        rf"{needed / GB:.1f} GB at least \(its weights and a CUDA context, before any "
+                                        r"activation\): is a run training on it\? Wait for it to end, or stop it"):
+        check_room_to_sample(config, int(3e9))
+
+
+def test_try_it_and_evaluate_on_a_full_gpu_are_refused_before_the_model_loads(tiny_run, monkeypatch):
+    """On a GPU (stood in for: torch asked whether there is one and how much of it is free) whose free memory cannot
+    hold the run's weights, generate and evaluate stop in one line, before anything loads on it."""
+    from jagg_core.generate import generate
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 ** 6, 80 * 10 ** 9))
+    with pytest.raises(UserError, match="^the GPU has 0.0 GB free, and sampling with this run's model needs"):
+        generate(tiny_run, "a red square")
+    with pytest.raises(UserError, match=r"at least \(its weights, rewards and judges and a CUDA context"):
+        evaluate(tiny_run, images_per_prompt=1, limit=1)
