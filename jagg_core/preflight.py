@@ -77,12 +77,14 @@ def check_prompt_kind(family: DeclaredFamily | None, prompts: list[str], input_i
         edit_rows(prompts, family.label, count, generates_from_text_too=family.also_edits,
                   does=family.does_with_images)
     elif any(isinstance(prompt, EditPrompt) for prompt in prompts):
-        editors = ", ".join(f.label for f in declared_families() if f.edits_images)
+        editors = ", ".join(f.label for f in declared_families() if f.edits_images and not f.image_to_video)
         also = " or ".join(f.label for f in declared_families() if f.also_edits)
         also = f"; or {also} with model.input_images=1" if also else ""
+        animators = ", ".join(f.label for f in declared_families() if f.edits_images and f.image_to_video)
+        animates = f", or an image-to-video one ({animators})" if animators else ""
         raise UserError(f"prompts.source holds image-editing rows (an instruction and an input image), but the "
                         f"{family.label} run generates from text alone; choose a text prompt set, or an "
-                        f"image-editing model.name ({editors}{also})")
+                        f"image-editing model.name ({editors}{also}){animates}")
 
 
 def check_packages(model: ModelConfig) -> None:

@@ -91,7 +91,7 @@ def test_the_judges_load_after_the_text_encoders_have_left_and_the_plan_never_ho
 @pytest.mark.parametrize("model, settings", [
     ("tiny-flux-kontext", {}), ("tiny-qwen-edit", {}), ("tiny-flux2", {"model__input_images": 1}),
     ("tiny-wan22", {"model__input_images": 1, "sampling__num_frames": 5, "sampling__resolution": 128}),
-    ("tiny-flux", {})])
+    ("tiny-wan-i2v", {"sampling__num_frames": 5, "sampling__resolution": 128}), ("tiny-flux", {})])
 def test_at_set_up_the_vae_encodes_the_input_images_on_the_device_beside_the_text_encoders(model, settings,
                                                                                              monkeypatch, offline):
     """Under the text-embedding cache the transformer waits on the host until the text encoders leave; the VAE of a

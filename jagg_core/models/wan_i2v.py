@@ -60,7 +60,7 @@ class Wan21ImageToVideoModel(FirstFrameModel):
         """The image encoder's penultimate hidden states of each first frame, [N, tokens, width] (``encode_image``)."""
         encoder = self.pipe.image_encoder
         pixels = self.pipe.image_processor(images=frames, return_tensors="pt").pixel_values
-        return encoder(pixel_values=pixels.to(encoder.device, encoder.dtype), output_hidden_states=True).hidden_states[-2]
+        return encoder(pixel_values=pixels.to(self.device, encoder.dtype), output_hidden_states=True).hidden_states[-2]
 
     def input_pixel_latents(self, pixels: torch.Tensor) -> torch.Tensor:
         """Preprocessed first frames [N, 3, H, W] in [-1, 1] -> ``video_condition`` [N, 4 + C, F', h, w]: the mask,
