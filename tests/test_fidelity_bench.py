@@ -52,6 +52,25 @@ def test_training_comparison_reports_gain_time_and_spread(tmp_path, offline):
     assert (tmp_path / "training.png").stat().st_size > 0
 
 
+def test_with_several_rewards_the_bench_reports_each_ones_held_out_gain_under_sum_and_per_reward(offline):
+    """JPEG compressibility at weight 1 and its opposite at 0.5: each run's gains of the two are opposite, the
+    held-out gain their weighted sum; the table has a column for each; per_reward trains with its own advantages."""
+    from jagg_core.bench.training import format_training, setup_configs, training_rows
+
+    config = tiny_config(train__iterations=1, rewards=[{"name": "jpeg_compressibility"},
+                                                       {"name": "jpeg_incompressibility", "weight": 0.5}])
+    assert setup_configs(config, ["per_reward"])["per_reward"].grpo.multi_reward == "per_reward"
+    rows = training_rows(config, seeds=(0,), setups=("default", "per_reward"))
+    for row in rows:
+        run = row["runs"]["0"]
+        smaller, larger = run["term_gains"]["jpeg_compressibility"], run["term_gains"]["jpeg_incompressibility"]
+        assert larger == pytest.approx(-smaller) and smaller != 0
+        assert run["gain"] == pytest.approx(smaller + 0.5 * larger)
+        assert row["gain/jpeg_compressibility"] == smaller and row["gain/jpeg_compressibility_std"] is None
+    table = format_training(rows)
+    assert "| held-out gain | held-out gain of jpeg_compressibility | held-out gain of jpeg_incompressibility |" in table
+    assert "| default, each reward's own advantage |" in table
+
 def test_the_default_task_with_its_tree_rollouts_is_compared_with_flat_rollouts():
     """The default preset has tree rollouts, so the bench offers ``flat`` (every sample its own path) beside it and
     refuses ``tree``, which would train the default again."""

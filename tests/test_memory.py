@@ -590,7 +590,7 @@ def test_a_run_whose_host_cannot_hold_its_judges_on_the_cpu_is_refused_before_th
         Trainer(config, tmp_path).setup()
 
 
-BUDGETS = {"16gb": 16, "24gb": 24}
+BUDGETS = {"16gb": 16, "24gb": 24, "48gb": 48}
 
 
 #: the presets made for a CPU, whose first comment line says ``# GPU memory: none needed``
@@ -600,7 +600,7 @@ CPU_PRESETS = ("shapes", "shapes-awm", "shapes-nft", "tiny-sd3")
 @pytest.mark.parametrize("preset", list(list_presets()))
 def test_every_preset_states_its_gpu_memory_and_a_gpu_preset_its_planned_peak_within_its_budget(preset, offline):
     """A preset's comment line ``# GPU memory: none needed`` (a CPU preset) or ``# GPU memory: planned peak X GB``,
-    X the plan's peak to 0.05 GB, at most the budget its name ends with (``-16gb``, ``-24gb``)."""
+    X the plan's peak to 0.05 GB, at most the budget its name ends with (``-16gb``, ``-24gb``, ``-48gb``)."""
     text = preset_path(preset).read_text()
     if preset in CPU_PRESETS:
         assert re.search(r"^# GPU memory: none needed", text, re.M), f"{preset}: say '# GPU memory: none needed'"

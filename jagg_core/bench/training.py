@@ -1,6 +1,6 @@
 """Whole trainings, the default against the exact backward, Flow-GRPO's default iteration, tree or flat rollouts,
-the policy losses and the forward-process algorithms
-(``python -m jagg_core.bench --training [--setups flow_grpo,exact,default,flat,cps,guard,reuse,dppo,nft,awm]``).
+the policy losses, the advantages of several rewards and the forward-process algorithms (``python -m jagg_core.bench
+--training [--setups flow_grpo,exact,default,flat,cps,guard,reuse,dppo,per_reward,nft,awm]``).
 
 For every seed, the run config (the default task unless told) is trained to its full length under each setup of
 :func:`comparison_setups` named by ``--setups`` (default ``exact,default``): ``flow_grpo`` (Flow-GRPO's default
@@ -16,7 +16,8 @@ doctor and the judges (:data:`UNTIMED_CHECKS_OFF`). Per run::
     train    = minutes of the train phase alone (the sum of time/train_s: the backward and the updates)
     gain/min = gain / minutes
 
-and per setup the mean and the sample standard deviation over the seeds. ``--plot`` draws each run's held-out
+(with several rewards, also each reward's own held-out gain, ``eval/reward/NAME`` at the last iteration - at
+iteration 0: what ``grpo.multi_reward`` shares out) and per setup the mean and the sample standard deviation over the seeds. ``--plot`` draws each run's held-out
 reward against its wall clock. With ``--journal FILE`` every finished run is appended to FILE (one JSON line: setup,
 seed, the run config's fingerprint and the run's figures) and a later bench with the same FILE reuses the runs whose
 setup, seed and config match instead of training them again, so a bench of hours that is stopped loses only the run
@@ -33,7 +34,7 @@ import time
 from pathlib import Path
 
 from .. import metrics
-from ..config import RunConfig, load_config, with_overrides
+from ..config import RunConfig, load_config, term_names, with_overrides
 from ..errors import UserError
 from ..report import markdown_table, plot_curves
 from ..rundir import RunDirectory
@@ -44,7 +45,8 @@ SEEDS = (0, 1, 2)
 
 
 def train_once(config: RunConfig, run_dir: Path) -> dict:
-    """Train ``config`` into ``run_dir``; its gain, minutes and held-out curve ``[[seconds, reward], ...]``."""
+    """Train ``config`` into ``run_dir``; its gain, minutes and held-out curve ``[[seconds, reward], ...]``; with
+    several rewards, each one's held-out gain (``term_gains``)."""
     trainer = Trainer(config, run_dir)
     began = time.perf_counter()
     trainer.setup()
@@ -58,8 +60,14 @@ def train_once(config: RunConfig, run_dir: Path) -> dict:
         if metrics.EVAL_REWARD_MEAN in row:
             curve.append([elapsed, row[metrics.EVAL_REWARD_MEAN]])
     gain = curve[-1][1] - curve[0][1]
-    return {"gain": gain, "minutes": minutes, "train_minutes": train_seconds / 60, "gain_per_minute": gain / minutes,
-            "curve": curve}
+    run = {"gain": gain, "minutes": minutes, "train_minutes": train_seconds / 60, "gain_per_minute": gain / minutes,
+           "curve": curve}
+    if len(config.rewards) > 1:
+        evals = [row for row in RunDirectory(run_dir).read_metrics() if metrics.EVAL_REWARD_MEAN in row]
+        terms = term_names([spec.name for spec in config.rewards])
+        run["term_gains"] = {term: evals[-1][metrics.eval_reward_part(term)] - evals[0][metrics.eval_reward_part(term)]
+                             for term in terms}
+    return run
 
 
 #: Flow-GRPO trains int(0.99 N) of the N rollout steps (its default timestep_fraction)
@@ -87,6 +95,8 @@ def comparison_setups(config: RunConfig) -> dict[str, list[str]]:
       (:data:`CPS_NOISE_LEVEL`);
     - ``guard``: the config with GRPO-Guard's policy loss;
     - ``reuse``: the config with two optimizer steps on each rollout batch (``grpo.inner_epochs: 2``, PPO's clip);
+    - ``per_reward``: the config with each reward's own group advantage (``grpo.multi_reward: per_reward``,
+      DanceGRPO's), where ``default`` takes the advantage of their weighted sum;
     - ``dppo``: ``reuse`` with DPPO's trust region in place of the clip."""
     steps = config.sampling.num_steps
     flow_grpo_steps = int(FLOW_GRPO_TIMESTEP_FRACTION * steps)
@@ -99,6 +109,7 @@ def comparison_setups(config: RunConfig) -> dict[str, list[str]]:
               "cps": ["sampling.sde_type=cps", f"sampling.noise_level={CPS_NOISE_LEVEL}"],
               "guard": ["grpo.policy_loss=guard"],
               "reuse": ["grpo.inner_epochs=2"],
+              "per_reward": ["grpo.multi_reward=per_reward"],
               "dppo": ["grpo.inner_epochs=2", "grpo.policy_loss=dppo"]}
     if config.grpo.branch_factor:
         return {**setups, "flat": ["grpo.branch_factor=0"]}
@@ -127,7 +138,7 @@ UNTIMED_CHECKS_OFF = ["train.doctor=false", "eval.judges=[]"]
 #: the setups' names in tables and plots
 SETUP_LABELS = {"flow_grpo": "Flow-GRPO default", "exact": "exact, same rollout", "default": "default",
                 "tree": "default, tree rollout", "flat": "default, flat rollout", "cps": "default, CPS rollout",
-                "guard": "default, GRPO-Guard",
+                "guard": "default, GRPO-Guard", "per_reward": "default, each reward's own advantage",
                 "reuse": "default, 2 steps a rollout", "dppo": "default, 2 steps a rollout, DPPO",
                 "nft": "DiffusionNFT", "awm": "AWM"}
 
@@ -230,6 +241,10 @@ def training_rows(base: RunConfig, seeds=SEEDS, setups=("exact", "default"), jou
             values = [run[key] for run in by_seed.values()]
             row[key] = statistics.mean(values)
             row[f"{key}_std"] = statistics.stdev(values) if len(values) > 1 else None
+        for term in next(iter(by_seed.values())).get("term_gains", {}):
+            values = [run["term_gains"][term] for run in by_seed.values()]
+            row[f"gain/{term}"] = statistics.mean(values)
+            row[f"gain/{term}_std"] = statistics.stdev(values) if len(values) > 1 else None
         rows.append(row)
     return rows
 
@@ -267,7 +282,8 @@ def format_training(rows: list[dict]) -> str:
     """Markdown: per setup, the mean ± sample standard deviation over the seeds; with Flow-GRPO's default among them,
     each setup's mean gain per minute over its; with the default among them, the minutes each setup's seeds took to
     first reach the default's final held-out reward (mean over the seeds that did, its share of the default's mean
-    wall clock, and how many did), and when the seeds' mean curve (:func:`mean_curve`) first reaches it."""
+    wall clock, and how many did), and when the seeds' mean curve (:func:`mean_curve`) first reaches it; with several
+    rewards, each one's held-out gain."""
     def spread(row, key, spec):
         std = row[f"{key}_std"]
         return format(row[key], spec) + (f" ± {format(std, spec.lstrip('+'))}" if std is not None else "")
@@ -289,14 +305,18 @@ def format_training(rows: list[dict]) -> str:
             return "not reached"
         return f"{minutes:.2f} ({minutes / default_minutes:.0%} of the default's time)"
 
-    header = ["model", "setup", "backward", "iterations", "seeds", "held-out gain", "minutes", "train-phase minutes",
-              "gain per minute"]
+    terms = list(dict.fromkeys(key.removeprefix("gain/") for row in rows for key in row
+                               if key.startswith("gain/") and not key.endswith("_std")))
+    header = ["model", "setup", "backward", "iterations", "seeds", "held-out gain",
+              *(f"held-out gain of {term}" for term in terms), "minutes", "train-phase minutes", "gain per minute"]
     if flow_grpo is not None:
         header.append("gain per minute vs Flow-GRPO's")
     if target is not None:
         header += [f"minutes to the default's final reward ({target:.3f})", "the seeds' mean curve reaches it at"]
     lines = [[r["model"], setup_label(r["setup"]), r["backward"], str(r["iterations"]),
-              str(len(r["seeds"])), spread(r, "gain", "+.4f"), spread(r, "minutes", ".2f"),
+              str(len(r["seeds"])), spread(r, "gain", "+.4f"),
+              *(spread(r, f"gain/{term}", "+.4f") if f"gain/{term}" in r else "" for term in terms),
+              spread(r, "minutes", ".2f"),
               spread(r, "train_minutes", ".2f"), spread(r, "gain_per_minute", "+.4f"),
               *([f"{r['gain_per_minute'] / flow_grpo:.1f}x"] if flow_grpo is not None else []),
               *([to_target(r), mean_to_target(r)] if target is not None else [])] for r in rows]
