@@ -239,8 +239,8 @@ def test_the_arch_bench_compares_exact_with_jagg_at_windows_2_4_5():
     (["--arch", "flux-dev", "--layers", "2"], "--layers needs --random-weights"),
     (["--resolution", "128"], "--resolution: only with --arch"),
     (["--training", "--setups", "exact,fast"],
-     "--setups exact,fast: choose from flow_grpo, exact, default, tree, flat, cps, guard, reuse, dppo, nft, awm, or "
-     "join GRPO setups with + (guard+flat)"),
+     "--setups exact,fast: choose from flow_grpo, exact, default, tree, flat, cps, guard, reuse, dppo, per_reward, "
+     "nft, awm, or join GRPO setups with + (guard+flat)"),
     (["--training", "--setups", "default,guard+nft"], "--setups default,guard+nft: choose from"),
 ])
 def test_bench_arch_mistakes_are_one_line(args, message, capsys):

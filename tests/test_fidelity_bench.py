@@ -68,7 +68,8 @@ def test_with_several_rewards_the_bench_reports_each_ones_held_out_gain_under_su
         assert run["gain"] == pytest.approx(smaller + 0.5 * larger)
         assert row["gain/jpeg_compressibility"] == smaller and row["gain/jpeg_compressibility_std"] is None
     table = format_training(rows)
-    assert "| held-out gain | held-out gain of jpeg_compressibility | held-out gain of jpeg_incompressibility |" in table
+    assert ("| held-out gain | held-out gain of jpeg_compressibility | held-out gain of jpeg_incompressibility |"
+            in table)
     assert "| default, each reward's own advantage |" in table
 
 def test_the_default_task_with_its_tree_rollouts_is_compared_with_flat_rollouts():

@@ -364,8 +364,9 @@ def test_wan21_image_to_video_is_refused_where_it_cannot_run():
         load_wan21_i2v(input_images=2)
     pipe = build_tiny_pipeline("tiny-wan-i2v")
     pipe.register_modules(transformer_2=build_tiny_pipeline("tiny-wan-i2v").transformer)
-    with pytest.raises(UserError, match=r"^model 'tiny-wan-i2v' is a Wan 2.2 pipeline of two experts \(A14B\), which is "
-                                        r"not supported; Wan 2.1 \(text- and image-to-video\) and Wan 2.2 TI2V-5B are$"):
+    with pytest.raises(UserError, match=r"^model 'tiny-wan-i2v' is a Wan 2.2 pipeline of two experts \(A14B\), which "
+                                        r"is not supported; Wan 2.1 \(text- and image-to-video\) and Wan 2.2 TI2V-5B "
+                                        r"are$"):
         Wan21ImageToVideoModel(pipe, model.config, num_frames=I2V_FRAMES)
 
 

@@ -17,11 +17,11 @@ doctor and the judges (:data:`UNTIMED_CHECKS_OFF`). Per run::
     gain/min = gain / minutes
 
 (with several rewards, also each reward's own held-out gain, ``eval/reward/NAME`` at the last iteration - at
-iteration 0: what ``grpo.multi_reward`` shares out) and per setup the mean and the sample standard deviation over the seeds. ``--plot`` draws each run's held-out
-reward against its wall clock. With ``--journal FILE`` every finished run is appended to FILE (one JSON line: setup,
-seed, the run config's fingerprint and the run's figures) and a later bench with the same FILE reuses the runs whose
-setup, seed and config match instead of training them again, so a bench of hours that is stopped loses only the run
-it was in.
+iteration 0: what ``grpo.multi_reward`` shares out) and per setup the mean and the sample standard deviation over
+the seeds. ``--plot`` draws each run's held-out reward against its wall clock. With ``--journal FILE`` every
+finished run is appended to FILE (one JSON line: setup, seed, the run config's fingerprint and the run's figures)
+and a later bench with the same FILE reuses the runs whose setup, seed and config match instead of training them
+again, so a bench of hours that is stopped loses only the run it was in.
 """
 
 from __future__ import annotations
@@ -138,8 +138,9 @@ UNTIMED_CHECKS_OFF = ["train.doctor=false", "eval.judges=[]"]
 #: the setups' names in tables and plots
 SETUP_LABELS = {"flow_grpo": "Flow-GRPO default", "exact": "exact, same rollout", "default": "default",
                 "tree": "default, tree rollout", "flat": "default, flat rollout", "cps": "default, CPS rollout",
-                "guard": "default, GRPO-Guard", "per_reward": "default, each reward's own advantage",
+                "guard": "default, GRPO-Guard",
                 "reuse": "default, 2 steps a rollout", "dppo": "default, 2 steps a rollout, DPPO",
+                "per_reward": "default, each reward's own advantage",
                 "nft": "DiffusionNFT", "awm": "AWM"}
 
 

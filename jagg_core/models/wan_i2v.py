@@ -66,8 +66,8 @@ class Wan21ImageToVideoModel(FirstFrameModel):
         """Preprocessed first frames [N, 3, H, W] in [-1, 1] -> ``video_condition`` [N, 4 + C, F', h, w]: the mask,
         then the normalised latents of each video ``[x, 0, ..., 0]`` (the module docstring)."""
         count, channels, height, width = pixels.shape
-        video = torch.cat([pixels.unsqueeze(2), pixels.new_zeros((count, channels, self.num_frames - 1, height, width))],
-                          dim=2)
+        black = pixels.new_zeros((count, channels, self.num_frames - 1, height, width))
+        video = torch.cat([pixels.unsqueeze(2), black], dim=2)
         latents = self.normalised_latents(video)
         mask = torch.zeros_like(latents[:, :1]).expand(-1, self.pipe.vae_scale_factor_temporal, -1, -1, -1).clone()
         mask[:, :, 0] = 1
