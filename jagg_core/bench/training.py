@@ -53,17 +53,17 @@ def train_once(config: RunConfig, run_dir: Path) -> dict:
     trainer.fit()
     trainer.close()
     minutes = (time.perf_counter() - began) / 60
-    elapsed, train_seconds, curve = 0.0, 0.0, []
+    elapsed, train_seconds, curve, evals = 0.0, 0.0, [], []
     for row in RunDirectory(run_dir).read_metrics():
         elapsed += sum(row.get(key, 0.0) for key in metrics.PHASE_TIMES)
         train_seconds += row.get(metrics.TIME_TRAIN, 0.0)
         if metrics.EVAL_REWARD_MEAN in row:
             curve.append([elapsed, row[metrics.EVAL_REWARD_MEAN]])
+            evals.append(row)
     gain = curve[-1][1] - curve[0][1]
     run = {"gain": gain, "minutes": minutes, "train_minutes": train_seconds / 60, "gain_per_minute": gain / minutes,
            "curve": curve}
     if len(config.rewards) > 1:
-        evals = [row for row in RunDirectory(run_dir).read_metrics() if metrics.EVAL_REWARD_MEAN in row]
         terms = term_names([spec.name for spec in config.rewards])
         run["term_gains"] = {term: evals[-1][metrics.eval_reward_part(term)] - evals[0][metrics.eval_reward_part(term)]
                              for term in terms}

@@ -34,11 +34,13 @@ def check_pipeline(pipeline_class: str, name: str) -> None:
 def family_for(pipeline_class: str, config: ModelConfig) -> type[FlowModel]:
     """The FlowModel that runs a pipeline class for ``config`` (:func:`check_pipeline`): its family's
     ``edit_model`` for a run with input images (``model.input_images``) of a family that also edits, else its
-    ``model``."""
+    ``model``. An input-image count the family does not take is a one-line :class:`UserError` here, for every
+    family."""
     check_pipeline(pipeline_class, config.name)
     declared = family_of_pipeline(pipeline_class)
     family = DECLARATIONS[declared.module]
-    if family.edit_model is not None and declared.input_images(config.input_images):
+    input_images = declared.input_images(config.input_images)
+    if family.edit_model is not None and input_images:
         return family.edit_model
     return family.model
 

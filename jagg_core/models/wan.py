@@ -37,7 +37,7 @@ from transformers import UMT5Config, UMT5EncoderModel
 from ..config import ModelConfig
 from ..edit_prompts import EditPrompt, edit_rows
 from ..errors import UserError
-from ..family_names import MAKES_VIDEOS_FROM_IMAGES, family_of_pipeline
+from ..family_names import MAKES_VIDEOS_FROM_IMAGES
 from ..image_size import ImageSize
 from .base import NEGATIVE, Conditioning, FlowModel
 from .editing import IMAGE_LATENTS
@@ -151,7 +151,6 @@ class FirstFrameModel(WanModel):
 
     def __init__(self, pipe, config: ModelConfig, device: torch.device | str = "cpu", *, num_frames: int = 1,
                  **placement):
-        family_of_pipeline(type(pipe).__name__).input_images(config.input_images)  # 1: else one line
         super().__init__(pipe, config, device, num_frames=num_frames, **placement)
         if self.latent_frames() < 2:
             raise UserError(f"sampling.num_frames is {num_frames}: image-to-video makes frames after the input image, "

@@ -69,7 +69,7 @@ class Wan21ImageToVideoModel(FirstFrameModel):
         black = pixels.new_zeros((count, channels, self.num_frames - 1, height, width))
         video = torch.cat([pixels.unsqueeze(2), black], dim=2)
         latents = self.normalised_latents(video)
-        mask = torch.zeros_like(latents[:, :1]).expand(-1, self.pipe.vae_scale_factor_temporal, -1, -1, -1).clone()
+        mask = latents.new_zeros((count, self.pipe.vae_scale_factor_temporal, *latents.shape[2:]))
         mask[:, :, 0] = 1
         return torch.cat([mask, latents], dim=1)
 
