@@ -5,6 +5,7 @@ run that writes MP4s and frame strips."""
 from __future__ import annotations
 
 import json
+import warnings
 
 import imageio_ffmpeg
 import numpy as np
@@ -12,6 +13,8 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline, WanPipeline
 from PIL import Image
+from peft import get_peft_model_state_dict
+from safetensors.torch import load_file
 
 from app import live
 from jagg_core.config import ModelConfig, RewardSpec, load_config, with_overrides
@@ -540,7 +543,15 @@ def test_two_iterations_on_tiny_wan_write_mp4s_and_strips_and_the_adapter_loads_
     if model_class is WanImageToVideoModel:  # the pipeline class the card names loads the adapter
         pipe = i2v_pipeline(pipe)
     assert isinstance(pipe, WanImageToVideoPipeline) == from_image
-    pipe.load_lora_weights(str(run.lora_dir))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pipe.load_lora_weights(str(run.lora_dir), adapter_name="tuned")
+    assert not [str(w.message) for w in caught if "PEFT" in str(w.message)]  # diffusers padded nothing
+    saved = load_file(run.lora_dir / "pytorch_lora_weights.safetensors")
+    loaded = get_peft_model_state_dict(pipe.transformer, adapter_name="tuned")
+    assert {f"transformer.{key}" for key in loaded} == set(saved)  # every trained weight, the image's keys too
+    assert all(torch.equal(loaded[key.removeprefix("transformer.")], value) for key, value in saved.items())
+    assert any("attn2.add_k_proj" in key for key in saved) == (model_class is Wan21ImageToVideoModel)
     config = ModelConfig(name=name, max_sequence_length=16, input_images=1 if from_image else None,
                          condition_resolution=32)
     model = model_class(pipe, config, num_frames=5)

@@ -45,6 +45,10 @@ class Wan21ImageToVideoModel(FirstFrameModel):
 
     family = "wan-i2v"
     generates_from_text_too = False
+    #: Wan's targets (every block's self-attention and cross-attention to the text), and the keys and values its
+    #: cross-attention reads the image's states through: diffusers' Wan loader takes an adapter with them as an
+    #: image-to-video LoRA (one without them it pads with zero weights its peft config does not name, and warns)
+    default_lora_targets = (*FirstFrameModel.default_lora_targets, "add_k_proj", "add_v_proj")
 
     def encode_prompts(self, prompts: list[str]) -> Conditioning:
         rows = self.rows(prompts)
