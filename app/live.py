@@ -227,6 +227,19 @@ def judge_curve(run_dir: Path) -> pd.DataFrame:
     return _frame(points, series.values())
 
 
+SPREAD_TITLE = "Each reward's signal: its weighted spread within groups"
+
+
+def spread_curve(run_dir: Path) -> pd.DataFrame:
+    """The long-format frame of the rewards' signal plot: each reward's ``reward_spread/NAME`` (its weighted score's
+    standard deviation within a group, :func:`jagg_core.grpo.group_spread`) against iteration, a series per reward."""
+    rows = RunDirectory(run_dir).read_metrics()
+    prefix = metrics.reward_spread("")
+    names = list(dict.fromkeys(key.removeprefix(prefix) for row in rows for key in row if key.startswith(prefix)))
+    return _frame([(row[metrics.ITERATION], float(row[metrics.reward_spread(name)]), name) for row in rows
+                   for name in names if isinstance(row.get(metrics.reward_spread(name)), (int, float))], names)
+
+
 DOCTOR_MARKS = {"pass": "✓", "fail": "✗", "skip": "–"}  # in the fonts every browser has (emoji may not be)
 
 

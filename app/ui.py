@@ -131,20 +131,32 @@ def _colors(labels) -> dict[str, str]:
     return dict(zip(labels, itertools.cycle(SERIES_COLORS)))
 
 
-def _judge_plot(run_dir: Path | None, seen: dict, signature: Any):
-    """The judges plot's update for ``run_dir``, whose metrics file has ``signature``: its frame and colour map (hidden
-    for a run without judges), or nothing new. The judges, so the series, differ between runs, and the page's plot
-    draws only the series it was drawn with, when it got its first frame: so before a frame with other series than
-    those the page holds (``seen``), the plot is emptied, and its next frame draws it anew."""
-    if seen.get("judge") == signature:
+def _series_plot(kind: str, curve, run_dir: Path | None, seen: dict, signature: Any, fewest: int):
+    """The update of the plot ``kind`` (the judges plot, the rewards' signal plot) for ``run_dir``, whose metrics file
+    has ``signature``: its frame (``curve(run_dir)``) and colour map, shown from ``fewest`` series, or nothing new.
+    Its series differ between runs, and the page's plot draws only the series it was drawn with, when it got its first
+    frame: so before a frame with other series than those the page holds (``seen``), the plot is emptied, and its
+    next frame draws it anew."""
+    if seen.get(kind) == signature:
         return gr.skip()
-    frame = live.judge_curve(run_dir) if run_dir else None
+    frame = curve(run_dir) if run_dir else None
     series = tuple(dict.fromkeys(frame["series"])) if frame is not None else ()
-    if seen.get("judge_series") and seen["judge_series"] != series:
-        seen["judge_series"] = ()
+    held = f"{kind}_series"
+    if seen.get(held) and seen[held] != series:
+        seen[held] = ()
         return gr.update(value=None)
-    seen["judge"], seen["judge_series"] = signature, series
-    return gr.update(value=frame, color_map=_colors(series), visible=len(series) > 1)
+    seen[kind], seen[held] = signature, series
+    return gr.update(value=frame, color_map=_colors(series), visible=len(series) >= fewest)
+
+
+def _judge_plot(run_dir: Path | None, seen: dict, signature: Any):
+    """The judges plot (the eval reward's series and each judge's): hidden for a run without judges."""
+    return _series_plot("judge", live.judge_curve, run_dir, seen, signature, 2)
+
+
+def _spread_plot(run_dir: Path | None, seen: dict, signature: Any):
+    """The rewards' signal plot (each reward's ``reward_spread``): shown for a run of several rewards."""
+    return _series_plot("spread", live.spread_curve, run_dir, seen, signature, 2)
 
 
 def _curves(run_dir: Path | None) -> tuple:
@@ -161,8 +173,8 @@ def _curves(run_dir: Path | None) -> tuple:
 
 def _forget_shown(seen: dict) -> dict:
     """What the page shows, forgotten so that a refresh sends it all again (after the user picks a run), but for the
-    series of the judges plot, which the plot keeps (:func:`_judge_plot`)."""
-    return {"judge_series": seen.get("judge_series")}
+    series of the judges plot and the rewards' signal plot, which the plots keep (:func:`_series_plot`)."""
+    return {held: seen.get(held) for held in ("judge_series", "spread_series")}
 
 
 def _dropdown(choices: list, pick: str | None, requested: str | None):
@@ -658,6 +670,7 @@ class Studio:
                      lambda: live.doctor_words(run_dir) if run_dir else ""),
             *changed("bar", bar, lambda: live.progress_bar(*bar)),
             _judge_plot(run_dir, seen, metrics_signature),
+            _spread_plot(run_dir, seen, metrics_signature),
             *changed("metrics", metrics_signature, lambda: _curves(run_dir), count=3),
             *changed("samples", (selected, tuple(sample_iterations), mtime(last_samples)), samples, count=2),
             *changed("video", (selected, tuple(sample_iterations), mtime(last_samples)), video),
@@ -854,6 +867,8 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                                                elem_id="fidelity-plot")
                 judge_plot = gr.LinePlot(x="iteration", y="value", color="series", height=240, title=live.JUDGE_TITLE,
                                          visible=False, elem_id="judge-plot")
+                spread_plot = gr.LinePlot(x="iteration", y="value", color="series", height=240,
+                                          title=live.SPREAD_TITLE, visible=False, elem_id="spread-plot")
                 gr.Markdown("**Fixed-seed eval samples** (held-out prompts): the base model beside the latest.")
                 with gr.Row():
                     base_samples = gr.Gallery(label="Iteration 0 (base model)", columns=2, height=380,
@@ -975,7 +990,8 @@ def build_app(root: Path | None = None) -> gr.Blocks:
 
         seen = gr.State({})
         live_inputs = [run_select, checkpoint, seen, queue_select]
-        live_outputs = [run_select, compare_runs, run_status, timing, doctor, progress_bar, judge_plot, reward_plot,
+        live_outputs = [run_select, compare_runs, run_status, timing, doctor, progress_bar, judge_plot, spread_plot,
+                        reward_plot,
                         loss_plot, fidelity_plot, base_samples, latest_samples, latest_video, eval_grids, rollouts, log,
                         download, checkpoint, start, stop, resume, queue_list, queue_select, seen]
         timer = gr.Timer(REFRESH_S)

@@ -14,6 +14,23 @@ from .sampler import Trajectory
 from .sde import STEPS
 
 
+def groups(count: int, group_size: int, prompts: list[str] | None = None) -> list[torch.Tensor]:
+    """The indices of each group of ``count`` samples: ``group_size`` consecutive samples (one prompt draw), or with
+    ``prompts`` every sample whose prompt has the same text."""
+    keys = prompts if prompts is not None else [k // group_size for k in range(count)]
+    members: dict = {}
+    for k, key in enumerate(keys):
+        members.setdefault(key, []).append(k)
+    return [torch.tensor(index) for index in members.values()]
+
+
+def group_spread(scores: torch.Tensor, group_size: int, prompts: list[str] | None = None) -> float:
+    """``mean_g std_g(scores)``: the scores' (population) standard deviation within each group, averaged over the
+    groups: how far a reward tells a group's samples apart, the signal a group advantage is made of."""
+    r = scores.float()
+    return float(torch.stack([r[index].std(unbiased=False) for index in groups(len(r), group_size, prompts)]).mean())
+
+
 def group_advantages(rewards: torch.Tensor, group_size: int, clip: float, prompts: list[str] | None = None,
                      global_std: bool = False) -> torch.Tensor:
     """``A = (r - mean_g(r)) / (std + 1e-4)``, clamped to ``[-clip, clip]``, where g is the sample's group: its
@@ -21,12 +38,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, clip: float, prompt
     has the same text (Flow-GRPO's per-prompt statistics: a prompt drawn twice is one group); and ``std`` is the
     group's (population) standard deviation, or with ``global_std`` the whole batch's (Flow-GRPO's global_std)."""
     r = rewards.float()
-    keys = prompts if prompts is not None else [k // group_size for k in range(len(r))]
-    members: dict = {}
-    for k, key in enumerate(keys):
-        members.setdefault(key, []).append(k)
     mean, std = torch.empty_like(r), torch.empty_like(r)
-    for index in map(torch.tensor, members.values()):
+    for index in groups(len(r), group_size, prompts):
         mean[index], std[index] = r[index].mean(), r[index].std(unbiased=False)
     if global_std:
         std = r.std(unbiased=False).expand_as(r)

@@ -5,6 +5,9 @@ One JSON object per iteration, with namespaced keys (as TensorBoard and TRL grou
     iteration              0 = the base model's eval, then 1..N
     reward/mean, reward/std        rollout reward over all processes (finite values)
     reward/NAME            mean of each reward term (NAME as in the combined reward; ``mean`` and ``std`` are taken)
+    reward_spread/NAME     each term's weighted score |w| r's standard deviation within a group, averaged over the
+                           rollout's groups: how much of the group advantage's signal the term gives (under
+                           ``grpo.multi_reward: sum`` the terms' shares of it; :func:`jagg_core.grpo.group_spread`)
     eval/reward_mean       mean reward of the fixed-seed ODE samples of the held-out prompts (eval iterations)
     eval/reward/NAME       the same for each reward term
     eval/judge/NAME        mean score of each judge (``eval.judges``: rewards that score the eval samples only, never
@@ -69,6 +72,11 @@ def seconds(row: dict) -> float:
 def reward_part(name: str) -> str:
     """The key of one reward term's mean."""
     return f"reward/{name}"
+
+
+def reward_spread(name: str) -> str:
+    """The key of one reward term's weighted spread within the rollout's groups."""
+    return f"reward_spread/{name}"
 
 
 def eval_reward_part(name: str) -> str:

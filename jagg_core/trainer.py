@@ -34,7 +34,7 @@ from .config import RunConfig, term_names
 from .doctor import (Probe, audit_check, checklist, gradient_check, range_check, ratio_check, report_lines, rewards_check,
                      text_window_check)
 from .errors import UserError
-from .grpo import group_advantages, reward_advantages
+from .grpo import group_advantages, group_spread, reward_advantages
 from .host import cpu_name
 from .hubclient import resolve_lora
 from .images import captioned_grid, sample_pictures, still_frames, to_pil
@@ -65,6 +65,12 @@ def effective_interval(every: int, iterations: int) -> int:
     """``every`` (``train.sample_every`` / ``checkpoint_every``), unless the run is too short for two such
     intervals: then a quarter of the run, so a short run still gets intermediate samples and checkpoints."""
     return every if every <= iterations // 2 else max(1, iterations // 4)
+
+
+def group_prompts(config: RunConfig, rollout: Rollout) -> list[str] | None:
+    """The prompts that make the rollout's groups (``grpo.group_by: prompt``: a prompt drawn twice is one group), or
+    None: each ``grpo.num_generations`` consecutive samples are one."""
+    return rollout.prompts if config.grpo.group_by == "prompt" else None
 
 
 def make_optimizer(name: str, params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
@@ -350,8 +356,7 @@ class Trainer:
         """The rollout's advantages under the ``grpo`` section, on the device: of the rewards' weighted sum
         (:func:`~jagg_core.grpo.group_advantages`), or each reward's own (``multi_reward: per_reward``,
         :func:`~jagg_core.grpo.reward_advantages`)."""
-        grpo = self.config.grpo
-        prompts = rollout.prompts if grpo.group_by == "prompt" else None
+        grpo, prompts = self.config.grpo, group_prompts(self.config, rollout)
         if grpo.multi_reward == "per_reward":
             parts = [rollout.reward_parts[name] for name in self.reward.names]
             advantages = reward_advantages(parts, self.reward.weights, grpo.num_generations, grpo.adv_clip,
@@ -360,6 +365,13 @@ class Trainer:
             advantages = group_advantages(rollout.rewards, grpo.num_generations, grpo.adv_clip, prompts=prompts,
                                           global_std=grpo.global_std)
         return advantages.to(self.accelerator.device)
+
+    def reward_spreads(self, rollout: Rollout) -> dict[str, float]:
+        """Each reward term's ``|w| mean_g std_g(r)`` (:func:`~jagg_core.grpo.group_spread`), grouped as the
+        advantages are: which term tells a group's samples apart, and so leads a ``multi_reward: sum`` advantage."""
+        size, prompts = self.config.grpo.num_generations, group_prompts(self.config, rollout)
+        return {metrics.reward_spread(name): abs(weight) * group_spread(rollout.reward_parts[name], size, prompts)
+                for name, weight in zip(self.reward.names, self.reward.weights)}
 
     def optimizer_steps(self, rollout: Rollout, advantages: torch.Tensor, plan) -> dict:
         """The algorithm's optimizer steps on one rollout batch, each its backward then the step; the algorithm's
@@ -614,7 +626,7 @@ class Trainer:
                metrics.REWARD_MEAN: float(finite.mean()) if finite.numel() else float("nan"),
                metrics.REWARD_STD: float(finite.std()) if finite.numel() > 1 else 0.0,
                **{metrics.reward_part(name): float(v.mean()) for name, v in rollout.reward_parts.items()},
-               **stats, metrics.LEARNING_RATE: learning_rate,
+               **self.reward_spreads(rollout), **stats, metrics.LEARNING_RATE: learning_rate,
                metrics.TIME_ROLLOUT: time_rollout, metrics.TIME_TRAIN: time_train}
         if self.eval_due(iteration) if evaluate is None else evaluate:
             if self.is_main:

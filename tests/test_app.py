@@ -20,6 +20,7 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
+import gradio as gr
 import pytest
 import yaml
 
@@ -320,6 +321,37 @@ def test_a_failed_job_logs_its_one_line_error_without_the_launchers_traceback(tm
     assert "--quiet" in launch_command(tmp_path, "no", resume=False)
 
 
+def test_a_run_of_several_rewards_plots_each_rewards_signal_and_a_run_of_one_hides_the_plot(tmp_path):
+    """The rewards' signal plot: a series per reward of its ``reward_spread``, shown for two rewards and hidden for
+    one; a run of other rewards empties the page's plot first (it draws only its first series), then draws them."""
+    from app.ui import _forget_shown, _spread_plot
+
+    def run_of(name, spreads):
+        run = RunDirectory(tmp_path / name)
+        run.path.mkdir()
+        run.append_metrics({metrics.ITERATION: 0, metrics.EVAL_REWARD_MEAN: 0.5})  # the base eval: no rollout
+        for i, values in enumerate(spreads, start=1):
+            run.append_metrics({metrics.ITERATION: i, **{metrics.reward_spread(k): v for k, v in values.items()}})
+        return run.path
+
+    two = run_of("two", [{"pickscore": 1.2, "clip_score": 0.01}, {"pickscore": 0.9, "clip_score": 0.02}])
+    one = run_of("one", [{"shapes": 0.1}])
+    frame = live.spread_curve(two)
+    assert list(dict.fromkeys(frame["series"])) == ["pickscore", "clip_score"]
+    assert {label: group["value"].tolist() for label, group in frame.groupby("series")} == {
+        "pickscore": [1.2, 0.9], "clip_score": [0.01, 0.02]}
+    assert frame[frame["series"] == "pickscore"]["iteration"].tolist() == [1, 2]
+
+    seen = {}
+    shown = _spread_plot(two, seen, "signature 1")
+    assert shown["visible"] is True and shown["value"].equals(frame) and set(shown["color_map"]) == {"pickscore",
+                                                                                                     "clip_score"}
+    assert _spread_plot(two, seen, "signature 1") == gr.skip()  # the metrics did not change
+    seen = _forget_shown(seen)  # the user picks the one-reward run
+    assert _spread_plot(one, seen, "signature 2") == gr.update(value=None)  # emptied first
+    assert _spread_plot(one, seen, "signature 2")["visible"] is False  # then drawn anew, hidden
+
+
 def test_the_live_view_reads_the_judges_the_alarm_the_first_iteration_check_and_the_best_adapter(tmp_path):
     run = RunDirectory(tmp_path / "judged-20250101-000000")
     run.write_config(RunConfig().to_yaml())
@@ -470,8 +502,8 @@ def test_a_refresh_answered_after_the_user_picks_another_run_does_not_put_the_ol
     new.write_config("name: new\n")  # ... answers after a run appeared and the user picked it
     run_select = studio.refresh(old.path.name, "latest adapter", tick[-1])[0]
     assert run_select == {"__type__": "update", "choices": [new.path.name, old.path.name]}  # no value: the pick stays
-    adapters = studio.refresh(old.path.name, "latest adapter", {})[17]  # Publish's adapter dropdown, kept as well
-    assert "value" not in adapters and studio.refresh(old.path.name, "gone", {})[17]["value"] == "latest adapter"
+    adapters = studio.refresh(old.path.name, "latest adapter", {})[18]  # Publish's adapter dropdown, kept as well
+    assert "value" not in adapters and studio.refresh(old.path.name, "gone", {})[18]["value"] == "latest adapter"
     assert studio.refresh(None, "latest adapter", {})[0]["value"] == new.path.name  # a page with no pick gets one
     shutil.rmtree(new.path)
     assert studio.refresh(new.path.name, "latest adapter", {})[0]["value"] == old.path.name  # a vanished pick, too

@@ -114,6 +114,27 @@ def test_the_trainer_takes_per_reward_advantages_from_the_rollouts_reward_parts(
         torch.testing.assert_close(advantages, expected)
 
 
+def test_each_rewards_weighted_spread_within_groups_says_which_leads_the_sums_advantage():
+    """``reward_spread/NAME = |w| mean_g std_g(r)``, grouped as the advantages are (consecutive draws, or with
+    ``group_by: prompt`` every sample of a prompt): the narrow reward, weighted 3, still gives a sum's advantage 44x
+    less signal than the wide one, which leads it (the sum's advantage has the wide reward's signs)."""
+    from statistics import mean, pstdev
+    from types import SimpleNamespace
+
+    parts = {"pickscore": torch.tensor([20.0, 22.0, 21.0, 19.0]), "clip_score": torch.tensor([0.31, 0.30, 0.28, 0.30])}
+    rollout = SimpleNamespace(reward_parts=parts, prompts=["a", "b", "a", "b"])
+    reward = SimpleNamespace(names=["pickscore", "clip_score"], weights=[1.0, -3.0])
+    for group_by, members in (("draw", [[0, 1], [2, 3]]), ("prompt", [[0, 2], [1, 3]])):
+        trainer = SimpleNamespace(config=tiny_config(grpo__num_generations=2, grpo__group_by=group_by), reward=reward)
+        spreads = Trainer.reward_spreads(trainer, rollout)
+        expected = {name: abs(weight) * mean(pstdev(parts[name][members_g].tolist()) for members_g in members)
+                    for name, weight in zip(reward.names, reward.weights)}
+        assert spreads.keys() == {"reward_spread/pickscore", "reward_spread/clip_score"}
+        for name, value in expected.items():
+            assert spreads[f"reward_spread/{name}"] == pytest.approx(value, rel=1e-5)
+    assert spreads["reward_spread/pickscore"] > 40 * spreads["reward_spread/clip_score"]
+
+
 def test_a_per_reward_run_trains_and_its_card_says_so(tmp_path, offline):
     config = tiny_config(grpo__multi_reward="per_reward", train__iterations=1,
                          rewards=[{"name": "jpeg_compressibility"}, {"name": "jpeg_incompressibility", "weight": 0.5}])
@@ -122,6 +143,11 @@ def test_a_per_reward_run_trains_and_its_card_says_so(tmp_path, offline):
     trainer.fit()
     rows = [r for r in RunDirectory(tmp_path).read_metrics() if r["iteration"] > 0]
     assert len(rows) == 1 and math.isfinite(rows[0]["train/grad_norm"]) and rows[0]["train/grad_norm"] > 0
+    spreads = {key: value for key, value in rows[0].items() if key.startswith("reward_spread/")}
+    assert spreads.keys() == {"reward_spread/jpeg_compressibility", "reward_spread/jpeg_incompressibility"}
+    # the incompressibility is the compressibility negated: the same spread, at half the weight
+    assert spreads["reward_spread/jpeg_incompressibility"] == pytest.approx(
+        spreads["reward_spread/jpeg_compressibility"] / 2, rel=1e-4) and spreads["reward_spread/jpeg_compressibility"] > 0
     assert "Each reward's own group advantage" in str(build_model_card(read_run(tmp_path), "me/x"))
 
 

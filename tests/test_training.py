@@ -90,8 +90,14 @@ def test_non_finite_reward_skips_the_update(tmp_path, offline):
     trainer = Trainer(tiny_config(train__iterations=1), tmp_path / "run")
     trainer.setup()
     real_reward = trainer.reward
-    trainer.reward = lambda images, prompts: (torch.full((len(prompts),), float("nan")),
-                                              {"nan": torch.full((len(prompts),), float("nan"))})
+
+    class NanReward:
+        names, weights = ["nan"], [1.0]
+
+        def __call__(self, images, prompts):
+            return torch.full((len(prompts),), float("nan")), {"nan": torch.full((len(prompts),), float("nan"))}
+
+    trainer.reward = NanReward()
     before = lora_snapshot(trainer)
     with pytest.warns(UserWarning, match="non-finite reward"):
         row = trainer.iteration(1)
