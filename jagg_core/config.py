@@ -505,8 +505,9 @@ class TrainConfig(_Section):
         "status, the page and the model card; stop = also end the run as a stop does (checkpoint kept, resumable)")
     doctor: bool = Field(True, description="check the first iteration (rewards vary within groups, the on-policy "
                          "ratio is 1, the gradient is finite and moves the velocity, the base eval's reward is in "
-                         "range, the JAGG audit agrees, no prompt is longer than model.max_sequence_length) and write the "
-                         "checklist to the log, the status, the page and RUN/doctor.json; --doctor runs only that")
+                         "range, the JAGG audit agrees, no prompt is longer than model.max_sequence_length, each of "
+                         "several rewards moves the advantage) and write the checklist to the log, the status, the "
+                         "page and RUN/doctor.json; --doctor runs only that")
     report_to: list[Literal["tensorboard", "trackio", "wandb"]] = Field(
         default_factory=list, description="experiment trackers (accelerate) that get every metric and the eval "
         "sample grids; their files go under RUN/tracking (tensorboard --logdir RUN/tracking)")

@@ -16,6 +16,11 @@ line passed, failed (with its fix) or skipped (it does not apply).
 6. **The prompts fit the text encoders' windows that a setting sizes**: no prompt is longer than the
    ``model.max_sequence_length`` tokens its encoder reads (counted at set-up, :mod:`jagg_core.models.text_windows`);
    a window the encoder fixes (CLIP's 77 tokens) only reports the prompts it cuts.
+7. **Each of several rewards moves the advantage.** A reward's signal is its weighted score's spread within groups,
+   ``|w| mean_g std_g(r)`` (``reward_spread/NAME``). Under ``grpo.multi_reward: sum`` the advantage follows the
+   widest: a reward whose signal is below :data:`MIN_REWARD_SIGNAL` of the widest's is next to untrained (PickScore
+   beside ``clip_score`` at equal weights: about 1%). Under ``per_reward`` each reward moves its weight's share, but
+   a reward that gives every sample of a group the same score moves none. One reward: skipped.
 
 :class:`Probe` holds the velocity probe; :func:`checklist` turns the measurements into the report written to
 ``RUN/doctor.json``, the status and the log.
@@ -39,6 +44,9 @@ MAX_RATIO_DEVIATION = 1e-3
 #: orthogonal than to the exact one
 MIN_AUDIT_COSINE = 0.5
 PROBE_SIGMA = 0.5
+#: under ``grpo.multi_reward: sum``, the least signal (weighted spread within groups) a reward may give, as a share of
+#: the widest reward's, before the doctor says it is drowned out
+MIN_REWARD_SIGNAL = 0.1
 
 
 @dataclass
@@ -156,6 +164,30 @@ def text_window_check(readings: list[WindowReading]) -> Check:
     if cut:
         return failed(name, detail, "; ".join(f"set {r.window.setting}={r.longest}" for r in cut)
                       + " to keep every prompt whole, or shorten the longer prompts")
+    return passed(name, detail)
+
+
+def reward_balance_check(signals: dict[str, float], weights: dict[str, float], multi_reward: str) -> Check:
+    """Check 7 from each reward's signal ``|w| mean_g std_g(r)`` (term name -> value) and weight ``w``."""
+    name = "each reward moves the advantage"
+    if len(signals) < 2:
+        return skipped(name, "one reward")
+    widest = max(signals, key=signals.get)
+    detail = "signal (weighted spread within groups) " + ", ".join(f"{term} {value:.3g}" for term, value in
+                                                                   signals.items())
+    silent = [term for term, value in signals.items() if not value > 0]
+    if silent:
+        return failed(name, detail, f"{', '.join(silent)} gives every sample of a group the same score, so it trains "
+                      "nothing: use a reward that tells the samples apart, or remove it")
+    if multi_reward == "per_reward":
+        return passed(name, detail + " (per_reward: each its weight's share)")
+    drowned = [term for term, value in signals.items() if value < MIN_REWARD_SIGNAL * signals[widest]]
+    if drowned:
+        raised = " and ".join(f"{term}'s weight to {weights[term] * signals[widest] / signals[term]:.3g}"
+                              for term in drowned)
+        return failed(name, f"{detail}: under grpo.multi_reward sum the advantage is {widest}'s nearly alone",
+                      f"raise {raised} (a signal then matches {widest}'s), or set "
+                      "grpo.multi_reward=per_reward (each reward moves its weight's share of the advantage)")
     return passed(name, detail)
 
 

@@ -31,8 +31,8 @@ from . import metrics
 from .algorithms import make_algorithm
 from .algorithms.base import Rollout, TrainingContext, iteration_seed
 from .config import RunConfig, term_names
-from .doctor import (Probe, audit_check, checklist, gradient_check, range_check, ratio_check, report_lines, rewards_check,
-                     text_window_check)
+from .doctor import (Probe, audit_check, checklist, gradient_check, range_check, ratio_check, report_lines,
+                     reward_balance_check, rewards_check, text_window_check)
 from .errors import UserError
 from .grpo import group_advantages, group_spread, reward_advantages
 from .host import cpu_name
@@ -366,11 +366,11 @@ class Trainer:
                                           global_std=grpo.global_std)
         return advantages.to(self.accelerator.device)
 
-    def reward_spreads(self, rollout: Rollout) -> dict[str, float]:
-        """Each reward term's ``|w| mean_g std_g(r)`` (:func:`~jagg_core.grpo.group_spread`), grouped as the
+    def reward_signals(self, rollout: Rollout) -> dict[str, float]:
+        """Each reward term's signal ``|w| mean_g std_g(r)`` (:func:`~jagg_core.grpo.group_spread`), grouped as the
         advantages are: which term tells a group's samples apart, and so leads a ``multi_reward: sum`` advantage."""
         size, prompts = self.config.grpo.num_generations, group_prompts(self.config, rollout)
-        return {metrics.reward_spread(name): abs(weight) * group_spread(rollout.reward_parts[name], size, prompts)
+        return {name: abs(weight) * group_spread(rollout.reward_parts[name], size, prompts)
                 for name, weight in zip(self.reward.names, self.reward.weights)}
 
     def optimizer_steps(self, rollout: Rollout, advantages: torch.Tensor, plan) -> dict:
@@ -483,7 +483,7 @@ class Trainer:
 
     # ----- the first iteration's doctor --------------------------------------------------------
     def examine(self, iteration: int, all_rewards: torch.Tensor, stats: dict, cosine: float | None,
-                velocity_change: float | None) -> None:
+                velocity_change: float | None, signals: dict[str, float]) -> None:
         """The doctor's checklist of the first iteration (:mod:`jagg_core.doctor`): to the log, ``RUN/doctor.json``
         and the status."""
         cfg = self.config
@@ -494,7 +494,9 @@ class Trainer:
                   gradient_check(stats.get(metrics.GRAD_NORM), velocity_change),
                   range_check(self.base_eval, ranges),
                   audit_check(cosine, cfg),
-                  text_window_check(self.text_readings)]
+                  text_window_check(self.text_readings),
+                  reward_balance_check(signals, dict(zip(self.reward.names, self.reward.weights)),
+                                       cfg.grpo.multi_reward)]
         self.doctor_report = checklist(iteration, checks)
         if self.is_main:
             self.run.write_doctor(self.doctor_report)
@@ -619,14 +621,16 @@ class Trainer:
         else:
             stats = {metrics.SKIPPED: True}
         time_train = time.perf_counter() - began - stats.get(metrics.TIME_AUDIT, 0.0) - doctor_s  # the update's
+        signals = self.reward_signals(rollout)
         if doctor:
-            self.examine(iteration, all_rewards, stats, cosine, velocity_change)
+            self.examine(iteration, all_rewards, stats, cosine, velocity_change, signals)
         finite = all_rewards[torch.isfinite(all_rewards)]
         row = {metrics.ITERATION: iteration,
                metrics.REWARD_MEAN: float(finite.mean()) if finite.numel() else float("nan"),
                metrics.REWARD_STD: float(finite.std()) if finite.numel() > 1 else 0.0,
                **{metrics.reward_part(name): float(v.mean()) for name, v in rollout.reward_parts.items()},
-               **self.reward_spreads(rollout), **stats, metrics.LEARNING_RATE: learning_rate,
+               **{metrics.reward_spread(name): value for name, value in signals.items()},
+               **stats, metrics.LEARNING_RATE: learning_rate,
                metrics.TIME_ROLLOUT: time_rollout, metrics.TIME_TRAIN: time_train}
         if self.eval_due(iteration) if evaluate is None else evaluate:
             if self.is_main:

@@ -126,13 +126,13 @@ def test_each_rewards_weighted_spread_within_groups_says_which_leads_the_sums_ad
     reward = SimpleNamespace(names=["pickscore", "clip_score"], weights=[1.0, -3.0])
     for group_by, members in (("draw", [[0, 1], [2, 3]]), ("prompt", [[0, 2], [1, 3]])):
         trainer = SimpleNamespace(config=tiny_config(grpo__num_generations=2, grpo__group_by=group_by), reward=reward)
-        spreads = Trainer.reward_spreads(trainer, rollout)
+        spreads = Trainer.reward_signals(trainer, rollout)
         expected = {name: abs(weight) * mean(pstdev(parts[name][members_g].tolist()) for members_g in members)
                     for name, weight in zip(reward.names, reward.weights)}
-        assert spreads.keys() == {"reward_spread/pickscore", "reward_spread/clip_score"}
+        assert spreads.keys() == {"pickscore", "clip_score"}
         for name, value in expected.items():
-            assert spreads[f"reward_spread/{name}"] == pytest.approx(value, rel=1e-5)
-    assert spreads["reward_spread/pickscore"] > 40 * spreads["reward_spread/clip_score"]
+            assert spreads[name] == pytest.approx(value, rel=1e-5)
+    assert spreads["pickscore"] > 40 * spreads["clip_score"]
 
 
 def test_a_per_reward_run_trains_and_its_card_says_so(tmp_path, offline):
@@ -146,8 +146,12 @@ def test_a_per_reward_run_trains_and_its_card_says_so(tmp_path, offline):
     spreads = {key: value for key, value in rows[0].items() if key.startswith("reward_spread/")}
     assert spreads.keys() == {"reward_spread/jpeg_compressibility", "reward_spread/jpeg_incompressibility"}
     # the incompressibility is the compressibility negated: the same spread, at half the weight
-    assert spreads["reward_spread/jpeg_incompressibility"] == pytest.approx(
-        spreads["reward_spread/jpeg_compressibility"] / 2, rel=1e-4) and spreads["reward_spread/jpeg_compressibility"] > 0
+    compressibility = spreads["reward_spread/jpeg_compressibility"]
+    assert spreads["reward_spread/jpeg_incompressibility"] == pytest.approx(compressibility / 2, rel=1e-4)
+    assert compressibility > 0
+    [balance] = [check for check in RunDirectory(tmp_path).read_doctor()["checks"]
+                 if check["check"] == "each reward moves the advantage"]
+    assert balance["status"] == "pass" and balance["detail"].endswith("(per_reward: each its weight's share)")
     assert "Each reward's own group advantage" in str(build_model_card(read_run(tmp_path), "me/x"))
 
 

@@ -13,7 +13,7 @@ from test_rewards import Server
 from jagg_core import metrics
 from jagg_core.config import load_config
 from jagg_core.doctor import (MAX_RATIO_DEVIATION, audit_check, gradient_check, range_check, ratio_check, report_lines,
-                              rewards_check)
+                              reward_balance_check, rewards_check)
 from jagg_core.errors import UserError
 from jagg_core.judges import BestAdapter, EvalScores, HackingAlarm, check_judges
 from jagg_core.rewards import build_reward
@@ -167,6 +167,23 @@ def test_each_check_passes_fails_or_skips_on_its_measurement():
     assert audit_check(None, config).status == "skip"
 
 
+def test_the_balance_check_fails_a_reward_drowned_out_of_a_sum_and_says_the_weight_that_lifts_it():
+    """PickScore's signal beside clip_score's at equal weights (100x): under ``sum`` clip_score is drowned, and the
+    fix names the weight that matches PickScore's signal; per_reward passes; a reward without spread fails either
+    way; one reward is skipped."""
+    weights = {"pickscore": 1.0, "clip_score": 2.0}
+    drowned = reward_balance_check({"pickscore": 0.8, "clip_score": 0.016}, weights, "sum")
+    assert drowned.status == "fail" and "the advantage is pickscore's nearly alone" in drowned.detail
+    assert drowned.fix.startswith("raise clip_score's weight to 100 (a signal then matches pickscore's), or set "
+                                  "grpo.multi_reward=per_reward")
+    assert reward_balance_check({"pickscore": 0.8, "clip_score": 0.016}, weights, "per_reward").status == "pass"
+    assert reward_balance_check({"pickscore": 0.8, "clip_score": 0.09}, weights, "sum").status == "pass"
+    for multi_reward in ("sum", "per_reward"):
+        silent = reward_balance_check({"pickscore": 0.8, "clip_score": 0.0}, weights, multi_reward)
+        assert silent.status == "fail" and silent.fix.startswith("clip_score gives every sample of a group the same")
+    assert reward_balance_check({"pickscore": 0.8}, {"pickscore": 1.0}, "sum").status == "skip"
+
+
 # ----- whole runs -------------------------------------------------------------------------------------
 
 
@@ -220,8 +237,8 @@ def test_the_default_preset_passes_its_doctor(tmp_path):
                      "--set", "prompts.eval_count=8")
     assert result.returncode == 0, result.stdout + result.stderr
     report = RunDirectory(tmp_path / "run").read_doctor()
-    assert report["passed"] and [c["status"] for c in report["checks"]] == ["pass"] * 6
-    assert report_lines(report)[0] == "doctor (iteration 1): 6 passed, 0 failed, 0 skipped"
+    assert report["passed"] and [c["status"] for c in report["checks"]] == ["pass"] * 6 + ["skip"]  # one reward
+    assert report_lines(report)[0] == "doctor (iteration 1): 6 passed, 0 failed, 1 skipped"
 
 
 def test_a_planted_hack_raises_the_alarm_and_stop_ends_the_run_with_a_checkpoint(tmp_path):
