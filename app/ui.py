@@ -14,8 +14,9 @@ Stable API endpoints (``gradio_client``):
     /delete   run name -> (message, run name)  deletes a run that is not training
     /generate run, adapter, prompt, seed[, input image] -> (image, message)  the base model beside the adapter for
               one's own prompt (an image-editing run's: an instruction and the image it applies to)
-    /evaluate run, adapter, prompt set ("" = the run's held-out prompts), prompts at most (0 = all), images per prompt
-              -> (image, table) of ``python -m jagg_core.evaluate``: first samples, each reward's and judge's means
+    /evaluate run, adapter, prompt set ("" = the run's held-out prompts), prompts at most (0 = all), images per
+              prompt[, against: another run ("" = the base model)] -> (image, table) of ``python -m
+              jagg_core.evaluate``: first samples, each reward's and judge's means
     /queue_up, /queue_down, /queue_remove  queued run -> (message, queue words, queued runs)  reorder or empty the
               queue (Start while a run trains queues the new run)
 
@@ -446,11 +447,13 @@ class Studio:
         return str(out), f"`{run_dir.name}`, {checkpoint or LATEST_ADAPTER}: {shown}{cut}"
 
     def evaluate(self, run: str, checkpoint: str, prompt_set: str | None, limit: float | None,
-                 images_per_prompt: float | None, profile: gr.OAuthProfile | None = None) -> tuple[str | None, str]:
-        """The adapter against its base model on prompts x noises, scored by the run's rewards and judges: the grid
-        of samples and the table of ``python -m jagg_core.evaluate``, run in its own process (the app holds no
-        model). ``prompt_set``: a built-in set, or empty for the run's held-out prompts; ``limit``: that many of its
-        prompts (0: all)."""
+                 images_per_prompt: float | None, against: str | None = None,
+                 profile: gr.OAuthProfile | None = None) -> tuple[str | None, str]:
+        """The adapter against its base model (or the latest adapter of the run ``against``) on prompts x noises,
+        scored by the run's rewards and judges: the grid of samples and the table of ``python -m
+        jagg_core.evaluate``, run in its own process (the app holds no model). ``prompt_set``: a built-in set, or
+        empty for the run's held-out prompts; ``limit``: that many of its prompts (0: all). An evaluation against
+        the base model is the one Publish puts into the model card (:meth:`evaluation_of`)."""
         if refused := _refusal(profile):
             return None, f"**Not evaluated:** {refused}"
         run_dir = self._run_dir(run)
@@ -462,6 +465,9 @@ class Studio:
         if prompt_set and prompt_set not in builtin_prompt_sets():
             return None, (f"**Not evaluated:** '{prompt_set}' is not a built-in prompt set; choose one, or none for "
                           "the run's")
+        other = self.jobs.run_dir(against) if against else None
+        if against and other is None:
+            return None, f"**Not evaluated:** there is no run '{against}' to compare with; choose one of the runs"
         out = Path(tempfile.mkdtemp(prefix="jagg-evaluate-"))
         command = [sys.executable, "-m", EVALUATE, str(run_dir), "--out", str(out),
                    "--images-per-prompt", str(int(images_per_prompt))]
@@ -471,11 +477,14 @@ class Studio:
             command += ["--limit", str(int(limit))]
         if live.adapter_name(checkpoint):
             command += ["--checkpoint", checkpoint]
+        if other is not None:
+            command += ["--against", str(other)]
         result = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL,
                                 env=sampling_environment())
         if result.returncode != 0 or not (out / EVALUATION_TABLE).is_file():
             return None, f"**Not evaluated:** {_command_error(result, EVALUATE)}"
-        self.evaluations[(run_dir.name, live.adapter_name(checkpoint))] = out
+        if other is None:
+            self.evaluations[(run_dir.name, live.adapter_name(checkpoint))] = out
         return str(out / EVALUATION_GRID), (out / EVALUATION_TABLE).read_text()
 
     def evaluation_of(self, run_dir: Path, checkpoint: str) -> Path | None:
@@ -663,7 +672,8 @@ class Studio:
         queue_pick = queue_choice if queue_choice in queued else (queued[0] if queued else None)
         outputs = [
             *changed("runs", (tuple(names), selected), lambda: [_dropdown(names, selected, requested),
-                                                                 gr.update(choices=names)], count=2),
+                                                                 gr.update(choices=names),
+                                                                 gr.update(choices=["", *names])], count=3),
             *changed("status", status, lambda: status),
             *changed("timing", timing, lambda: timing),
             *changed("doctor", (selected, mtime(run and run.doctor_file)),
@@ -937,9 +947,10 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                 try_image = gr.Image(label="Base model | adapter", show_label=False, type="filepath",
                                      interactive=False, elem_id="try-image")  # a label would cover the prompt
 
-                gr.Markdown("## 5 · Evaluate\nThe adapter chosen above against the base model on many prompts, each "
-                            "from several noises (the same for both), with the run's sampler and sizes, scored by its "
-                            "rewards and judges: means with standard errors, and how often the adapter wins.")
+                gr.Markdown("## 5 · Evaluate\nThe adapter chosen above against the base model (or another run's "
+                            "adapter of the same base model) on many prompts, each from several noises (the same for "
+                            "both), with the run's sampler and sizes, scored by its rewards and judges: means with "
+                            "standard errors, and how often the adapter wins.")
                 with gr.Row():
                     evaluate_set = gr.Dropdown(["", *builtin_prompt_sets()], value="", label="Prompt set",
                                                info="empty: the run's held-out eval prompts", elem_id="evaluate-set")
@@ -947,6 +958,9 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                                                info="0: all of the set", elem_id="evaluate-limit")
                     evaluate_images = gr.Number(4, label="Images per prompt", precision=0, minimum=1,
                                                 maximum=MAX_EVALUATION_IMAGES, elem_id="evaluate-images")
+                    evaluate_against = gr.Dropdown(["", *studio._run_names()], value="", label="Against",
+                                                   info="empty: the base model; a run: its latest adapter",
+                                                   elem_id="evaluate-against")
                 evaluate = gr.Button("Evaluate", elem_id="evaluate-btn")
                 evaluate_result = gr.Markdown(elem_id="evaluate-result")
                 evaluate_image = gr.Image(label="First samples: base model | adapter", type="filepath",
@@ -974,7 +988,8 @@ def build_app(root: Path | None = None) -> gr.Blocks:
         generate.click(studio.generate, [run_select, checkpoint, try_prompt, try_seed, *try_inputs, try_whole],
                        [try_image, try_message],
                        api_name="generate")
-        evaluate.click(studio.evaluate, [run_select, checkpoint, evaluate_set, evaluate_limit, evaluate_images],
+        evaluate.click(studio.evaluate, [run_select, checkpoint, evaluate_set, evaluate_limit, evaluate_images,
+                                         evaluate_against],
                        [evaluate_image, evaluate_result], api_name="evaluate")
         queue_outputs = [queue_message, queue_list, queue_select]
         queue_up.click(studio.queue_up, queue_select, queue_outputs, api_name="queue_up")
@@ -990,10 +1005,10 @@ def build_app(root: Path | None = None) -> gr.Blocks:
 
         seen = gr.State({})
         live_inputs = [run_select, checkpoint, seen, queue_select]
-        live_outputs = [run_select, compare_runs, run_status, timing, doctor, progress_bar, judge_plot, spread_plot,
-                        reward_plot,
-                        loss_plot, fidelity_plot, base_samples, latest_samples, latest_video, eval_grids, rollouts, log,
-                        download, checkpoint, start, stop, resume, queue_list, queue_select, seen]
+        live_outputs = [run_select, compare_runs, evaluate_against, run_status, timing, doctor, progress_bar,
+                        judge_plot, spread_plot, reward_plot, loss_plot, fidelity_plot, base_samples, latest_samples,
+                        latest_video, eval_grids, rollouts, log, download, checkpoint, start, stop, resume, queue_list,
+                        queue_select, seen]
         timer = gr.Timer(REFRESH_S)
         for trigger in (timer.tick, demo.load, checkpoint.input):  # the download follows the chosen adapter
             trigger(studio.refresh, live_inputs, live_outputs, show_progress="hidden", api_visibility="private")

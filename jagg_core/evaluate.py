@@ -2,6 +2,7 @@
 standard errors, a benchmark beyond the run's held-out eval (one image of each of a few prompts).
 
     python -m jagg_core.evaluate RUN [--prompts SOURCE] [--limit N] [--images-per-prompt K] [--checkpoint best|iter_N]
+                                 [--against RUN2 [--against-checkpoint best|iter_N]]
                                  [--reward SPEC ...] [--batch B] [--seed S] [--out DIR]
 
 Each prompt (by default the run's held-out eval prompts; ``--prompts``: a built-in set, a file, an image folder or
@@ -16,6 +17,11 @@ geneval, options: {strict: true}}"``, repeated). For each, over the ``n = N K`` 
     adapter - base     the paired difference's mean +- its standard error (same prompt, same noise)
     adapter wins       the share of pairs the adapter scores higher (a tie counts a half)
 
+``--against RUN2`` compares the adapter with another adapter of the same base model instead of the base model (an A/B
+test of two runs, say GRPO's and DiffusionNFT's, or with ``RUN2 = RUN`` of two checkpoints): RUN2's latest adapter, or
+its ``--against-checkpoint``, loaded beside the run's with its own rank and targets, samples the other side of each
+pair, with the run's sampler and sizes.
+
 When every prompt reads as the ``geneval`` reward reads prompts (the ``geneval`` and ``compositional`` sets), each
 reward's means are also given by GenEval task (single object, two objects, counting, colours, position, colour
 attribution: :attr:`~jagg_core.object_prompts.PromptRequirements.task`), as GenEval reports them.
@@ -23,7 +29,8 @@ attribution: :attr:`~jagg_core.object_prompts.PromptRequirements.task`), as GenE
 It writes ``DIR/evaluation.md`` (the tables, printed too), ``DIR/evaluation.json`` (the settings, the adapter file's
 SHA-256 among them, and every score) and ``DIR/evaluation.png`` (the first noise's samples of the first 8 prompts, base
 beside adapter, with the first reward's scores), ``DIR`` by default ``evaluations/RUN_NAME-ADAPTER``
-(``latest-adapter``, ``best-adapter``, ``iter_N``); nothing is written in the run directory.
+(``latest-adapter``, ``best-adapter``, ``iter_N``; against another adapter ``-vs-RUN2_NAME-ITS_ADAPTER``); nothing is
+written in the run directory.
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ SCORES_FILE = "evaluation.json"
 GRID_FILE = "evaluation.png"
 #: prompts whose first samples the grid shows
 GRID_PROMPTS = 8
+#: the peft name of the adapter an evaluation compares the run's with (``--against``)
+OTHER_ADAPTER = "against"
 
 
 @dataclass
@@ -115,10 +124,32 @@ def evaluation_prompts(config, source: str | None, limit: int | None, seed: int)
     return limit_prompts(list(dict.fromkeys(prompts)), limit, seed)
 
 
+def other_adapter(config, against: Path, checkpoint: str | None):
+    """The adapter of the run ``against`` (its latest, ``best`` or ``iter_N``) that the run's is compared with; a
+    one-line :class:`UserError` when that run trained another base model."""
+    from .adapters import choose_adapter
+    from .config import validate_config
+    from .rundir import RunDirectory
+
+    other = validate_config(RunDirectory(against).read_config()).model
+    if (other.name, other.revision) != (config.model.name, config.model.revision):
+        raise UserError(f"--against {against}: its adapter is of {other.name}, the run's of {config.model.name}; "
+                        "compare adapters of the same base model")
+    return choose_adapter(against, checkpoint)
+
+
+def baseline_name(settings: dict) -> str:
+    """What the adapter is compared with, in a table's column: ``base``, or the other run's name and adapter."""
+    other = settings.get("against")
+    return f"{Path(other['run']).name} {other['adapter']}" if other else "base"
+
+
 def evaluate(run_dir: Path, *, source: str | None = None, limit: int | None = None, images_per_prompt: int = 4,
-             checkpoint: str | None = None, given_rewards: list[str] | None = None, batch: int = 8,
+             checkpoint: str | None = None, against: Path | None = None, against_checkpoint: str | None = None,
+             given_rewards: list[str] | None = None, batch: int = 8,
              seed: int = 0) -> tuple[dict, list[Scored], "Image.Image"]:
-    """Sample and score (module docstring): the settings, each reward's :class:`Scored` and the samples' grid."""
+    """Sample and score (module docstring): the settings, each reward's :class:`Scored` (``base``: the base model's
+    scores, or with ``against`` the other adapter's) and the samples' grid."""
     from .adapters import choose_adapter
     from .config import validate_config
     from .rewards.catalog import reward_entry
@@ -126,8 +157,14 @@ def evaluate(run_dir: Path, *, source: str | None = None, limit: int | None = No
 
     if images_per_prompt < 1 or batch < 1 or (limit is not None and limit < 1):
         raise UserError("--images-per-prompt, --batch and --limit must be at least 1")
+    if against_checkpoint and against is None:
+        raise UserError("--against-checkpoint names a checkpoint of the --against run: give that run too")
     config = validate_config(RunDirectory(run_dir).read_config())
     adapter = choose_adapter(run_dir, checkpoint)
+    other = other_adapter(config, against, against_checkpoint) if against is not None else None
+    if other is not None and other.digest() == adapter.digest():
+        raise UserError(f"--against: the {other.label} of {against} holds the same weights as the {adapter.label} "
+                        "evaluated; name another run or checkpoint (--against-checkpoint)")
     prompts = evaluation_prompts(config, source, limit, seed)
     specs = reward_specs(config, given_rewards or [])
     for label, spec in specs:
@@ -142,7 +179,12 @@ def evaluate(run_dir: Path, *, source: str | None = None, limit: int | None = No
     from .rewards import CombinedReward, build_reward
     from .sampler import initial_noise, ode_sample
 
+    from .models.base import DEFAULT_ADAPTER
+
     model, sigmas = adapter_model(config, prompts, adapter.file, scoring=not given_rewards)  # the run's scorers
+    if other is not None:
+        model.load_other_lora(other.file, OTHER_ADAPTER)
+    baseline = OTHER_ADAPTER if other is not None else None
     scorer = CombinedReward([build_reward(spec, model.device) for _, spec in specs], [1.0] * len(specs),
                             term_names([spec.name for _, spec in specs]), config.sampling.reward_frames)
     steps, size = len(sigmas) - 1, config.sampling.size
@@ -155,9 +197,9 @@ def evaluate(run_dir: Path, *, source: str | None = None, limit: int | None = No
             z0 = torch.cat([initial_noise(model, 1, size, torch.Generator().manual_seed(pair_seed(seed, k, index)))
                             for index in range(start, start + len(rows))])
             with torch.no_grad():
-                model.transformer.disable_adapters()
+                model.use_adapter(baseline)
                 base = model.decode_samples(ode_sample(model, cond, sigmas, z0), cond).float().cpu()
-                model.transformer.enable_adapters()
+                model.use_adapter(DEFAULT_ADAPTER)
                 tuned = model.decode_samples(ode_sample(model, cond, sigmas, z0), cond).float().cpu()
             for result, before, after in zip(scored, scorer(base, rows)[1].values(), scorer(tuned, rows)[1].values()):
                 result.base += before.tolist()  # each reward's own scores, unweighted
@@ -169,22 +211,25 @@ def evaluate(run_dir: Path, *, source: str | None = None, limit: int | None = No
                 "distinct_prompts": len(prompts), "images_per_prompt": images_per_prompt, "seed": seed,
                 "model": config.model.name, "steps": steps, "resolution": size.config_value(),
                 "rewards": [{"label": label, "name": spec.name, "options": spec.options} for label, spec in specs],
-                "tasks": geneval_tasks(prompts)}
-    return settings, scored, sample_grid(shown, prompts, scored[0], size.width)
+                "tasks": geneval_tasks(prompts),
+                "against": {"run": str(against), "adapter": other.label, "adapter_sha256": other.digest()}
+                if other is not None else None}
+    return settings, scored, sample_grid(shown, prompts, scored[0], size.width, against=other is not None)
 
 
-def sample_grid(shown: list[tuple], prompts: list[str], first: Scored, width: int):
-    """The base model's and the adapter's first samples of the first :data:`GRID_PROMPTS` prompts, side by side, each
-    captioned with the first reward's score."""
+def sample_grid(shown: list[tuple], prompts: list[str], first: Scored, width: int, against: bool = False):
+    """The base model's (``against``: the other adapter's) and the adapter's first samples of the first
+    :data:`GRID_PROMPTS` prompts, side by side, each captioned with the first reward's score."""
     import torch
 
     from .images import captioned_grid, to_pil
     base, tuned = (torch.cat([pair[side] for pair in shown])[:GRID_PROMPTS] for side in (0, 1))
+    side, left = ("other", "other adapter") if against else ("base", "base model")  # the table names the other
     pictures, captions = [], []
     for index, (before, after) in enumerate(zip(to_pil(base), to_pil(tuned))):
         pictures += [before, after]
-        captions += [f"base {first.base[index]:.3f}: {prompts[index]}", f"adapter {first.adapter[index]:.3f}"]
-    return captioned_grid(pictures, captions, title=f"first noise: base model | adapter ({first.label})", columns=4,
+        captions += [f"{side} {first.base[index]:.3f}: {prompts[index]}", f"adapter {first.adapter[index]:.3f}"]
+    return captioned_grid(pictures, captions, title=f"first noise: {left} | adapter ({first.label})", columns=4,
                           cell=min(256, max(128, width)))
 
 
@@ -211,11 +256,14 @@ def by_task(result: Scored, tasks: list[str]) -> dict[str, dict]:
 def table(settings: dict, scored: list[Scored]) -> str:
     """The markdown table of the evaluation, its settings above it."""
     pairs = settings["distinct_prompts"] * settings["images_per_prompt"]
-    lines = [f"**{settings['adapter']}** of `{Path(settings['run']).name}` against its base model {settings['model']}: "
+    other, baseline = settings.get("against"), baseline_name(settings)
+    versus = (f"the {other['adapter']} of `{Path(other['run']).name}` (the same base model {settings['model']})"
+              if other else f"its base model {settings['model']}")
+    lines = [f"**{settings['adapter']}** of `{Path(settings['run']).name}` against {versus}: "
              f"{settings['distinct_prompts']} prompts ({settings['prompts']}) x {settings['images_per_prompt']} "
              f"noises, {settings['steps']} steps at {settings['resolution']} px; mean ± standard error of {pairs} "
              "pairs", "",
-             "| reward | base | adapter | adapter - base | adapter wins |", "|---|---|---|---|---|"]
+             f"| reward | {baseline} | adapter | adapter - {baseline} | adapter wins |", "|---|---|---|---|---|"]
     for result in scored:
         row = result.row()
         base, tuned, difference = row["base"], row["adapter"], row["difference"]
@@ -223,7 +271,8 @@ def table(settings: dict, scored: list[Scored]) -> str:
                      f"{difference[0]:+.4f} ± {difference[1]:.4f} | {row['adapter_wins']:.0%} |")
     if settings.get("tasks"):
         tasks = [by_task(result, settings["tasks"]) for result in scored]
-        lines += ["", "By GenEval task (the prompts' kind), mean of the base model -> the adapter:", "",
+        lines += ["", f"By GenEval task (the prompts' kind), mean of {'the base model' if not other else baseline} "
+                  "-> the adapter:", "",
                   "| task | prompts | " + " | ".join(result.label for result in scored) + " |",
                   "|---|---|" + "---|" * len(scored)]
         for task, first in tasks[0].items():
@@ -253,6 +302,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--images-per-prompt", type=int, default=4, metavar="K")
     parser.add_argument("--checkpoint", metavar="best|iter_N", help="the best adapter or a checkpoint's (default: "
                         "the latest)")
+    parser.add_argument("--against", type=Path, metavar="RUN2", help="compare with another run's adapter of the same "
+                        "base model instead of the base model")
+    parser.add_argument("--against-checkpoint", metavar="best|iter_N", help="that run's best adapter or a "
+                        "checkpoint's (default: its latest)")
     parser.add_argument("--reward", action="append", default=[], metavar="SPEC",
                         help="a reward to score with instead of the run's rewards and judges (repeat)")
     parser.add_argument("--batch", type=int, default=8, help="prompts sampled together")
@@ -262,8 +315,11 @@ def main(argv: list[str] | None = None) -> int:
     with exit_on_user_error(PROG):
         settings, scored, grid = evaluate(args.run_dir, source=args.prompts, limit=args.limit,
                                     images_per_prompt=args.images_per_prompt, checkpoint=args.checkpoint,
+                                    against=args.against, against_checkpoint=args.against_checkpoint,
                                     given_rewards=args.reward, batch=args.batch, seed=args.seed)
         name = f"{args.run_dir.resolve().name}-{settings['adapter'].replace(' ', '-')}"
+        if args.against is not None:
+            name += f"-vs-{args.against.resolve().name}-{settings['against']['adapter'].replace(' ', '-')}"
         out = made_folder(args.out or Path("evaluations") / name)
         print(write_evaluation(out, settings, scored, grid), end="")
         print(out)

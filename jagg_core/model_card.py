@@ -488,7 +488,7 @@ pipe.load_lora_weights("{repo_id}")
     if len(results) > 1:
         parts.append("\n".join(results))
     if snap.evaluation is not None:
-        image = f"\n![First samples of the evaluation: base model, adapter]({EVALUATION_IMAGE})\n" \
+        image = f"\n![First samples of the evaluation, the adapter's on the right]({EVALUATION_IMAGE})\n" \
             if snap.evaluation.grid else ""
         parts.append(f"## Evaluation\n\n{snap.evaluation.tables}{image}")
     parts.append(_recipe(snap.config, snap, editing))

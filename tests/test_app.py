@@ -502,8 +502,8 @@ def test_a_refresh_answered_after_the_user_picks_another_run_does_not_put_the_ol
     new.write_config("name: new\n")  # ... answers after a run appeared and the user picked it
     run_select = studio.refresh(old.path.name, "latest adapter", tick[-1])[0]
     assert run_select == {"__type__": "update", "choices": [new.path.name, old.path.name]}  # no value: the pick stays
-    adapters = studio.refresh(old.path.name, "latest adapter", {})[18]  # Publish's adapter dropdown, kept as well
-    assert "value" not in adapters and studio.refresh(old.path.name, "gone", {})[18]["value"] == "latest adapter"
+    adapters = studio.refresh(old.path.name, "latest adapter", {})[19]  # Publish's adapter dropdown, kept as well
+    assert "value" not in adapters and studio.refresh(old.path.name, "gone", {})[19]["value"] == "latest adapter"
     assert studio.refresh(None, "latest adapter", {})[0]["value"] == new.path.name  # a page with no pick gets one
     shutil.rmtree(new.path)
     assert studio.refresh(new.path.name, "latest adapter", {})[0]["value"] == old.path.name  # a vanished pick, too

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import types
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from PIL import Image
 
 from conftest import ROOT, run_python, tiny_config
 from jagg_core.errors import UserError
+from jagg_core.evaluate import PROG as EVALUATE
 from jagg_core.evaluate import Scored, evaluate, pair_seed, table
 
 
@@ -149,6 +151,16 @@ def test_the_page_evaluates_the_chosen_adapter_on_a_built_in_set_and_a_push_carr
     for limit, images in ((0, 0), (0, 65), (-1, 1)):
         assert studio.evaluate(Path(tiny_run).name, "latest adapter", "", limit, images)[1] == (
             "**Not evaluated:** give 1 to 64 images per prompt and 0 or more prompts at most")
+    # Against another run: its latest adapter, by name only; such an evaluation is not the card's
+    other = other_run(tiny_run, Path(tiny_run).parent / "against-run")
+    commands = []
+    monkeypatch.setattr("app.ui.subprocess.run", lambda command, **kwargs: commands.append(command) or
+                        types.SimpleNamespace(returncode=2, stdout="", stderr=f"{EVALUATE}: error: the reason\n"))
+    assert studio.evaluate(Path(tiny_run).name, "latest adapter", "", 0, 1, "against-run")[1] == (
+        "**Not evaluated:** the reason")
+    assert commands[-1][commands[-1].index("--against") + 1] == str(other)
+    assert studio.evaluate(Path(tiny_run).name, "latest adapter", "", 0, 1, "../etc")[1] == (
+        "**Not evaluated:** there is no run '../etc' to compare with; choose one of the runs")
     (Path(tiny_run).parent / "no-runs").mkdir(exist_ok=True)
     assert Studio(Path(tiny_run).parent / "no-runs").evaluate("", "latest adapter", "", 0, 1)[1] == (
         "**Not evaluated:** choose a run first.")
@@ -180,7 +192,7 @@ def test_a_push_carries_an_evaluation_of_the_adapter_it_pushes(tiny_run, tmp_pat
     write_evaluation(out, *evaluate(tiny_run, images_per_prompt=1))
     card = str(write_model_card(tiny_run, "me/x", evaluation=out))
     assert "## Evaluation\n\n**latest adapter** of" in card and "| reward jpeg_compressibility |" in card
-    assert "![First samples of the evaluation: base model, adapter](images/evaluation.png)" in card
+    assert "![First samples of the evaluation, the adapter's on the right](images/evaluation.png)" in card
     assert publish_files(read_run(tiny_run, None, out), "me/x")["images/evaluation.png"] == out / "evaluation.png"
     assert "## Evaluation" not in str(write_model_card(tiny_run, "me/x"))
     with pytest.raises(UserError, match=r"is of the latest adapter, but the iter_000001 is pushed: evaluate that one"):
@@ -240,3 +252,76 @@ def test_try_it_and_evaluate_on_a_full_gpu_are_refused_before_the_model_loads(ti
         generate(tiny_run, "a red square")
     with pytest.raises(UserError, match=r"at least \(its weights, rewards and judges and a CUDA context"):
         evaluate(tiny_run, images_per_prompt=1, limit=1)
+
+
+def other_run(tiny_run, folder: Path, rank: int = 2, model: str | None = None) -> Path:
+    """A run beside ``tiny_run`` whose adapter is a random one of ``rank`` (not the run's 4), of the same base model
+    unless ``model`` names another."""
+    from jagg_core.config import LoraConfig, validate_config
+    from jagg_core.models import load_flow_model
+    from jagg_core.rundir import RunDirectory
+
+    run = RunDirectory(folder)
+    run.lora_dir.mkdir(parents=True)
+    config = validate_config(RunDirectory(tiny_run).read_config())
+    lora = LoraConfig(rank=rank, alpha=rank)
+    config = config.model_copy(update={"lora": lora, "model": config.model.model_copy(
+        update={"name": model or config.model.name})})
+    run.write_config(config.to_yaml())
+    flow = load_flow_model(config.model, "cpu", seed=config.train.seed)
+    generator = torch.Generator().manual_seed(5)
+    for param in flow.add_lora(lora):
+        param.data = 0.3 * torch.randn(param.shape, generator=generator)
+    flow.save_lora(run.lora_dir)
+    return folder
+
+
+def test_against_another_runs_adapter_each_side_is_that_adapter_sampled_alone_on_the_pairs_noise(tiny_run, tmp_path,
+                                                                                                 monkeypatch):
+    """``--against``: the other side of each pair is the other run's adapter (rank 2 beside the run's rank 4, loaded
+    with its own), from the pair's noise, as sampled alone; the adapter's side is unchanged; the table and grid name
+    the other adapter; the command names its folder after both."""
+    from jagg_core.evaluate import main
+    other = other_run(tiny_run, tmp_path / "other")
+    settings, scored, grid = evaluate(tiny_run, images_per_prompt=1, batch=2, seed=3, against=other)
+    _, alone, _ = evaluate(tiny_run, images_per_prompt=1, batch=2, seed=3)
+    assert scored[0].adapter == alone[0].adapter and scored[0].base != alone[0].base
+    prompts = evaluation_prompts_of(tiny_run)
+    for index in range(len(prompts)):
+        other_score = sample_scores(other, prompts, index, pair_seed(3, 0, index))[1]
+        assert scored[0].base[index] == pytest.approx(other_score, abs=1e-4)
+    assert settings["against"]["run"] == str(other) and settings["against"]["adapter"] == "latest adapter"
+    text = table(settings, scored)
+    assert "against the latest adapter of `other` (the same base model tiny-sd3)" in text
+    assert "| reward | other latest adapter | adapter | adapter - other latest adapter | adapter wins |" in text
+
+    out = tmp_path / "evaluations"
+    monkeypatch.chdir(tmp_path)  # the default folder is under evaluations/ here
+    assert main([str(tiny_run), "--images-per-prompt", "1", "--against", str(other),
+                 "--reward", "jpeg_compressibility"]) == 0
+    assert [p.name for p in out.iterdir()] == [f"{Path(tiny_run).name}-latest-adapter-vs-other-latest-adapter"]
+
+
+def test_against_refuses_another_base_model_the_same_weights_and_a_checkpoint_without_its_run(tiny_run, tmp_path):
+    flux = other_run(tiny_run, tmp_path / "flux", model="tiny-flux")
+    with pytest.raises(UserError, match=r"^--against .*flux: its adapter is of tiny-flux, the run's of tiny-sd3; "
+                                        r"compare adapters of the same base model$"):
+        evaluate(tiny_run, against=flux)
+    with pytest.raises(UserError, match=r"^--against: the iter_000002 of .* holds the same weights as the latest "
+                                        r"adapter evaluated; name another run or checkpoint"):
+        evaluate(tiny_run, against=Path(tiny_run), against_checkpoint="iter_2")
+    with pytest.raises(UserError, match="--against-checkpoint names a checkpoint of the --against run"):
+        evaluate(tiny_run, against_checkpoint="best")
+    broken = other_run(tiny_run, tmp_path / "broken")
+    (broken / "lora" / "pytorch_lora_weights.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(UserError, match=r"pytorch_lora_weights.safetensors is not a LoRA of this sd3 model \("):
+        evaluate(tiny_run, images_per_prompt=1, against=broken)
+    _, scored, _ = evaluate(tiny_run, images_per_prompt=1, against=Path(tiny_run), against_checkpoint="iter_1")
+    assert scored[0].base != scored[0].adapter  # two checkpoints of one run
+
+
+def evaluation_prompts_of(run):
+    from jagg_core.config import validate_config
+    from jagg_core.evaluate import evaluation_prompts
+    from jagg_core.rundir import RunDirectory
+    return evaluation_prompts(validate_config(RunDirectory(run).read_config()), None, None, 0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import warnings
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,6 +38,8 @@ NEGATIVE = "negative/"
 PROMPT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3", "image_encoder")
 #: prompts encoded together at set-up
 ENCODE_BATCH = 16
+#: the peft name of the run's own adapter (:meth:`FlowModel.add_lora`)
+DEFAULT_ADAPTER = "default"
 
 
 def calculate_shift(image_seq_len: int, scheduler_config) -> float:
@@ -189,7 +192,7 @@ class FlowModel(ABC):
         (``target_modules``) are written sorted, so equal weights give an equal file."""
         state = {k: v.detach().to("cpu").contiguous() for k, v in self.lora_state_dict().items()}
         metadata = {key: sorted(value) if isinstance(value, set) else value
-                    for key, value in self.transformer.peft_config["default"].to_dict().items()}
+                    for key, value in self.transformer.peft_config[DEFAULT_ADAPTER].to_dict().items()}
         type(self.pipe).save_lora_weights(str(directory), transformer_lora_layers=state, safe_serialization=True,
                                           transformer_lora_adapter_metadata=metadata)
         path = Path(directory) / "pytorch_lora_weights.safetensors"
@@ -209,13 +212,34 @@ class FlowModel(ABC):
             raise UserError(f"{path} holds no transformer LoRA weights")
         transformer_state = convert_unet_state_dict_to_peft(transformer_state)
         try:
-            result = set_peft_model_state_dict(self.transformer, transformer_state, adapter_name="default")
+            result = set_peft_model_state_dict(self.transformer, transformer_state, adapter_name=DEFAULT_ADAPTER)
         except RuntimeError as err:
             raise UserError(f"the LoRA in {path} does not match lora.rank/target_modules: {str(err).splitlines()[0]}") from None
         unexpected = getattr(result, "unexpected_keys", None)
         if unexpected:
             raise UserError(f"the LoRA in {path} has weights for modules this adapter lacks, e.g. {unexpected[0]}; "
                             "set lora.target_modules to match it")
+
+    def load_other_lora(self, path: str | Path, name: str) -> None:
+        """Load another diffusers-format LoRA file beside the run's, as the adapter ``name``, with its own rank, alpha
+        and targets (``pipe.load_lora_weights``); :meth:`use_adapter` picks which one samples."""
+        try:
+            with warnings.catch_warnings():  # peft warns of a second adapter: here that is the point
+                warnings.filterwarnings("ignore", "Already found a `peft_config`", UserWarning)
+                self.pipe.load_lora_weights(str(path), adapter_name=name)
+        except Exception as err:  # safetensors, peft and diffusers raise many kinds for a file they cannot use
+            raise UserError(f"{path} is not a LoRA of this {self.family} model ({type(err).__name__}: "
+                            f"{str(err).splitlines()[0][:160] if str(err) else 'unreadable'})") from None
+        self.transformer.set_adapter(DEFAULT_ADAPTER)
+
+    def use_adapter(self, name: str | None) -> None:
+        """Sample with the adapter ``name`` (the run's is ``default``; another loaded by :meth:`load_other_lora`), or
+        with None the base model."""
+        if name is None:
+            self.transformer.disable_adapters()
+        else:
+            self.transformer.enable_adapters()
+            self.transformer.set_adapter(name)
 
     @contextmanager
     def adapters_disabled(self):
