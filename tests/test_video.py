@@ -480,6 +480,25 @@ def test_temporal_consistency_is_the_mean_cosine_of_consecutive_frames(tiny_clip
         reward(torch.rand((2, 3, 32, 32)), ["x", "y"])
 
 
+def test_motion_is_the_mean_change_of_consecutive_frames_averaged_down_so_noise_cancels_and_movement_stays():
+    reward = build_reward(RewardSpec(name="motion"))
+    generator = torch.Generator().manual_seed(0)
+    a, b = torch.rand((2, 3, 32, 32), generator=generator)
+    still, flicker = torch.stack([a] * 5), torch.stack([a, b, a, b, a])
+    torch.testing.assert_close(reward(torch.stack([still, flicker]), ["x", "y"]),
+                               torch.stack([torch.tensor(0.0), (a - b).abs().mean()]))  # 32 px: read as they are
+    noise = torch.rand((5, 3, 128, 128), generator=generator)  # 128 px: averaged down to 64 first
+    moving = torch.zeros((5, 3, 128, 128))
+    for frame in range(5):
+        moving[frame, :, 32:64, 16 * frame:16 * frame + 32] = 1.0  # a white square moving 16 px a frame
+    raw = [(video[1:] - video[:-1]).abs().mean() for video in (noise, moving)]
+    scores = reward(torch.stack([noise, moving]), ["x", "y"])
+    assert scores[0] < 0.6 * raw[0]  # grain cancels
+    torch.testing.assert_close(scores[1], raw[1])  # what moves stays
+    with pytest.raises(UserError, match="^the motion reward scores videos of 2 frames or more"):
+        reward(torch.rand((2, 3, 32, 32)), ["x", "y"])
+
+
 # ----- a run -------------------------------------------------------------------------------------------
 def read_mp4(path) -> tuple[dict, list[np.ndarray]]:
     reader = imageio_ffmpeg.read_frames(str(path))
@@ -506,13 +525,14 @@ def test_two_iterations_on_tiny_wan_write_mp4s_and_strips_and_the_adapter_loads_
                      "--set", "sampling.num_steps=4", "--set", "train.iterations=2", "--set", "grpo.num_generations=2",
                      "--set", "prompts.eval_count=2", "--set", "backward.window=3", "--set", "backward.audit_every=2",
                      "--set", "sampling.reward_frames=2", "--set", "model.max_sequence_length=16", "--set", rewards,
-                     *first_frames)
+                     "--set", "eval.judges=[{name: motion}]", *first_frames)
     assert result.returncode == 0, result.stderr[-2000:]
     run = RunDirectory(out)
     assert run.read_status()["state"] == "finished"
     rows = run.read_metrics()
     assert [row["iteration"] for row in rows] == [0, 1, 2]
     assert abs(rows[2]["reward/temporal_consistency"]) <= 1 + 1e-5 and abs(rows[2]["jagg/grad_cosine"]) <= 1 + 1e-5
+    assert all(0 < rows[i]["eval/judge/motion"] < 1 for i in (0, 2))  # random tiny weights: videos that flicker
     for samples in (run.samples(0), run.samples(2), run.rollouts()):
         assert len(samples.videos) == len(samples.images) == len(samples.prompts)
         meta, frames = read_mp4(samples.videos[0])

@@ -200,6 +200,8 @@ CATALOG: dict[str, RewardEntry] = {entry.name: entry for entry in [
     RewardEntry("vqa_score", "vqa:VqaScore", VqaOptions, 3755, expected_range=(0.0, 1.0), device_dtype="bfloat16",
                 requires=("torchvision",)),
     RewardEntry("temporal_consistency", "temporal:TemporalConsistency", ClipOptions, 428, expected_range=(0.5, 1.0)),
+    # model-free; 0 for a still video
+    RewardEntry("motion", "temporal:Motion", expected_range=(0.0, 1.0)),
 ]}
 
 
