@@ -390,10 +390,12 @@ class RewardSpec(_Section):
     """One term of the reward: an image's reward is the weighted sum r = sum_k w_k r_k over the list ``rewards``."""
 
     name: str = Field(description="registered reward name, e.g. shapes, jpeg_compressibility, aesthetic, "
-                      "pickscore, hpsv2, ocr, http")
+                      "pickscore, hpsv2, ocr, http (every one, with its options: the rewards and their options, "
+                      "below; --list-rewards)")
     weight: float = Field(1.0, description="weight w_k of this reward in the sum r = sum_k w_k r_k")
     options: dict[str, Any] = Field(default_factory=dict, description="keyword options of the reward (e.g. url for "
-                                    "http, model_id for the CLIP-based ones); unknown options are refused")
+                                    "http, model_id for the CLIP-based ones: each reward's, below); unknown options "
+                                    "are refused")
 
 
 def term_names(names: list[str]) -> list[str]:

@@ -4,7 +4,9 @@
     python -m jagg_core.config_reference --update docs/config.md  # write it between the page's markers
 
 One table per section (key, default, description); a key's description is its ``Field(description=...)``, followed
-by its allowed values (a ``Literal``) and its numeric range (``ge``/``gt``/``le``/``lt``).
+by its allowed values (a ``Literal``) and its numeric range (``ge``/``gt``/``le``/``lt``). Then every reward of the
+catalog (:data:`~jagg_core.rewards.catalog.CATALOG`): what it scores, its scoring model's size, the range a working
+model's samples score in, and its ``options`` in the same kind of table.
 """
 
 from __future__ import annotations
@@ -107,7 +109,29 @@ def config_reference() -> str:
         else:
             prefix = f"{name}."
         lines += ["", f"### {name}", "", intro, "", *_table(section, prefix)]
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, "", *reward_reference()]) + "\n"
+
+
+def reward_reference() -> list[str]:
+    """The rewards of the catalog, each a paragraph and its options' table: the lines of the reference's last
+    section."""
+    from .rewards.catalog import CATALOG, NoOptions
+
+    lines = ["### the rewards and their options", "",
+             "A name for `rewards[].name` or `eval.judges[].name`, and the keys its `options` take (unknown ones are "
+             "refused before launch)."]
+    for entry in CATALOG.values():
+        facts = [f"{entry.about[0].upper()}{entry.about[1:]}."]
+        if entry.device_params_m:
+            facts.append(f"Scoring models: {entry.device_params_m:g} M parameters.")
+        low, high = entry.expected_range
+        scores = ("" if low is None and high is None else f"at most {high:g}" if low is None
+                  else f"at least {low:g}" if high is None else f"{low:g} to {high:g}")
+        if scores:
+            facts.append(f"A working model's samples score {scores} (the doctor checks the base model's).")
+        table = ["No options."] if entry.options is NoOptions else _table(entry.options, "options.")
+        lines += ["", f"#### `{entry.name}`", "", " ".join(facts), "", *table]
+    return lines
 
 
 def update_reference(path: str | Path) -> bool:

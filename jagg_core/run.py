@@ -17,6 +17,7 @@ from pathlib import Path
 from .config import DEFAULT_PRESET, RunConfig, list_presets, load_config
 from .errors import UserError, exit_on_user_error, fixable_gpu_failure
 from .preflight import check_model, check_references
+from .rewards.catalog import CATALOG
 from .run_queue import RunQueue, runs_dir
 from .rundir import RunDirectory
 
@@ -36,6 +37,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="continue the run in --output-dir (default: the latest run of this name)")
     parser.add_argument("--dry-run", action="store_true", help="validate and print the resolved config, then exit")
     parser.add_argument("--list-presets", action="store_true", help="list the presets and exit")
+    parser.add_argument("--list-rewards", action="store_true",
+                        help="list the rewards (for rewards and eval.judges) and their options, and exit")
     parser.add_argument("--plan", action="store_true",
                         help="print the expected peak GPU memory by part (from the model's configs), then exit")
     parser.add_argument("--queue", action="store_true",
@@ -85,6 +88,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.list_presets:
             for name, description in list_presets().items():
                 print(f"{name:28s} {description}")
+            return 0
+        if args.list_rewards:
+            for entry in CATALOG.values():
+                fields = list(entry.options.model_fields)
+                options = f"options: {', '.join(fields)}" if fields else "no options"
+                print(f"{entry.name:22s} {entry.about} ({options})")
             return 0
         if args.gpu_memory is not None and not args.gpu_memory > 0:
             raise UserError(f"--gpu-memory {args.gpu_memory:g}: give the GPU's memory in GB, a positive number")

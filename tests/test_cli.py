@@ -71,21 +71,6 @@ def test_bad_input_is_one_line_and_exit_code_two(args, message, tmp_path):
     assert lines[0].startswith("jagg_core.run: error: ") and message in lines[0]
 
 
-def test_two_processes_keep_identical_adapters(tmp_path):
-    """``accelerate launch`` with two processes (gloo on CPU): gradients are averaged across ranks."""
-    run_dir = tmp_path / "ddp"
-    result = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-         "--num_machines", "1", "--main_process_port", "0", "--mixed_precision", "no", "--dynamo_backend", "no",
-         "-m", "jagg_core.run", "--preset", "tiny-sd3", *SMALL, "--output-dir", str(run_dir)],
-        cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=SAFETY_CAP_S)
-    assert result.returncode == 0, result.stderr[-3000:]
-    status = RunDirectory(run_dir).read_status()
-    assert status["state"] == "finished"
-    assert status["processes"] == 2 and status["adapters_identical"] is True
-    assert [r["iteration"] for r in RunDirectory(run_dir).read_metrics()] == [0, 1, 2]
-
-
 SLOW_CHECKPOINT = """
 import sys, time
 from jagg_core import rundir

@@ -82,6 +82,28 @@ def test_reference_shows_every_key_default_and_choices():
     assert "Range: `[0, 2^63)`" in reference
 
 
+def test_the_reference_and_list_rewards_give_every_reward_what_it_scores_and_its_options():
+    from jagg_core.rewards.catalog import CATALOG
+    from conftest import run_cli
+
+    sections = dict(part.split("`\n", 1) for part in config_reference().split("\n#### `")[1:])
+    assert list(sections) == list(CATALOG)
+    for name, entry in CATALOG.items():
+        assert entry.about[1:] in sections[name]
+        rows = [line for line in sections[name].splitlines() if line.startswith("| `options.")]
+        assert [row.split("`")[1] for row in rows] == [f"options.{key}" for key in entry.options.model_fields]
+        assert rows or "No options." in sections[name]
+    assert "| `options.url` | required |" in sections["http"]
+    assert "Scoring models: 600 M parameters." in sections["geneval"]
+    assert "A working model's samples score at most 0 (the doctor" in sections["jpeg_compressibility"]
+    listed = run_cli("--list-rewards")
+    assert listed.returncode == 0, listed.stderr
+    lines = listed.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == list(CATALOG)
+    assert lines[list(CATALOG).index("http")].endswith("(options: url, timeout, retries, retry_delay)")
+    assert lines[list(CATALOG).index("motion")].endswith("(no options)")
+
+
 def test_reference_command_prints_it_and_the_modules_are_light():
     out = subprocess.run([sys.executable, "-m", "jagg_core.config_reference"], capture_output=True, text=True,
                          cwd=ROOT, check=True)

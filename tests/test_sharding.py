@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import threading
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -46,13 +47,23 @@ def launch(run_dir, *launcher_args: str, extra: tuple[str, ...] = ()) -> subproc
         cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=SAFETY_CAP_S)
 
 
-def test_fsdp_launch_shards_the_transformer_and_keeps_the_lora_whole_and_identical(tmp_path):
-    run_dir = tmp_path / "fsdp"
-    result = launch(run_dir, "--config_file", str(FSDP_CONFIG),
-                    extra=("--set", "backward.frac=0.5", "--set", "backward.route_by=linearity",
-                           "--set", "backward.audit_every=1"))
+# half the windows routed to the exact backward by their linearity, and the fidelity audit at every iteration: both
+# run transformer calls that are collectives under FSDP
+ROUTED_AND_AUDITED = ("--set", "backward.frac=0.5", "--set", "backward.route_by=linearity",
+                      "--set", "backward.audit_every=1")
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory) -> Path:
+    """A 2-process FSDP run of :data:`SMALL` with :data:`ROUTED_AND_AUDITED`."""
+    run_dir = tmp_path_factory.mktemp("fsdp") / "run"
+    result = launch(run_dir, "--config_file", str(FSDP_CONFIG), extra=ROUTED_AND_AUDITED)
     assert result.returncode == 0, result.stderr[-3000:]
-    run = RunDirectory(run_dir)
+    return run_dir
+
+
+def test_fsdp_launch_shards_the_transformer_and_keeps_the_lora_whole_and_identical(fsdp_run):
+    run = RunDirectory(fsdp_run)
     status = run.read_status()
     assert status["state"] == "finished"
     assert status["processes"] == 2 and status["adapters_identical"] is True
@@ -73,16 +84,16 @@ def test_fsdp_launch_shards_the_transformer_and_keeps_the_lora_whole_and_identic
     assert len(load_file(run.lora_file)) == 30  # lora_A and lora_B of the 8 + 7 attention projections
 
 
-def test_sharded_and_data_parallel_runs_train_the_same_adapter(tmp_path):
-    """Sharding changes where the base weights live, not the training: bit for bit the plain data-parallel result."""
-    sharded, data_parallel = tmp_path / "fsdp", tmp_path / "ddp"
-    result = launch(sharded, "--config_file", str(FSDP_CONFIG))
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_sharded_and_data_parallel_runs_train_the_same_adapter(fsdp_run, tmp_path):
+    """Sharding changes where the base weights live, not the training (its routing and audits included): bit for bit
+    the plain data-parallel result."""
+    sharded, data_parallel = fsdp_run, tmp_path / "ddp"
     result = launch(data_parallel, "--multi_gpu", "--num_machines", "1", "--mixed_precision", "no",
-                    "--dynamo_backend", "no")
+                    "--dynamo_backend", "no", extra=ROUTED_AND_AUDITED)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "sharding" in RunDirectory(sharded).read_status()
-    assert "sharding" not in RunDirectory(data_parallel).read_status()
+    status = RunDirectory(data_parallel).read_status()  # gradients averaged across the processes
+    assert "sharding" not in status and status["processes"] == 2 and status["adapters_identical"] is True
     a = load_file(RunDirectory(sharded).lora_file)
     b = load_file(RunDirectory(data_parallel).lora_file)
     assert a.keys() == b.keys()

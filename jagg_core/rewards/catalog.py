@@ -143,6 +143,8 @@ class RewardEntry:
 
     name: str
     implementation: str
+    #: what it scores, in a sentence (the config reference and ``--list-rewards``)
+    about: str
     options: type[RewardOptions] = NoOptions
     #: millions of parameters of the default scoring model, held on a GPU in ``device_dtype`` and on the CPU in
     #: :data:`CPU_DTYPE` (memory plan)
@@ -179,29 +181,61 @@ class RewardEntry:
 
 CATALOG: dict[str, RewardEntry] = {entry.name: entry for entry in [
     # shapes: a blank image scores 0.02, pure noise about 0.2
-    RewardEntry("shapes", "shapes:ShapesReward", expected_range=(0.3, 1.0), prompt_grammar=SHAPES_GRAMMAR),
-    RewardEntry("shapes_fidelity", "shapes:ShapesFidelity", expected_range=(0.3, 1.0), prompt_grammar=SHAPES_GRAMMAR),
-    RewardEntry("jpeg_compressibility", "jpeg:JpegCompressibility", expected_range=(None, 0.0)),
-    RewardEntry("jpeg_incompressibility", "jpeg:JpegIncompressibility", expected_range=(0.0, None)),
+    RewardEntry("shapes", "shapes:ShapesReward",
+                "the shapes world's prompt checked in the pixels, model-free: the shape's colour and kind, the "
+                "background's colour and the position, each a soft class probability; their mean, in [0, 1]",
+                expected_range=(0.3, 1.0), prompt_grammar=SHAPES_GRAMMAR),
+    RewardEntry("shapes_fidelity", "shapes:ShapesFidelity",
+                "a judge of the shapes world: whether the image still looks like its drawings (colour purity and "
+                "the shape's size), in [0, 1]", expected_range=(0.3, 1.0), prompt_grammar=SHAPES_GRAMMAR),
+    RewardEntry("jpeg_compressibility", "jpeg:JpegCompressibility",
+                "minus the image's JPEG size in kB at quality 95 (DDPO's): simpler images score higher",
+                expected_range=(None, 0.0)),
+    RewardEntry("jpeg_incompressibility", "jpeg:JpegIncompressibility",
+                "the image's JPEG size in kB at quality 95 (DDPO's): more detailed images score higher",
+                expected_range=(0.0, None)),
     # CLIP cosines of an image with its own prompt: 0.15-0.40 when the image shows it
-    RewardEntry("clip_score", "clip:ClipScore", ClipOptions, 428, expected_range=(0.1, 1.0)),
-    RewardEntry("pickscore", "clip:PickScore", PickScoreOptions, 986, expected_range=(10.0, 35.0)),
-    RewardEntry("aesthetic", "clip:Aesthetic", AestheticOptions, 429, expected_range=(2.0, 9.0)),
-    RewardEntry("hpsv2", "packaged:HPSv2", HpsOptions, 986, expected_range=(0.1, 1.0)),
-    RewardEntry("image_reward", "packaged:ImageReward", ImageRewardOptions, 447, expected_range=(-2.5, 2.5)),
-    RewardEntry("ocr", "ocr:OcrReward", OcrOptions, expected_range=(0.0, 1.0)),
-    RewardEntry("clip_directional", "clip:ClipDirectional", ClipDirectionalOptions, 428, expected_range=(-1.0, 1.0)),
-    RewardEntry("http", "remote:HttpReward", HttpOptions),
+    RewardEntry("clip_score", "clip:ClipScore", "CLIP ViT-L/14's cosine of the image and its prompt, in [-1, 1]",
+                ClipOptions, 428, expected_range=(0.1, 1.0)),
+    RewardEntry("pickscore", "clip:PickScore",
+                "PickScore_v1 (CLIP-H/14 tuned on human preferences, Kirstain et al. 2023): its scaled cosine of the "
+                "image and its prompt, about 18-24", PickScoreOptions, 986, expected_range=(10.0, 35.0)),
+    RewardEntry("aesthetic", "clip:Aesthetic",
+                "the LAION improved aesthetic predictor (an MLP on CLIP ViT-L/14 image embeddings), about 1-10",
+                AestheticOptions, 429, expected_range=(2.0, 9.0)),
+    RewardEntry("hpsv2", "packaged:HPSv2",
+                "Human Preference Score v2 (the hpsv2 package's CLIP-H/14 model) of the image and its prompt",
+                HpsOptions, 986, expected_range=(0.1, 1.0)),
+    RewardEntry("image_reward", "packaged:ImageReward",
+                "ImageReward (the image-reward package's BLIP-based human preference model) of the image and its "
+                "prompt", ImageRewardOptions, 447, expected_range=(-2.5, 2.5)),
+    RewardEntry("ocr", "ocr:OcrReward",
+                "Tesseract's reading of the text the prompt quotes: one minus the normalised edit distance, in "
+                "[0, 1]", OcrOptions, expected_range=(0.0, 1.0)),
+    RewardEntry("clip_directional", "clip:ClipDirectional",
+                "image editing: whether the output changed from its input the way the instruction says (CLIP "
+                "ViT-L/14 directional similarity), in [-1, 1]", ClipDirectionalOptions, 428,
+                expected_range=(-1.0, 1.0)),
+    RewardEntry("http", "remote:HttpReward",
+                "your own reward server: it is sent the images (base64 PNG) and prompts, and answers a score each",
+                HttpOptions),
     # Grounding DINO tiny and CLIP ViT-L/14; the fraction of a prompt's GenEval checks met: 0 for a blank image
     # (SD3.5-Medium's GenEval is 0.63 in Flow-GRPO's paper, where a prompt counts only when all its checks are met)
-    RewardEntry("geneval", "geneval:GenEval", GenEvalOptions, 172 + 428, expected_range=(0.1, 1.0),
-                prompt_grammar=OBJECT_GRAMMAR, companion_params_m=428),
+    RewardEntry("geneval", "geneval:GenEval",
+                "GenEval's checks of the prompt (objects, counts, colours, positions) by an open-vocabulary detector "
+                "and CLIP: the fraction met (strict: all or nothing)", GenEvalOptions, 172 + 428,
+                expected_range=(0.1, 1.0), prompt_grammar=OBJECT_GRAMMAR, companion_params_m=428),
     # Qwen2.5-VL-3B in bfloat16; its Qwen2.5-VL processor has a video part, which needs torchvision
-    RewardEntry("vqa_score", "vqa:VqaScore", VqaOptions, 3755, expected_range=(0.0, 1.0), device_dtype="bfloat16",
-                requires=("torchvision",)),
-    RewardEntry("temporal_consistency", "temporal:TemporalConsistency", ClipOptions, 428, expected_range=(0.5, 1.0)),
-    # model-free; 0 for a still video
-    RewardEntry("motion", "temporal:Motion", expected_range=(0.0, 1.0)),
+    RewardEntry("vqa_score", "vqa:VqaScore",
+                "VQAScore: a vision-language model's probability of answering Yes to whether the image shows its "
+                "prompt (an editing row: follows its instruction), in [0, 1]", VqaOptions, 3755,
+                expected_range=(0.0, 1.0), device_dtype="bfloat16", requires=("torchvision",)),
+    RewardEntry("temporal_consistency", "temporal:TemporalConsistency",
+                "videos: the mean CLIP cosine of consecutive frames, 1 for a still video", ClipOptions, 428,
+                expected_range=(0.5, 1.0)),
+    RewardEntry("motion", "temporal:Motion",
+                "videos, model-free: the mean absolute change of consecutive frames averaged down to 64 px, 0 for a "
+                "still video", expected_range=(0.0, 1.0)),
 ]}
 
 
