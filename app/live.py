@@ -17,6 +17,7 @@ from jagg_core import metrics
 from jagg_core.adapters import BEST, LATEST_LABEL, Adapter, best_words, choose_adapter
 from jagg_core.config import term_names
 from jagg_core.errors import UserError
+from jagg_core.model_card import checklist_markdown
 from jagg_core.run_queue import RunQueue
 from jagg_core.rundir import ImageSet, RunDirectory, iteration_dirname
 from jagg_core.tracking import dashboard_hints
@@ -240,28 +241,12 @@ def spread_curve(run_dir: Path) -> pd.DataFrame:
                    for name in names if isinstance(row.get(metrics.reward_spread(name)), (int, float))], names)
 
 
-DOCTOR_MARKS = {"pass": "✓", "fail": "✗", "skip": "–"}  # in the fonts every browser has (emoji may not be)
-
-
 def doctor_words(run_dir: Path) -> str:
-    """The first iteration's checklist (``RUN/doctor.json``) as Markdown: a line per check, ✓ passed, ✗ failed
-    (with its fix, naming the page's fields where it names their config keys) or – skipped, with its detail; empty
-    before the first iteration."""
+    """The first iteration's checklist (``RUN/doctor.json``) as Markdown (:func:`~jagg_core.model_card.
+    checklist_markdown`), its fixes naming the page's fields where they name their config keys; empty before the
+    first iteration."""
     report = RunDirectory(run_dir).read_doctor()
-    if not report:
-        return ""
-    checks = report.get("checks") or []
-    failed = sum(check.get("status") == "fail" for check in checks)
-    verdict = f"{failed} of {len(checks)} failed" if failed else "passed"
-    lines = [f"**First-iteration check** (iteration {report.get('iteration', 1)}): {verdict}", ""]
-    for check in checks:
-        line = f"- {DOCTOR_MARKS.get(check.get('status'), '–')} {check.get('check')}"
-        if check.get("detail"):
-            line += f": {check['detail']}"
-        if check.get("status") == "fail" and check.get("fix"):
-            line += f"  \n  **Fix:** {with_labels(check['fix'])}"
-        lines.append(line)
-    return "\n".join(lines)
+    return "\n".join(checklist_markdown(report, with_labels)) if report else ""
 
 
 def captioned(images: ImageSet | None) -> list[tuple[str, str]]:

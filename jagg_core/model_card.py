@@ -27,8 +27,9 @@ import io
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import yaml
 from huggingface_hub import ModelCard, ModelCardData
@@ -66,6 +67,7 @@ class RunSnapshot:
     before: ImageSet | None
     after: ImageSet | None
     evaluation: "Evaluation | None" = None
+    doctor: dict = field(default_factory=dict)  # the first iteration's checklist (RUN/doctor.json), if it ran
 
     @property
     def base_model(self) -> str:
@@ -123,7 +125,8 @@ def read_run(run_dir: str | Path, checkpoint: str | None = None, evaluation: str
     trained = [i for i in sampled if i > 0 and (iteration is None or i <= iteration)]
     return RunSnapshot(config, run.read_run_info(), rows, adapter, iteration,
                        run.samples(0) if 0 in sampled else None, run.samples(trained[-1]) if trained else None,
-                       read_evaluation(evaluation, run.path, adapter) if evaluation is not None else None)
+                       read_evaluation(evaluation, run.path, adapter) if evaluation is not None else None,
+                       run.read_doctor())
 
 
 def _scrub(node):
@@ -420,6 +423,28 @@ def _sample_call(prompt: str, sampling: dict, videos: bool, input_images: int) -
             f"export_to_video(frames, \"sample.mp4\", fps={sampling.get('fps')})")
 
 
+#: a check's mark by its status, in the fonts every browser has (emoji may not be)
+DOCTOR_MARKS = {"pass": "✓", "fail": "✗", "skip": "–"}
+
+
+def checklist_markdown(report: dict, fix_words: Callable[[str], str] = str) -> list[str]:
+    """The first iteration's checklist (``RUN/doctor.json``) as Markdown lines: its verdict, then a line per check,
+    ✓ passed, ✗ failed (with its fix, put in ``fix_words``) or – skipped, with its detail (the page's Watch and the
+    model card)."""
+    checks = report.get("checks") or []
+    failed = sum(check.get("status") == "fail" for check in checks)
+    verdict = f"{failed} of {len(checks)} failed" if failed else "passed"
+    lines = [f"**First-iteration check** (iteration {report.get('iteration', 1)}): {verdict}", ""]
+    for check in checks:
+        line = f"- {DOCTOR_MARKS.get(check.get('status'), '–')} {check.get('check')}"
+        if check.get("detail"):
+            line += f": {check['detail']}"
+        if check.get("status") == "fail" and check.get("fix"):
+            line += f"  \n  **Fix:** {fix_words(check['fix'])}"
+        lines.append(line)
+    return lines
+
+
 def build_model_card(snap: RunSnapshot, repo_id: str) -> ModelCard:
     """The model card: Hub metadata (base model, tags, widget) and a body describing use, recipe and results."""
     base = snap.base_model
@@ -485,6 +510,8 @@ pipe.load_lora_weights("{repo_id}")
         results.append(_results_table(first, last))
     if snap.metrics:
         results.append(f"![Reward per iteration]({CURVE_FILE})\n")
+    if snap.doctor.get("checks"):
+        results.append("\n".join(checklist_markdown(snap.doctor)) + "\n")
     if len(results) > 1:
         parts.append("\n".join(results))
     if snap.evaluation is not None:

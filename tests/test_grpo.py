@@ -152,7 +152,11 @@ def test_a_per_reward_run_trains_and_its_card_says_so(tmp_path, offline):
     [balance] = [check for check in RunDirectory(tmp_path).read_doctor()["checks"]
                  if check["check"] == "each reward moves the advantage"]
     assert balance["status"] == "pass" and balance["detail"].endswith("(per_reward: each its weight's share)")
-    assert "Each reward's own group advantage" in str(build_model_card(read_run(tmp_path), "me/x"))
+    card = str(build_model_card(read_run(tmp_path), "me/x"))
+    assert "Each reward's own group advantage" in card
+    # the card shows the doctor's checklist (RUN/doctor.json) under its results, as the page does
+    assert "**First-iteration check** (iteration 1): passed\n\n- ✓ rewards are finite and vary within groups:" in card
+    assert "\n- ✓ each reward moves the advantage: signal (weighted spread within groups) jpeg_compressibility" in card
 
 
 def group_advantages_of(rewards):
