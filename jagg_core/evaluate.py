@@ -16,6 +16,10 @@ geneval, options: {strict: true}}"``, repeated). For each, over the ``n = N K`` 
     base, adapter      mean +- standard error, s / sqrt(n)
     adapter - base     the paired difference's mean +- its standard error (same prompt, same noise)
     adapter wins       the share of pairs the adapter scores higher (a tie counts a half)
+    p                  two-sided, that the adapter and the base score the same on average over prompts: the
+                       prompts are the units (a prompt's K pairs share it, so they are not independent draws), each
+                       its mean paired difference d_i, z = mean(d) / (s_d / sqrt(N)), p = erfc(|z| / sqrt 2) (a
+                       normal approximation, close from about 30 prompts; none with one prompt)
 
 ``--against RUN2`` compares the adapter with another adapter of the same base model instead of the base model (an A/B
 test of two runs, say GRPO's and DiffusionNFT's, or with ``RUN2 = RUN`` of two checkpoints): RUN2's latest adapter, or
@@ -66,13 +70,25 @@ class Scored:
     base: list[float]
     adapter: list[float]
 
-    def row(self) -> dict:
-        """Means with standard errors, the paired difference and the adapter's wins (module docstring)."""
+    def row(self, prompts: int) -> dict:
+        """Means with standard errors, the paired difference, the adapter's wins and the p-value over the
+        ``prompts`` (pair ``k N + i`` is prompt ``i``'s ``k``-th; the module docstring)."""
         difference = [a - b for a, b in zip(self.adapter, self.base)]
         wins = sum(1.0 if d > 0 else 0.5 if d == 0 else 0.0 for d in difference) / len(difference)
         return {"reward": self.label, "pairs": len(difference), "base": mean_and_error(self.base),
                 "adapter": mean_and_error(self.adapter), "difference": mean_and_error(difference),
-                "adapter_wins": wins}
+                "adapter_wins": wins, "p_value": p_value([difference[i::prompts] for i in range(prompts)])}
+
+
+def p_value(differences_by_prompt: list[list[float]]) -> float | None:
+    """Two-sided p of a zero mean difference, the prompts as the units (the module docstring); None for one
+    prompt."""
+    if len(differences_by_prompt) < 2:
+        return None
+    mean, error = mean_and_error([sum(d) / len(d) for d in differences_by_prompt])
+    if error == 0:
+        return 1.0 if mean == 0 else 0.0
+    return math.erfc(abs(mean / error) / math.sqrt(2))
 
 
 def mean_and_error(values: list[float]) -> tuple[float, float]:
@@ -253,6 +269,11 @@ def by_task(result: Scored, tasks: list[str]) -> dict[str, dict]:
     return rows
 
 
+def p_words(p: float | None) -> str:
+    """A p-value as a table shows it: ``0.032``, ``< 0.001``, or ``-`` for none."""
+    return "-" if p is None else "< 0.001" if p < 0.001 else f"{p:.3f}"
+
+
 def table(settings: dict, scored: list[Scored]) -> str:
     """The markdown table of the evaluation, its settings above it."""
     pairs = settings["distinct_prompts"] * settings["images_per_prompt"]
@@ -262,13 +283,14 @@ def table(settings: dict, scored: list[Scored]) -> str:
     lines = [f"**{settings['adapter']}** of `{Path(settings['run']).name}` against {versus}: "
              f"{settings['distinct_prompts']} prompts ({settings['prompts']}) x {settings['images_per_prompt']} "
              f"noises, {settings['steps']} steps at {settings['resolution']} px; mean ± standard error of {pairs} "
-             "pairs", "",
-             f"| reward | {baseline} | adapter | adapter - {baseline} | adapter wins |", "|---|---|---|---|---|"]
+             "pairs; p: that both score the same, the prompts as the units", "",
+             f"| reward | {baseline} | adapter | adapter - {baseline} | adapter wins | p |", "|---|---|---|---|---|---|"]
     for result in scored:
-        row = result.row()
+        row = result.row(settings["distinct_prompts"])
         base, tuned, difference = row["base"], row["adapter"], row["difference"]
         lines.append(f"| {result.label} | {base[0]:.4f} ± {base[1]:.4f} | {tuned[0]:.4f} ± {tuned[1]:.4f} | "
-                     f"{difference[0]:+.4f} ± {difference[1]:.4f} | {row['adapter_wins']:.0%} |")
+                     f"{difference[0]:+.4f} ± {difference[1]:.4f} | {row['adapter_wins']:.0%} | "
+                     f"{p_words(row['p_value'])} |")
     if settings.get("tasks"):
         tasks = [by_task(result, settings["tasks"]) for result in scored]
         lines += ["", f"By GenEval task (the prompts' kind), mean of {'the base model' if not other else baseline} "
@@ -287,7 +309,7 @@ def write_evaluation(out: Path, settings: dict, scored: list[Scored], grid: "Ima
     (out / TABLE_FILE).write_text(text)
     grid.save(out / GRID_FILE)
     (out / SCORES_FILE).write_text(json.dumps({
-        "settings": settings, "results": [result.row() for result in scored],
+        "settings": settings, "results": [result.row(settings["distinct_prompts"]) for result in scored],
         "by_task": {result.label: by_task(result, settings["tasks"]) for result in scored} if settings["tasks"]
         else None,
         "scores": {result.label: {"base": result.base, "adapter": result.adapter} for result in scored}}, indent=1))

@@ -80,15 +80,19 @@ def test_each_reward_and_judge_scores_the_base_and_the_adapter_on_the_same_noise
 
 def test_a_row_is_the_means_their_standard_errors_the_paired_difference_and_the_wins():
     result = Scored("reward x", base=[1.0, 2.0, 3.0, 4.0], adapter=[2.0, 2.0, 5.0, 3.0])
-    row = result.row()
+    row = result.row(2)  # pairs 0, 2 of prompt 0; 1, 3 of prompt 1
     assert row["pairs"] == 4
     assert row["base"] == pytest.approx((2.5, statistics.stdev([1, 2, 3, 4]) / 2))
     assert row["adapter"] == pytest.approx((3.0, statistics.stdev([2, 2, 5, 3]) / 2))
     assert row["difference"] == pytest.approx((0.5, statistics.stdev([1, 0, 2, -1]) / 2))
     assert row["adapter_wins"] == pytest.approx((1 + 0.5 + 1 + 0) / 4)
+    # the prompts' mean differences 1.5 and -0.5: z = 0.5 / (stdev / sqrt 2) = 0.5
+    z = 0.5 / (statistics.stdev([1.5, -0.5]) / 2 ** 0.5)
+    assert row["p_value"] == pytest.approx(2 * (1 - statistics.NormalDist().cdf(z)))
+    assert result.row(1)["p_value"] is None and Scored("y", [0.0] * 4, [1.0] * 4).row(2)["p_value"] == 0.0
     text = table({"adapter": "latest adapter", "run": "runs/x", "model": "m", "distinct_prompts": 2,
                   "prompts": "p", "images_per_prompt": 2, "steps": 6, "resolution": "32"}, [result])
-    assert "| reward x | 2.5000 ± 0.6455 | 3.0000 ± 0.7071 | +0.5000 ± 0.6455 | 62% |" in text
+    assert "| reward x | 2.5000 ± 0.6455 | 3.0000 ± 0.7071 | +0.5000 ± 0.6455 | 62% | 0.617 |" in text
 
 
 def test_other_rewards_and_prompt_sets_are_named_on_the_command_line(tiny_run, tmp_path):
@@ -293,7 +297,7 @@ def test_against_another_runs_adapter_each_side_is_that_adapter_sampled_alone_on
     assert settings["against"]["run"] == str(other) and settings["against"]["adapter"] == "latest adapter"
     text = table(settings, scored)
     assert "against the latest adapter of `other` (the same base model tiny-sd3)" in text
-    assert "| reward | other latest adapter | adapter | adapter - other latest adapter | adapter wins |" in text
+    assert "| reward | other latest adapter | adapter | adapter - other latest adapter | adapter wins | p |" in text
 
     out = tmp_path / "evaluations"
     monkeypatch.chdir(tmp_path)  # the default folder is under evaluations/ here
