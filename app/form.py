@@ -28,7 +28,7 @@ from jagg_core.errors import UserError
 from jagg_core.image_size import COMMON_SIZES
 from jagg_core.preflight import check_references
 from jagg_core.prompts import ARCHIVE_SUFFIX, FILE_SUFFIXES, builtin_prompt_sets, load_prompts, unpack_image_folder
-from jagg_core.rewards.catalog import available_rewards
+from jagg_core.rewards.catalog import available_rewards, reward_entry
 
 PROMPTS_BUILTIN, PROMPTS_UPLOAD, PROMPTS_TEXT = "Built-in set", "Upload a file", "Write my own"
 #: where a run keeps the image folder uploaded as a .zip (an editing model's prompt set)
@@ -288,6 +288,12 @@ def cli_command(config: RunConfig, preset: str) -> str:
     sets = [f"--set {shlex.quote(f'{key}={yaml_value(value)}')}" for key, value in wanted.items()
             if key not in base or base[key] != value]
     return " ".join(["python -m jagg_core.run", f"--preset {shlex.quote(preset)}", *sets])
+
+
+def reward_words(rewards: list[str] | None) -> str:
+    """What each chosen reward scores (the catalog's sentence), a Markdown line each: under the page's Rewards."""
+    return "  \n".join(f"**{name}**: {reward_entry(name).about}" for name in rewards or []
+                       if name in available_rewards())
 
 
 def weight_rows(rewards: list[str], rows: list[list] | None) -> list[list]:

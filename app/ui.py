@@ -59,7 +59,7 @@ from jagg_core.rundir import RunDirectory
 from . import access, live
 from .form import (ADVANCED_KNOBS, ALGORITHM_KNOBS, KNOBS, MAIN_KNOBS, PROMPT_MODES, PROMPTS_BUILTIN, PROMPTS_TEXT,
                    PROMPTS_UPLOAD, Form, Knob, build_config, checked_config, cli_command, config_form, model_choices,
-                   preset_form, prompt_preview, weight_rows)
+                   preset_form, prompt_preview, reward_words, weight_rows)
 from .jobs import JobControl, queue_placement, runs_root
 from .system import gpu_free_gb, gpu_rows, hardware_words, placement_for, process_choices, sampling_environment
 
@@ -803,6 +803,7 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                                         info="pick one, or type a Hub id (owner/name) or a local folder")
                 rewards = gr.Dropdown(available_rewards(), value=defaults.rewards, multiselect=True,
                                       label="Rewards", elem_id="rewards")
+                reward_about = gr.Markdown(reward_words(defaults.rewards), elem_id="reward-about")
                 weights = gr.Dataframe(defaults.weights, headers=["reward", "weight"], datatype=["str", "number"],
                                        type="array", static_columns=[0], label="Reward weights",
                                        elem_id="reward-weights", interactive=True)
@@ -973,6 +974,7 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                       [preset_info, name, model, rewards, weights, prompt_mode, prompt_set, *knobs],
                       api_name="load_preset")
         rewards.change(weight_rows, [rewards, weights], weights, api_visibility="private")
+        rewards.change(reward_words, rewards, reward_about, api_visibility="private")
         widgets["train.algorithm"].change(algorithm_chosen, widgets["train.algorithm"], knobs,
                                           api_visibility="private")
         prompt_mode.change(studio.prompt_mode_changed, [prompt_mode, prompt_set, prompt_text],

@@ -257,6 +257,14 @@ def test_a_reward_that_is_also_a_judge_with_other_options_keeps_each_its_own():
                                                    "hpsv2": {"version": "v2.0"}}
 
 
+def test_the_page_says_what_each_chosen_reward_scores():
+    from app.form import reward_words
+    from jagg_core.rewards.catalog import CATALOG
+    assert reward_words(["pickscore", "motion", "nope"]).split("  \n") == [
+        f"**pickscore**: {CATALOG['pickscore'].about}", f"**motion**: {CATALOG['motion'].about}"]
+    assert reward_words([]) == reward_words(None) == ""
+
+
 def test_form_refuses_a_bad_weight_and_an_unknown_reward(tmp_path):
     form = Form(preset="tiny-sd3", name="x", model="tiny-sd3", rewards=["jpeg_compressibility"],
                 weights=[["jpeg_compressibility", "heavy"]], prompt_set="general")

@@ -96,6 +96,7 @@ def test_a_wrong_model_and_a_bad_value_are_refused_before_launch_in_the_fields_w
 
     page, runs = studio
     expect(page.locator("#run-status")).to_contain_text("No run yet")
+    expect(page.locator("#reward-about")).to_contain_text("shapes: the shapes world's prompt checked in the pixels")
     _fill_form(page)
     _fill(page, "model", "nobody/no-such-model")
     page.locator("#start-btn").click()
