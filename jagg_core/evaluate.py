@@ -24,7 +24,8 @@ geneval, options: {strict: true}}"``, repeated). For each, over the ``n = N K`` 
 ``--against RUN2`` compares the adapter with another adapter of the same base model instead of the base model (an A/B
 test of two runs, say GRPO's and DiffusionNFT's, or with ``RUN2 = RUN`` of two checkpoints): RUN2's latest adapter, or
 its ``--against-checkpoint``, loaded beside the run's with its own rank and targets, samples the other side of each
-pair, with the run's sampler and sizes.
+pair, with the run's sampler and sizes. ``--against`` may also name a LoRA that is no run's (a
+``pytorch_lora_weights.safetensors`` file, its folder or a Hub id, e.g. a published adapter of the same base model).
 
 When every prompt reads as the ``geneval`` reward reads prompts (the ``geneval`` and ``compositional`` sets), each
 reward's means are also given by GenEval task (single object, two objects, counting, colours, position, colour
@@ -51,6 +52,8 @@ from .errors import UserError, exit_on_user_error, made_folder
 
 if TYPE_CHECKING:
     from PIL import Image
+
+    from .adapters import Adapter
 
 PROG = "jagg_core.evaluate"
 TABLE_FILE = "evaluation.md"
@@ -140,28 +143,52 @@ def evaluation_prompts(config, source: str | None, limit: int | None, seed: int)
     return limit_prompts(list(dict.fromkeys(prompts)), limit, seed)
 
 
-def other_adapter(config, against: Path, checkpoint: str | None):
-    """The adapter of the run ``against`` (its latest, ``best`` or ``iter_N``) that the run's is compared with; a
-    one-line :class:`UserError` when that run trained another base model."""
-    from .adapters import choose_adapter
-    from .config import validate_config
-    from .rundir import RunDirectory
+#: the label of an ``--against`` adapter that is no run's
+LORA_LABEL = "LoRA"
 
-    other = validate_config(RunDirectory(against).read_config()).model
-    if (other.name, other.revision) != (config.model.name, config.model.revision):
-        raise UserError(f"--against {against}: its adapter is of {other.name}, the run's of {config.model.name}; "
-                        "compare adapters of the same base model")
-    return choose_adapter(against, checkpoint)
+
+def other_adapter(config, against: str, checkpoint: str | None) -> tuple[Adapter, dict]:
+    """What the run's adapter is compared with: the adapter of the run folder ``against`` (its latest, ``best`` or
+    ``iter_N``; a one-line :class:`UserError` when that run trained another base model), or the LoRA ``against``
+    names (a file, a folder or a Hub id: :func:`~jagg_core.hubclient.resolve_lora`); and how the evaluation records
+    it (``source``, ``name``, ``adapter``, ``adapter_sha256``)."""
+    from .adapters import Adapter, choose_adapter
+    from .config import validate_config
+    from .hubclient import resolve_lora
+    from .rundir import LORA_FILE, RunDirectory
+
+    run = RunDirectory(against)
+    if run.config_file.is_file():
+        other = validate_config(run.read_config()).model
+        if (other.name, other.revision) != (config.model.name, config.model.revision):
+            raise UserError(f"--against {against}: its adapter is of {other.name}, the run's of "
+                            f"{config.model.name}; compare adapters of the same base model")
+        adapter = choose_adapter(against, checkpoint)
+        name, label = run.path.resolve().name, adapter.label
+    else:
+        if checkpoint:
+            raise UserError(f"--against-checkpoint names a checkpoint of a run, but {against} is a LoRA, not a run "
+                            "folder")
+        adapter = Adapter(resolve_lora(str(against)), None, None)
+        local = Path(against).expanduser()
+        if not local.exists():
+            name = str(against)  # a Hub id
+        elif local.is_file() and local.name == LORA_FILE:
+            name = local.resolve().parent.name  # its folder's
+        else:
+            name = local.resolve().name
+        label = LORA_LABEL
+    return adapter, {"source": str(against), "name": name, "adapter": label, "adapter_sha256": adapter.digest()}
 
 
 def baseline_name(settings: dict) -> str:
-    """What the adapter is compared with, in a table's column: ``base``, or the other run's name and adapter."""
+    """What the adapter is compared with, in a table's column: ``base``, or the other adapter's name and label."""
     other = settings.get("against")
-    return f"{Path(other['run']).name} {other['adapter']}" if other else "base"
+    return f"{other['name']} {other['adapter']}" if other else "base"
 
 
 def evaluate(run_dir: Path, *, source: str | None = None, limit: int | None = None, images_per_prompt: int = 4,
-             checkpoint: str | None = None, against: Path | None = None, against_checkpoint: str | None = None,
+             checkpoint: str | None = None, against: str | Path | None = None, against_checkpoint: str | None = None,
              given_rewards: list[str] | None = None, batch: int = 8,
              seed: int = 0) -> tuple[dict, list[Scored], "Image.Image"]:
     """Sample and score (module docstring): the settings, each reward's :class:`Scored` (``base``: the base model's
@@ -177,10 +204,10 @@ def evaluate(run_dir: Path, *, source: str | None = None, limit: int | None = No
         raise UserError("--against-checkpoint names a checkpoint of the --against run: give that run too")
     config = validate_config(RunDirectory(run_dir).read_config())
     adapter = choose_adapter(run_dir, checkpoint)
-    other = other_adapter(config, against, against_checkpoint) if against is not None else None
-    if other is not None and other.digest() == adapter.digest():
-        raise UserError(f"--against: the {other.label} of {against} holds the same weights as the {adapter.label} "
-                        "evaluated; name another run or checkpoint (--against-checkpoint)")
+    other, against_record = other_adapter(config, against, against_checkpoint) if against is not None else (None, None)
+    if against_record is not None and against_record["adapter_sha256"] == adapter.digest():
+        raise UserError(f"--against: the {against_record['adapter']} of {against} holds the same weights as the "
+                        f"{adapter.label} evaluated; name another run, checkpoint (--against-checkpoint) or LoRA")
     prompts = evaluation_prompts(config, source, limit, seed)
     specs = reward_specs(config, given_rewards or [])
     for label, spec in specs:
@@ -228,8 +255,7 @@ def evaluate(run_dir: Path, *, source: str | None = None, limit: int | None = No
                 "model": config.model.name, "steps": steps, "resolution": size.config_value(),
                 "rewards": [{"label": label, "name": spec.name, "options": spec.options} for label, spec in specs],
                 "tasks": geneval_tasks(prompts),
-                "against": {"run": str(against), "adapter": other.label, "adapter_sha256": other.digest()}
-                if other is not None else None}
+                "against": against_record}
     return settings, scored, sample_grid(shown, prompts, scored[0], size.width, against=other is not None)
 
 
@@ -278,8 +304,9 @@ def table(settings: dict, scored: list[Scored]) -> str:
     """The markdown table of the evaluation, its settings above it."""
     pairs = settings["distinct_prompts"] * settings["images_per_prompt"]
     other, baseline = settings.get("against"), baseline_name(settings)
-    versus = (f"the {other['adapter']} of `{Path(other['run']).name}` (the same base model {settings['model']})"
-              if other else f"its base model {settings['model']}")
+    versus = (f"its base model {settings['model']}" if not other else f"the LoRA `{other['source']}`"
+              if other["adapter"] == LORA_LABEL else
+              f"the {other['adapter']} of `{other['name']}` (the same base model {settings['model']})")
     lines = [f"**{settings['adapter']}** of `{Path(settings['run']).name}` against {versus}: "
              f"{settings['distinct_prompts']} prompts ({settings['prompts']}) x {settings['images_per_prompt']} "
              f"noises, {settings['steps']} steps at {settings['resolution']} px; mean ± standard error of {pairs} "
@@ -324,8 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--images-per-prompt", type=int, default=4, metavar="K")
     parser.add_argument("--checkpoint", metavar="best|iter_N", help="the best adapter or a checkpoint's (default: "
                         "the latest)")
-    parser.add_argument("--against", type=Path, metavar="RUN2", help="compare with another run's adapter of the same "
-                        "base model instead of the base model")
+    parser.add_argument("--against", metavar="RUN2|LORA", help="compare with another run's adapter of the same base "
+                        "model, or a LoRA (a file, a folder, a Hub id), instead of the base model")
     parser.add_argument("--against-checkpoint", metavar="best|iter_N", help="that run's best adapter or a "
                         "checkpoint's (default: its latest)")
     parser.add_argument("--reward", action="append", default=[], metavar="SPEC",
@@ -341,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
                                     given_rewards=args.reward, batch=args.batch, seed=args.seed)
         name = f"{args.run_dir.resolve().name}-{settings['adapter'].replace(' ', '-')}"
         if args.against is not None:
-            name += f"-vs-{args.against.resolve().name}-{settings['against']['adapter'].replace(' ', '-')}"
+            other = settings["against"]
+            name += f"-vs-{other['name']}-{other['adapter']}".replace(" ", "-").replace("/", "-")
         out = made_folder(args.out or Path("evaluations") / name)
         print(write_evaluation(out, settings, scored, grid), end="")
         print(out)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import types
 from pathlib import Path
@@ -294,7 +295,7 @@ def test_against_another_runs_adapter_each_side_is_that_adapter_sampled_alone_on
     for index in range(len(prompts)):
         other_score = sample_scores(other, prompts, index, pair_seed(3, 0, index))[1]
         assert scored[0].base[index] == pytest.approx(other_score, abs=1e-4)
-    assert settings["against"]["run"] == str(other) and settings["against"]["adapter"] == "latest adapter"
+    assert settings["against"]["source"] == str(other) and settings["against"]["adapter"] == "latest adapter"
     text = table(settings, scored)
     assert "against the latest adapter of `other` (the same base model tiny-sd3)" in text
     assert "| reward | other latest adapter | adapter | adapter - other latest adapter | adapter wins | p |" in text
@@ -305,6 +306,15 @@ def test_against_another_runs_adapter_each_side_is_that_adapter_sampled_alone_on
                  "--reward", "jpeg_compressibility"]) == 0
     assert [p.name for p in out.iterdir()] == [f"{Path(tiny_run).name}-latest-adapter-vs-other-latest-adapter"]
 
+    # a LoRA that is no run's (its file, or its folder): the same other side
+    lora = tmp_path / "published"
+    shutil.copytree(other / "lora", lora)
+    for source in (lora, lora / "pytorch_lora_weights.safetensors"):
+        settings, from_lora, _ = evaluate(tiny_run, images_per_prompt=1, batch=2, seed=3, against=source)
+        assert from_lora[0].base == scored[0].base and settings["against"]["name"] == "published"
+    assert "against the LoRA `" in table(settings, from_lora) and "| published LoRA | adapter |" in table(settings,
+                                                                                                       from_lora)
+
 
 def test_against_refuses_another_base_model_the_same_weights_and_a_checkpoint_without_its_run(tiny_run, tmp_path):
     flux = other_run(tiny_run, tmp_path / "flux", model="tiny-flux")
@@ -312,10 +322,14 @@ def test_against_refuses_another_base_model_the_same_weights_and_a_checkpoint_wi
                                         r"compare adapters of the same base model$"):
         evaluate(tiny_run, against=flux)
     with pytest.raises(UserError, match=r"^--against: the iter_000002 of .* holds the same weights as the latest "
-                                        r"adapter evaluated; name another run or checkpoint"):
+                                        r"adapter evaluated; name another run, checkpoint"):
         evaluate(tiny_run, against=Path(tiny_run), against_checkpoint="iter_2")
     with pytest.raises(UserError, match="--against-checkpoint names a checkpoint of the --against run"):
         evaluate(tiny_run, against_checkpoint="best")
+    with pytest.raises(UserError, match=r"--against-checkpoint names a checkpoint of a run, but .*lora is a LoRA"):
+        evaluate(tiny_run, against=flux / "lora", against_checkpoint="best")
+    with pytest.raises(UserError, match="LoRA 'no/such/thing' is neither a local folder nor a Hub repo id"):
+        evaluate(tiny_run, against="no/such/thing")
     broken = other_run(tiny_run, tmp_path / "broken")
     (broken / "lora" / "pytorch_lora_weights.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(UserError, match=r"pytorch_lora_weights.safetensors is not a LoRA of this sd3 model \("):
