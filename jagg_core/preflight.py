@@ -18,19 +18,20 @@ from .family_names import DeclaredFamily, declared_families, family_of_pipeline
 
 
 def check_references(config: RunConfig, disk: bool = True) -> DownloadPlan | None:
-    """The base model, the rewards and judges (names, options, no judge equal to a training reward), the prompts and
-    the trackers' packages exist, and the rewards and judges can read the prompts; raises
+    """The base model, the rewards and judges (names, options, no judge equal to a training reward, a video reward on
+    videos), the prompts and the trackers' packages exist, and the rewards and judges can read the prompts; raises
     :class:`~jagg_core.errors.UserError`. Returns the base model's :class:`~jagg_core.download.DownloadPlan`
     (``.left``: bytes still to download), None when it is not a Hub model or the Hub is offline. ``disk`` false (a
     memory plan, a dry run, an export): no refusal for the cache's disk room, nor for a Hub model offline that the
     cache lacks, nor for a reward's package missing here."""
     from .judges import check_judges
     from .prompts import run_prompts
-    from .rewards.catalog import check_prompts_readable, check_reward_packages, check_reward_specs
+    from .rewards.catalog import check_prompts_readable, check_reward_packages, check_reward_specs, check_video_rewards
     from .tracking import check_trackers
     plan = check_model(config.model, disk)
     check_reward_specs(config.rewards)
     check_judges(config)
+    check_video_rewards(config)
     if disk:  # a launch: the rewards' models will load
         check_reward_packages([spec.name for spec in [*config.rewards, *config.eval.judges]])
     check_trackers(config.train.report_to)

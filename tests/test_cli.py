@@ -49,6 +49,8 @@ def test_dry_run_prints_the_resolved_config_with_overrides():
     (["--set", "sampling.resolution=30"], "resolution must be a multiple of 16"),
     (["--set", "grpo.num_generations=1"], "bad value 1 for 'grpo.num_generations'"),
     (["--set", "rewards=[{name: beauty}]"], "unknown reward 'beauty'; available: "),
+    (["--set", "eval.judges=[{name: motion}]"], "the motion reward scores videos of 2 frames or more: use a video "
+                                                "model (Wan) with sampling.num_frames >= 5"),
     (["--set", "prompts.source=missing.txt"], "missing.txt"),
     (["--set", "prompts.source=presets/prompts/general.txt"], "the reward 'shapes' cannot read the prompt"),
     (["--config", "does-not-exist.yaml"], "config file 'does-not-exist.yaml' does not exist"),

@@ -612,3 +612,10 @@ def test_http_reply_size_is_capped(server):
     srv = server(lambda body: (200, (b" " * (1 << 20) for _ in range(20))))
     with pytest.raises(UserError, match="sent more than 16 MB"):
         build_reward(spec("http", url=srv.url, retries=0))(flat_and_noise(16), ["a", "b"])
+
+
+def test_the_catalog_says_which_rewards_score_whole_videos_as_their_classes_do():
+    """``videos_only`` (read before launch, torch-free) is each class's ``takes_videos`` (read as it scores)."""
+    from jagg_core.rewards.catalog import CATALOG
+    assert {name for name, entry in CATALOG.items() if entry.load_class().takes_videos} == {
+        name for name, entry in CATALOG.items() if entry.videos_only} == {"temporal_consistency", "motion"}

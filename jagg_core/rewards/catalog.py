@@ -162,6 +162,8 @@ class RewardEntry:
     device_dtype: Literal["float32", "bfloat16"] = "float32"
     #: packages its model needs beyond requirements.txt, refused before launch when missing
     requires: tuple[str, ...] = ()
+    #: it scores whole videos (``Reward.takes_videos``): a run of single images is refused before launch
+    videos_only: bool = False
 
     def dtype_on(self, device_type: str) -> str:
         """The dtype its scoring model loads in on a device of ``device_type``: ``device_dtype`` on a GPU,
@@ -232,10 +234,10 @@ CATALOG: dict[str, RewardEntry] = {entry.name: entry for entry in [
                 expected_range=(0.0, 1.0), device_dtype="bfloat16", requires=("torchvision",)),
     RewardEntry("temporal_consistency", "temporal:TemporalConsistency",
                 "videos: the mean CLIP cosine of consecutive frames, 1 for a still video", ClipOptions, 428,
-                expected_range=(0.5, 1.0)),
+                expected_range=(0.5, 1.0), videos_only=True),
     RewardEntry("motion", "temporal:Motion",
                 "videos, model-free: the mean absolute change of consecutive frames averaged down to 64 px, 0 for a "
-                "still video", expected_range=(0.0, 1.0)),
+                "still video", expected_range=(0.0, 1.0), videos_only=True),
 ]}
 
 
@@ -272,6 +274,20 @@ def check_reward_specs(specs) -> None:
     """Every :class:`~jagg_core.config.RewardSpec` names a known reward with valid options."""
     for spec in specs:
         reward_options(spec.name, spec.options)
+
+
+def videos_needed(name: str) -> str:
+    """The line that refuses the video reward ``name`` a sample of fewer than 2 frames."""
+    return (f"the {name} reward scores videos of 2 frames or more: use a video model (Wan) with "
+            "sampling.num_frames >= 5")
+
+
+def check_video_rewards(config) -> None:
+    """A reward or judge that scores whole videos has them: ``sampling.num_frames`` of 2 or more (before launch,
+    where the reward itself would refuse at the base eval, once the model has loaded)."""
+    for spec in [*config.rewards, *config.eval.judges]:
+        if reward_entry(spec.name).videos_only and config.sampling.num_frames < 2:
+            raise UserError(videos_needed(spec.name))
 
 
 def check_reward_packages(names: list[str]) -> None:

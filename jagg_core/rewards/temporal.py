@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from ..errors import UserError
 from .base import Reward
+from .catalog import videos_needed
 from .clip import ClipReward
 
 #: frames embedded by one CLIP call
@@ -37,10 +38,10 @@ MOTION_SIDE = 64
 
 
 def check_videos(videos: torch.Tensor, name: str) -> None:
-    """``videos`` are a batch of videos of 2 frames or more; otherwise one line saying what the reward needs."""
+    """``videos`` are a batch of videos of 2 frames or more; otherwise one line saying what the reward needs (a run
+    is refused it before launch: :func:`~jagg_core.rewards.catalog.check_video_rewards`)."""
     if videos.ndim != 5 or videos.shape[1] < 2:
-        raise UserError(f"the {name} reward scores videos of 2 frames or more: use a video model (Wan) with "
-                        "sampling.num_frames >= 5")
+        raise UserError(videos_needed(name))
 
 
 class TemporalConsistency(ClipReward):
