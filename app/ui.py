@@ -132,9 +132,9 @@ def _colors(labels) -> dict[str, str]:
     return dict(zip(labels, itertools.cycle(SERIES_COLORS)))
 
 
-def _series_plot(kind: str, curve, run_dir: Path | None, seen: dict, signature: Any, fewest: int):
+def _series_plot(kind: str, curve, run_dir: Path | None, seen: dict, signature: Any):
     """The update of the plot ``kind`` (the judges plot, the rewards' signal plot) for ``run_dir``, whose metrics file
-    has ``signature``: its frame (``curve(run_dir)``) and colour map, shown from ``fewest`` series, or nothing new.
+    has ``signature``: its frame (``curve(run_dir)``) and colour map, shown from two series, or nothing new.
     Its series differ between runs, and the page's plot draws only the series it was drawn with, when it got its first
     frame: so before a frame with other series than those the page holds (``seen``), the plot is emptied, and its
     next frame draws it anew."""
@@ -147,17 +147,17 @@ def _series_plot(kind: str, curve, run_dir: Path | None, seen: dict, signature: 
         seen[held] = ()
         return gr.update(value=None)
     seen[kind], seen[held] = signature, series
-    return gr.update(value=frame, color_map=_colors(series), visible=len(series) >= fewest)
+    return gr.update(value=frame, color_map=_colors(series), visible=len(series) > 1)
 
 
 def _judge_plot(run_dir: Path | None, seen: dict, signature: Any):
     """The judges plot (the eval reward's series and each judge's): hidden for a run without judges."""
-    return _series_plot("judge", live.judge_curve, run_dir, seen, signature, 2)
+    return _series_plot("judge", live.judge_curve, run_dir, seen, signature)
 
 
 def _spread_plot(run_dir: Path | None, seen: dict, signature: Any):
     """The rewards' signal plot (each reward's ``reward_spread``): shown for a run of several rewards."""
-    return _series_plot("spread", live.spread_curve, run_dir, seen, signature, 2)
+    return _series_plot("spread", live.spread_curve, run_dir, seen, signature)
 
 
 def _curves(run_dir: Path | None) -> tuple:

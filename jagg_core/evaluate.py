@@ -204,8 +204,9 @@ def evaluate(run_dir: Path, *, source: str | None = None, limit: int | None = No
         raise UserError("--against-checkpoint names a checkpoint of the --against run: give that run too")
     config = validate_config(RunDirectory(run_dir).read_config())
     adapter = choose_adapter(run_dir, checkpoint)
+    digest = adapter.digest()  # which weights are scored: a file of up to a few hundred MB, read once
     other, against_record = other_adapter(config, against, against_checkpoint) if against is not None else (None, None)
-    if against_record is not None and against_record["adapter_sha256"] == adapter.digest():
+    if against_record is not None and against_record["adapter_sha256"] == digest:
         raise UserError(f"--against: the {against_record['adapter']} of {against} holds the same weights as the "
                         f"{adapter.label} evaluated; name another run, checkpoint (--against-checkpoint) or LoRA")
     prompts = evaluation_prompts(config, source, limit, seed)
@@ -220,9 +221,8 @@ def evaluate(run_dir: Path, *, source: str | None = None, limit: int | None = No
     from .images import still_frames
     from .config import term_names
     from .rewards import CombinedReward, build_reward
-    from .sampler import initial_noise, ode_sample
-
     from .models.base import DEFAULT_ADAPTER
+    from .sampler import initial_noise, ode_sample
 
     model, sigmas = adapter_model(config, prompts, adapter.file, scoring=not given_rewards)  # the run's scorers
     if other is not None:
@@ -249,7 +249,7 @@ def evaluate(run_dir: Path, *, source: str | None = None, limit: int | None = No
                 result.adapter += after.tolist()
             if k == 0 and start < GRID_PROMPTS:
                 shown.append((still_frames(base), still_frames(tuned)))
-    settings = {"run": str(run_dir), "adapter": adapter.label, "adapter_sha256": adapter.digest(),
+    settings = {"run": str(run_dir), "adapter": adapter.label, "adapter_sha256": digest,
                 "prompts": source or "the run's held-out eval prompts",
                 "distinct_prompts": len(prompts), "images_per_prompt": images_per_prompt, "seed": seed,
                 "model": config.model.name, "steps": steps, "resolution": size.config_value(),

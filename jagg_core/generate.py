@@ -56,7 +56,7 @@ def shaped_like_picture(config, picture: bytes):
 
 def adapter_model(config, rows: list[str], adapter_file: Path, scoring: bool = False):
     """``(model, sigmas)``: the run's base model on this machine's GPU (else the CPU) with ``rows`` encoded, its text
-    encoders released, and the run's LoRA ``adapter_file`` loaded (``model.transformer.disable_adapters()`` samples
+    encoders released, and the run's LoRA ``adapter_file`` loaded (``model.adapters_disabled()`` samples
     the base model); the run's eval schedule (``sampling.eval_num_steps``, else ``num_steps``). On a GPU whose free
     memory cannot hold the model's weights (``scoring``: and the run's rewards and judges, which the caller loads),
     a one-line :class:`UserError` first (:func:`~jagg_core.memory_plan.check_room_to_sample`)."""
@@ -117,9 +117,8 @@ def generate(run_dir: Path, prompt: str, checkpoint: str | None = None, seed: in
     z0 = initial_noise(model, 1, size, torch.Generator().manual_seed(seed))
     cond = model.conditioning([row])
     with torch.no_grad():
-        model.transformer.disable_adapters()
-        base = model.decode_samples(ode_sample(model, cond, sigmas, z0), cond)
-        model.transformer.enable_adapters()
+        with model.adapters_disabled():
+            base = model.decode_samples(ode_sample(model, cond, sigmas, z0), cond)
         tuned = model.decode_samples(ode_sample(model, cond, sigmas, z0), cond)
     pictures, captions = to_pil(torch.cat([still_frames(base), still_frames(tuned)]).cpu()), ["base model",
                                                                                               adapter.label]
