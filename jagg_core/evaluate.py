@@ -163,6 +163,9 @@ def other_adapter(config, against: str, checkpoint: str | None) -> tuple[Adapter
         if (other.name, other.revision) != (config.model.name, config.model.revision):
             raise UserError(f"--against {against}: its adapter is of {other.name}, the run's of "
                             f"{config.model.name}; compare adapters of the same base model")
+        if other.expert != config.model.expert:
+            raise UserError(f"--against {against}: its adapter is of the {other.expert} expert, the run's of the "
+                            f"{config.model.expert} expert; compare adapters of the same expert")
         adapter = choose_adapter(against, checkpoint)
         name, label = run.path.resolve().name, adapter.label
     else:

@@ -164,7 +164,7 @@ def measured_peak(trainer) -> int:
     """
     start = trainer.start_iteration
     trainer.iteration(start, evaluate=False)  # the optimizer states exist from here on
-    modules = [trainer.model.transformer, trainer.model.pipe.vae]
+    modules = [*trainer.model.denoisers, trainer.model.pipe.vae]
     resident = [t for m in modules for t in [*m.parameters(), *m.buffers()]]
     resident += [v for state in trainer.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
     with PeakMemory(trainer.accelerator.device, cpu="tensors", resident=resident) as meter:

@@ -217,6 +217,17 @@ def _eval_reward(rows: list[dict]) -> tuple[dict | None, dict | None]:
     return (evals[0], evals[-1]) if len(evals) >= 2 else (None, None)
 
 
+def _expert_words(expert: str | None) -> str:
+    """What a two-expert base model's adapter is for (``model.expert``); nothing for a model of one transformer."""
+    if expert is None:
+        return ""
+    component, other = ("transformer_2", "high-noise") if expert == "low_noise" else ("transformer", "low-noise")
+    return (f"\nThe base model has two experts; this adapter is its {expert.replace('_', '-')} expert's "
+            f"(`pipe.{component}`), trained at that expert's steps while the {other} expert sampled with its base "
+            "weights. Load an adapter of the other expert beside it, if you have one, with "
+            f"`load_into_transformer_2={expert != 'low_noise'}`.\n")
+
+
 def _recipe(config: dict, snap: RunSnapshot, editing: bool) -> str:
     """The training recipe section: rewards, prompts, iterations and the algorithm's settings (``editing``: the
     base model edits images, and the section says the size of their inputs)."""
@@ -491,6 +502,7 @@ def build_model_card(snap: RunSnapshot, repo_id: str) -> ModelCard:
         parts.append("## Eval videos\n\nThe adapter's held-out eval samples (fixed seeds):\n\n" + "\n\n".join(
             f'<video src="{SAMPLES_DIR}/{i:03d}.mp4" controls loop muted></video>\n\n*{text}*'
             for i, text in enumerate(snap.after.prompts[:len(snap.after.videos)])) + "\n")
+    expert = snap.run_info.get("expert")
     utilities, call = _sample_call(prompt, snap.config.get("sampling") or {}, videos, input_images)
     imports = f"from diffusers import {pipeline_class}" + (f"\n{utilities}" if utilities else "")
     parts.append(f"""## Use it
@@ -500,10 +512,10 @@ import torch
 {imports}
 
 pipe = {pipeline_class}.from_pretrained("{base}", torch_dtype=torch.bfloat16).to("cuda")
-pipe.load_lora_weights("{repo_id}")
+pipe.load_lora_weights("{repo_id}"{", load_into_transformer_2=True" if expert == "low_noise" else ""})
 {call}
 ```
-""")
+{_expert_words(expert)}""")
     first, last = _eval_reward(snap.metrics)
     results = ["## Results\n"]
     if first and last:

@@ -22,6 +22,8 @@ import math
 import random
 from collections.abc import Sequence
 
+from .errors import UserError
+
 
 def trained_count(num_steps: int, fraction: float) -> int:
     """``T = max(1, ceil(num_steps * fraction))``."""
@@ -29,16 +31,21 @@ def trained_count(num_steps: int, fraction: float) -> int:
 
 
 def trained_spans(num_steps: int, fraction: float, placement: str, start: int, block: int,
-                  seed: int, iteration: int = 1, slide_every: int = 0) -> list[range]:
+                  seed: int, iteration: int = 1, slide_every: int = 0, first: int = 0) -> list[range]:
     """The spans of trained steps of ``iteration``, in step order, under ``placement`` (see the module's formulas);
-    ``seed`` draws the blocks of ``random``."""
+    ``seed`` draws the blocks of ``random``. The steps placed in are ``first .. first + num_steps - 1`` (a two-expert
+    model's trained expert's, ``first`` > 0 for its low-noise one): ``start`` and the blocks count from ``first``."""
     count = trained_count(num_steps, fraction)
     if placement == "range":
+        if start + count > num_steps:
+            raise UserError(f"grpo.trained_start {start} + {count} trained steps exceeds the {num_steps} steps the "
+                            "trained expert denoises (model.expert): lower grpo.trained_start or "
+                            "grpo.timestep_fraction")
         if slide_every:
             start = min(start + (iteration - 1) // slide_every, num_steps - count)
-        return [range(start, start + count)]
+        return [range(first + start, first + start + count)]
     block = max(block, 1)
-    blocks = [range(first, min(first + block, num_steps)) for first in range(0, num_steps, block)]
+    blocks = [range(first + head, first + min(head + block, num_steps)) for head in range(0, num_steps, block)]
     chosen = random.Random(seed).sample(range(len(blocks)), min(math.ceil(count / block), len(blocks)))
     return [blocks[k] for k in sorted(chosen)]
 

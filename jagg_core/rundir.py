@@ -265,11 +265,13 @@ class RunDirectory:
             return 0
 
     def write_run_info(self, family: str, base_model: str, hardware: str, processes: int = 1,
-                       text_windows: list[dict] | None = None) -> None:
+                       text_windows: list[dict] | None = None, expert: str | None = None) -> None:
         """What the run trains on: ``text_windows``, how its prompts fill the text encoders' windows
-        (:meth:`jagg_core.models.text_windows.WindowReading.record`), for the model card."""
+        (:meth:`jagg_core.models.text_windows.WindowReading.record`), and ``expert``, the ``model.expert`` a
+        two-expert base model's adapter is for (None: a model of one transformer), for the model card."""
         self.write_json(self.run_info_file, {"family": family, "base_model": base_model, "hardware": hardware,
-                                             "processes": processes, "text_windows": text_windows or []})
+                                             "processes": processes, "text_windows": text_windows or [],
+                                             "expert": expert})
 
     def read_run_info(self) -> dict:
         return _read_json(self.run_info_file, dict)

@@ -122,7 +122,7 @@ class Sharding:
         # (state_dict() reshards first) without leaving the processes in different states
         sharded.set_reshard_after_forward(True)
         if sharded is not transformer:  # fully_shard works in place; keep the pipeline's module the one trained
-            model.pipe.transformer = sharded
+            model.transformer = sharded
         in_model = {id(p) for name, p in model.transformer.named_parameters() if "lora_" in name}
         if in_model != {id(p) for p in lora} or any(_is_sharded(p) for p in lora):
             raise RuntimeError("sharding the transformer replaced or sharded its LoRA parameters")

@@ -143,7 +143,8 @@ class Trainer:
         if self.is_main:
             self.run.write_run_info(self.model.family, cfg.model.name, hardware=self._hardware(),
                                     processes=self.accelerator.num_processes,
-                                    text_windows=[reading.record() for reading in self.text_readings])
+                                    text_windows=[reading.record() for reading in self.text_readings],
+                                    expert=cfg.model.expert if len(self.model.denoisers) > 1 else None)
         start_trackers(self.accelerator, cfg, self.run)
 
     def _load_model(self) -> FlowModel:

@@ -49,6 +49,9 @@ SIZES["wan21-t2v-14b"] = {"transformer": (14.2, 14.35), "text_encoder": (5.6, 5.
 SIZES["wan22-ti2v-5b"] = {"transformer": (4.95, 5.05), "text_encoder": (5.6, 5.8), "vae": (0.70, 0.71)}
 SIZES["wan21-i2v-14b-480p"] = {"transformer": (16.35, 16.45), "text_encoder": (5.6, 5.8), "vae": (0.12, 0.13),
                                "image_encoder": (0.63, 0.635)}  # the 14B's blocks with image cross-attention; ViT-H
+for _arch in ("wan22-t2v-a14b", "wan22-i2v-a14b"):  # two experts of the 14B's blocks; I2V's without image attention
+    SIZES[_arch] = {"transformer": (14.2, 14.35), "transformer_2": (14.2, 14.35), "text_encoder": (5.6, 5.8),
+                    "vae": (0.12, 0.13)}
 PIPELINES = {"sd35-medium": "StableDiffusion3Pipeline", "sd35-large": "StableDiffusion3Pipeline",
              "flux-dev": "FluxPipeline", "flux-schnell": "FluxPipeline", "qwen-image": "QwenImagePipeline",
              "qwen-image-2512": "QwenImagePipeline",
@@ -56,7 +59,8 @@ PIPELINES = {"sd35-medium": "StableDiffusion3Pipeline", "sd35-large": "StableDif
              "flux-kontext": "FluxKontextPipeline", "qwen-image-edit": "QwenImageEditPipeline",
              "qwen-image-edit-2509": "QwenImageEditPlusPipeline", "qwen-image-edit-2511": "QwenImageEditPlusPipeline",
              "wan21-t2v-1.3b": "WanPipeline", "wan21-t2v-14b": "WanPipeline",
-             "wan22-ti2v-5b": "WanPipeline", "wan21-i2v-14b-480p": "WanImageToVideoPipeline"}
+             "wan22-ti2v-5b": "WanPipeline", "wan21-i2v-14b-480p": "WanImageToVideoPipeline",
+             "wan22-t2v-a14b": "WanPipeline", "wan22-i2v-a14b": "WanImageToVideoPipeline"}
 #: components of a pipeline besides its models, scheduler and tokenizers (their files are not shipped)
 OTHER_COMPONENTS = {arch: {"processor"} for arch in ("qwen-image-edit", "qwen-image-edit-2509", "qwen-image-edit-2511")}
 OTHER_COMPONENTS["wan21-i2v-14b-480p"] = {"image_processor"}  # its file ships: the random-weight model's processor

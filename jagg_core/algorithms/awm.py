@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from .. import metrics
+from ..errors import UserError
 from .base import LaggingPolicy
 from .forward_process import ForwardProcessAlgorithm, RowBatch, per_row_mean
 
@@ -40,9 +41,10 @@ from .forward_process import ForwardProcessAlgorithm, RowBatch, per_row_mean
 GHUBER_EPS = 1e-10
 
 
-def stratified_steps(count: int, last: int, samples: int, generator: torch.Generator) -> torch.Tensor:
-    """[samples, count] steps, each row one stratified draw from ``1 .. last`` (the module's ``discrete_wo_init``)."""
-    bounds = torch.linspace(1, last, count + 1)
+def stratified_steps(count: int, last: int, samples: int, generator: torch.Generator, first: int = 1) -> torch.Tensor:
+    """[samples, count] steps, each row one stratified draw from ``first .. last`` (the module's
+    ``discrete_wo_init``, from 1)."""
+    bounds = torch.linspace(first, last, count + 1)
     lower, upper = bounds[:-1].long(), bounds[1:].long()
     u = torch.rand((samples, count), generator=generator)
     return lower + (u * (upper - lower)).long()
@@ -71,8 +73,16 @@ class AwmAlgorithm(ForwardProcessAlgorithm):
         return config.awm.steps_per_sample(config.sampling.num_steps)
 
     def draw_steps(self, samples: int, generator: torch.Generator) -> torch.Tensor:
+        """Stratified from ``1 .. n``; of a two-expert model, from those of its trained expert's steps
+        (:meth:`~jagg_core.models.base.FlowModel.trained_steps`), refused in one line when there are none."""
         awm, num_steps = self.config.awm, self.config.sampling.num_steps
-        return stratified_steps(awm.steps_per_sample(num_steps), awm.trainable_steps(num_steps), samples, generator)
+        expert = self.ctx.model.trained_steps(self.ctx.sigmas)
+        first, last = max(1, expert.start), min(awm.trainable_steps(num_steps), expert.stop - 1)
+        if last < first:
+            raise UserError(f"AWM draws its steps from 1 .. {awm.trainable_steps(num_steps)}, none of them the "
+                            f"trained expert's ({expert.start} .. {expert.stop - 1}): raise awm.timestep_fraction or "
+                            "train the other expert (model.expert)")
+        return stratified_steps(awm.steps_per_sample(num_steps), last, samples, generator, first)
 
     @staticmethod
     def companion_names(config) -> list[str]:

@@ -49,12 +49,16 @@ class GrpoAlgorithm(Algorithm):
 
     # ----- rollout ---------------------------------------------------------------------
     def trained_spans(self, iteration: int) -> list[range]:
-        """The steps iteration ``iteration`` trains (``grpo.window_placement``), the same on every process."""
+        """The steps iteration ``iteration`` trains (``grpo.window_placement``), the same on every process, placed in
+        the trained transformer's steps (:meth:`~jagg_core.models.base.FlowModel.trained_steps`: all, or a
+        two-expert model's trained expert's) that add noise (:meth:`~jagg_core.config.RunConfig.trainable_steps`)."""
         cfg = self.config
-        return trained_spans(cfg.trainable_steps(), cfg.grpo.timestep_fraction, cfg.grpo.window_placement,
+        steps = self.ctx.model.trained_steps(self.ctx.sigmas)
+        steps = range(steps.start, min(steps.stop, cfg.trainable_steps()))
+        return trained_spans(len(steps), cfg.grpo.timestep_fraction, cfg.grpo.window_placement,
                              cfg.grpo.trained_start, cfg.backward.window,
                              seed=iteration_seed(self.ctx.seed, iteration, 0, 2), iteration=iteration,
-                             slide_every=cfg.grpo.slide_every)
+                             slide_every=cfg.grpo.slide_every, first=steps.start)
 
     def sample(self, iteration: int, cond: Conditioning, generator: torch.Generator) -> Sampled:
         """SDE rollouts; a group shares its initial noise under a shared prefix or a tree."""

@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 
 from .. import metrics
+from ..errors import UserError
 from .base import LaggingPolicy
 from .forward_process import ForwardProcessAlgorithm, RowBatch, broadcast_rows, per_row_mean
 
@@ -84,9 +85,14 @@ class NftAlgorithm(ForwardProcessAlgorithm):
         return config.nft_steps_per_sample()
 
     def draw_steps(self, samples: int, generator: torch.Generator) -> torch.Tensor:
-        """A random permutation's first ``K`` of the ``T`` steps, per sample."""
-        count = self.steps_per_sample(self.config)
-        return torch.stack([torch.randperm(self.config.sampling.num_steps, generator=generator)[:count]
+        """A random permutation's first ``K`` of the ``T`` steps, per sample; of a two-expert model, of its trained
+        expert's steps (:meth:`~jagg_core.models.base.FlowModel.trained_steps`), at most all of them."""
+        steps = self.ctx.model.trained_steps(self.ctx.sigmas)
+        count = min(self.steps_per_sample(self.config), len(steps))
+        if count < self.optimizer_steps:
+            raise UserError(f"nft.updates_per_rollout {self.optimizer_steps} must be at most the {count} steps the "
+                            "trained expert denoises (model.expert): lower it or take more sampling.num_steps")
+        return torch.stack([torch.randperm(len(steps), generator=generator)[:count] + steps.start
                             for _ in range(samples)])
 
     @staticmethod

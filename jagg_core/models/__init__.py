@@ -20,8 +20,8 @@ from ..hubclient import hub_offline
 from ..model_index import embedded_models, model_source, read_model_index  # noqa: F401 (embedded_models re-exported)
 from .base import PROMPT_ENCODERS, FlowModel, drop_text_encoders
 from ..kernels import apply_kernel_settings, settle_cpu_math
-from .quantize import (check_quantization, pipeline_quantization, quantize_in_memory, transformer_dtype,
-                       transformer_quantization)
+from .quantize import (DENOISER_COMPONENTS, check_quantization, pipeline_quantization, quantize_in_memory,
+                       transformer_dtype, transformer_quantization)
 from .random_weights import build_random_model_pipeline
 from .registry import (FAMILIES, TINY_BUILDERS, build_tiny_pipeline, check_pipeline,  # noqa: F401 (re-exported)
                        family_for)
@@ -59,7 +59,7 @@ def load_flow_model(config: ModelConfig, device: torch.device | str = "cpu", see
         index = read_model_index(source, config.revision)
         later = defer and config.quantize != "none"  # a quantizer places the weights while loading them
         pipe = _load_pipeline(config, source, index, dtype, text_encoders, transformer=not later)
-        prepare = partial(_load_quantized_transformer, pipe, config, source, index["transformer"]) if later else None
+        prepare = partial(_load_quantized_transformers, pipe, config, source, index) if later else None
     family = family_for(type(pipe).__name__, config)
     return family(pipe, config, device, defer_denoiser=defer, prepare_transformer=prepare,
                   place_transformer=place_transformer, num_frames=num_frames)
@@ -75,8 +75,8 @@ def _load_pipeline(config: ModelConfig, source: str, index: dict, dtype: torch.d
     # components saved as [null, null] (e.g. an SD3 without T5) must be passed as None explicitly
     absent = {key: None for key, value in index.items()
               if value == [None, None] or (not text_encoders and key in PROMPT_ENCODERS)
-              or (not transformer and key == "transformer")}
-    dtypes = {"transformer": transformer_dtype(config.quantize, dtype), "default": dtype}
+              or (not transformer and key in DENOISER_COMPONENTS)}
+    dtypes = {**dict.fromkeys(DENOISER_COMPONENTS, transformer_dtype(config.quantize, dtype)), "default": dtype}
     quantization = pipeline_quantization(config.quantize) if transformer else None
     with _loading_errors(config.name):
         return pipeline_class.from_pretrained(source, revision=config.revision, torch_dtype=dtypes,
@@ -84,17 +84,21 @@ def _load_pipeline(config: ModelConfig, source: str, index: dict, dtype: torch.d
                                               quantization_config=quantization, **absent)
 
 
-def _load_quantized_transformer(pipe, config: ModelConfig, source: str, entry: list[str]) -> None:
-    """Load the pipeline's transformer (``entry``: its ``[library, class]`` in model_index.json) quantized, after
-    the text encoders are gone."""
+def _load_quantized_transformers(pipe, config: ModelConfig, source: str, index: dict) -> None:
+    """Load the pipeline's transformer (and a two-expert model's ``transformer_2``) quantized, after the text encoders
+    are gone; ``index``: the model_index.json, whose ``[library, class]`` entries name their classes."""
     import importlib
-    library, class_name = entry
-    cls = getattr(importlib.import_module(library), class_name)
-    with _loading_errors(config.name):
-        pipe.transformer = cls.from_pretrained(source, subfolder="transformer", revision=config.revision,
-                                               torch_dtype=transformer_dtype(config.quantize, DTYPES[config.dtype]),
-                                               local_files_only=Path(source).is_dir() or hub_offline(),
-                                               quantization_config=transformer_quantization(config.quantize))
+    for name in DENOISER_COMPONENTS:
+        library, class_name = index.get(name) or (None, None)
+        if library is None:
+            continue
+        cls = getattr(importlib.import_module(library), class_name)
+        with _loading_errors(config.name):
+            setattr(pipe, name, cls.from_pretrained(
+                source, subfolder=name, revision=config.revision,
+                torch_dtype=transformer_dtype(config.quantize, DTYPES[config.dtype]),
+                local_files_only=Path(source).is_dir() or hub_offline(),
+                quantization_config=transformer_quantization(config.quantize)))
 
 
 @contextmanager

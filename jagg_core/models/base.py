@@ -28,7 +28,7 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from ..config import LoraConfig, ModelConfig
 from ..errors import UserError
 from ..image_size import ImageSize
-from .quantize import is_quantized
+from .quantize import DENOISER_COMPONENTS, is_quantized
 from .text_windows import TextWindow, WindowReading, read_windows
 
 Conditioning = dict[str, torch.Tensor]
@@ -36,6 +36,9 @@ NEGATIVE = "negative/"
 #: the pipeline components that encode a prompt row at set-up, released together after it: its text encoders, and
 #: the image encoder of Wan 2.1's image-to-video (a CLIP vision tower that reads the row's input image)
 PROMPT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3", "image_encoder")
+#: ``model.expert`` -> the pipeline component of that expert: a two-expert model's (Wan 2.2 A14B's) ``transformer``
+#: denoises the high-noise steps and ``transformer_2`` the low-noise ones; a model of one transformer has the first
+EXPERT_COMPONENTS = dict(zip(("high_noise", "low_noise"), DENOISER_COMPONENTS))
 #: prompts encoded together at set-up
 ENCODE_BATCH = 16
 #: the peft name of the run's own adapter (:meth:`FlowModel.add_lora`)
@@ -108,6 +111,9 @@ class FlowModel(ABC):
         VAE of a model that does not encode input images) waits until :meth:`release_text_encoders`, so the text
         encoders never share the accelerator with it. ``num_frames`` (``sampling.num_frames``): the frames of one
         sample of a video family; an image family takes 1 only."""
+        if config.expert != "high_noise" and getattr(pipe, EXPERT_COMPONENTS[config.expert], None) is None:
+            raise UserError(f"model.expert={config.expert} trains the low-noise expert of a two-expert model (Wan 2.2 "
+                            f"A14B); '{config.name}' has one transformer: unset model.expert")
         if num_frames != 1 and not self.is_video:
             raise UserError(f"sampling.num_frames is {num_frames}, but {self.family} makes images: set it to 1")
         self.num_frames = num_frames
@@ -139,9 +145,10 @@ class FlowModel(ABC):
             self._prepare_transformer()
             self._prepare_transformer = None
         self.pipe.vae.to(self.device)
-        self.transformer.requires_grad_(False)
-        if self._place_transformer and not is_quantized(self.transformer):  # quantizers place while loading
-            self.transformer.to(self.device)
+        for module in self.denoisers:
+            module.requires_grad_(False)
+            if self._place_transformer and not is_quantized(module):  # quantizers place while loading
+                module.to(self.device)
 
     @property
     def text_encoders(self) -> list[torch.nn.Module]:
@@ -159,8 +166,30 @@ class FlowModel(ABC):
 
     # ----- the transformer and its LoRA -------------------------------------------------
     @property
+    def trained_component(self) -> str:
+        """The pipeline component the LoRA trains: ``transformer``, or a two-expert model's ``model.expert``
+        (:data:`EXPERT_COMPONENTS`)."""
+        return EXPERT_COMPONENTS[self.config.expert]
+
+    @property
     def transformer(self) -> torch.nn.Module:
-        return self.pipe.transformer
+        """The transformer the LoRA trains (:attr:`trained_component`)."""
+        return getattr(self.pipe, self.trained_component)
+
+    @transformer.setter
+    def transformer(self, module: torch.nn.Module) -> None:
+        setattr(self.pipe, self.trained_component, module)
+
+    @property
+    def denoisers(self) -> list[torch.nn.Module]:
+        """The pipeline's transformers: one, or a two-expert model's two (Wan 2.2 A14B's ``transformer`` and
+        ``transformer_2``), all placed on the device."""
+        return [module for name in DENOISER_COMPONENTS if (module := getattr(self.pipe, name, None)) is not None]
+
+    def trained_steps(self, sigmas: torch.Tensor) -> range:
+        """The schedule steps (of ``sigmas`` [T + 1]) whose velocity the trained transformer gives: all ``T`` of a
+        model of one transformer."""
+        return range(len(sigmas) - 1)
 
     @property
     def use_cfg(self) -> bool:
@@ -222,11 +251,13 @@ class FlowModel(ABC):
 
     def load_other_lora(self, path: str | Path, name: str) -> None:
         """Load another diffusers-format LoRA file beside the run's, as the adapter ``name``, with its own rank, alpha
-        and targets (``pipe.load_lora_weights``); :meth:`use_adapter` picks which one samples."""
+        and targets (``pipe.load_lora_weights``), into the trained transformer (a two-expert model's low-noise expert:
+        ``load_into_transformer_2``); :meth:`use_adapter` picks which one samples."""
+        into = {"load_into_transformer_2": True} if self.trained_component == "transformer_2" else {}
         try:
             with warnings.catch_warnings():  # peft warns of a second adapter: here that is the point
                 warnings.filterwarnings("ignore", "Already found a `peft_config`", UserWarning)
-                self.pipe.load_lora_weights(str(path), adapter_name=name)
+                self.pipe.load_lora_weights(str(path), adapter_name=name, **into)
         except Exception as err:  # safetensors, peft and diffusers raise many kinds for a file they cannot use
             raise UserError(f"{path} is not a LoRA of this {self.family} model ({type(err).__name__}: "
                             f"{str(err).splitlines()[0][:160] if str(err) else 'unreadable'})") from None

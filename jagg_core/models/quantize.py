@@ -56,21 +56,32 @@ def transformer_quantization(kind: str):
     return TorchAoConfig(Int8WeightOnlyConfig())
 
 
+#: the pipeline components quantized: the transformer, and a two-expert model's second (Wan 2.2 A14B's)
+DENOISER_COMPONENTS = ("transformer", "transformer_2")
+
+
 def pipeline_quantization(kind: str):
-    """``quantization_config`` for ``Pipeline.from_pretrained``: the transformer only, or None for ``none``."""
+    """``quantization_config`` for ``Pipeline.from_pretrained``: the transformers only, or None for ``none``."""
     if kind == "none":
         return None
     from diffusers import PipelineQuantizationConfig
-    return PipelineQuantizationConfig(quant_mapping={"transformer": transformer_quantization(kind)})
+    return PipelineQuantizationConfig(quant_mapping={name: transformer_quantization(kind)
+                                                     for name in DENOISER_COMPONENTS})
 
 
 def quantize_in_memory(pipe, kind: str, device: torch.device, dtype: torch.dtype) -> None:
-    """Replace ``pipe.transformer`` (built in memory) by its quantized reload, on ``device``; refused in one line,
-    before anything is written, when the temporary folder's disk cannot hold the transformer's weights (a random
-    Qwen-Image is 41 GB in bf16)."""
+    """Replace ``pipe.transformer`` (and a two-expert model's ``transformer_2``), built in memory, by its quantized
+    reload, on ``device``; refused in one line, before anything is written, when the temporary folder's disk cannot
+    hold a transformer's weights (a random Qwen-Image is 41 GB in bf16)."""
     if kind == "none":
         return
-    transformer = pipe.transformer
+    for name in DENOISER_COMPONENTS:
+        if getattr(pipe, name, None) is not None:
+            setattr(pipe, name, _quantized_reload(getattr(pipe, name), kind, device, dtype))
+
+
+def _quantized_reload(transformer: torch.nn.Module, kind: str, device: torch.device, dtype: torch.dtype):
+    """``transformer`` saved to a temporary folder and loaded back quantized (see :func:`quantize_in_memory`)."""
     with tempfile.TemporaryDirectory() as folder:
         weights = sum(t.numel() * t.element_size() for t in [*transformer.parameters(), *transformer.buffers()])
         if weights > (free := free_disk(folder)):
@@ -79,7 +90,7 @@ def quantize_in_memory(pipe, kind: str, device: torch.device, dtype: torch.dtype
                             "TMPDIR to a folder on a disk with room")
         transformer.save_pretrained(folder)
         kwargs = {"device_map": str(device)} if device.type == "cuda" else {}
-        pipe.transformer = type(transformer).from_pretrained(
+        return type(transformer).from_pretrained(
             folder, quantization_config=transformer_quantization(kind), torch_dtype=transformer_dtype(kind, dtype),
             **kwargs)
 

@@ -37,6 +37,7 @@ from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE as FLUX2_SY
 from ..archs import arch_folder, parse_random_model, with_depth
 from ..model_index import pipeline_settings
 from ..rng import forked_rng
+from .quantize import DENOISER_COMPONENTS
 from .in_memory_parts import (TINY_PIXTRAL_VISION, draw_pad_tokens, qwen_special_ids, qwen_vision_ids,
                               text_hidden_layers_read, tiny_clip_tokenizer, tiny_mistral_tokenizer,
                               tiny_qwen3_tokenizer, tiny_qwen_edit_tokenizer, tiny_qwen_processor, tiny_qwen_tokenizer,
@@ -185,22 +186,30 @@ def build_random_pipeline(arch: str, layers: int | None = None, seed: int = 0, *
     folder = arch_folder(arch)
     index = json.loads((folder / "model_index.json").read_text())
     pipeline_class = getattr(diffusers, index["_class_name"])
-    transformer_class, vae_class = (_component_class(*index[name]) for name in ("transformer", "vae"))
-    transformer_config = transformer_class.load_config(folder / "transformer")
-    if layers is not None:
-        transformer_config = with_depth(transformer_config, layers)
+    vae_class = _component_class(*index["vae"])
+    denoisers = [name for name in DENOISER_COMPONENTS if (index.get(name) or [None])[0] is not None]
     device = torch.device(device)
     with forked_rng(device):
         torch.manual_seed(seed)
         with _creating(device, dtype):
-            components = {"transformer": transformer_class.from_config(transformer_config),
+            components = {"transformer": _random_transformer(folder, "transformer", index, layers),
                           "vae": vae_class.from_config(vae_class.load_config(folder / "vae")),
                           **text_stand_ins(folder, index), **image_stand_ins(folder, index)}
-            draw_pad_tokens(components["transformer"])
-    for name in ("transformer", "vae"):  # buffers made in float32 (SD3's position table) too, as from_pretrained
+            components.update({name: _random_transformer(folder, name, index, layers) for name in denoisers[1:]})
+            for name in denoisers:
+                draw_pad_tokens(components[name])
+    for name in (*denoisers, "vae"):  # buffers made in float32 (SD3's position table) too, as from_pretrained
         components[name].to(dtype=dtype)
     scheduler = _component_class(*index["scheduler"]).from_pretrained(folder, subfolder="scheduler")
     return pipeline_class(scheduler=scheduler, **components, **pipeline_settings(index))
+
+
+def _random_transformer(folder, name: str, index: dict, layers: int | None):
+    """The pipeline's transformer ``name`` (a two-expert model's ``transformer_2`` too, drawn after the other parts)
+    from its config, ``layers`` blocks deep when given."""
+    transformer_class = _component_class(*index[name])
+    config = transformer_class.load_config(folder / name)
+    return transformer_class.from_config(with_depth(config, layers) if layers is not None else config)
 
 
 def build_random_model_pipeline(name: str, seed: int = 0, **kwargs):

@@ -13,8 +13,14 @@ that is 0 on the tokens of a conditioning first frame (image-to-video) and 1 els
 token's timestep is the step's ``t``, so the velocity passes ``t`` once per sample, the same modulation of every
 token without the per-token copies (``[B, tokens, 6, dim]``: at 1280x704 x 33 frames, 7,920 tokens, 0.29 GB a
 sample in bf16, and a 0.58 GB float32 sum of it in every block). Image-to-video (``model.input_images: 1``) is
-:class:`WanImageToVideoModel`; Wan 2.1's image-to-video models are their own family (:mod:`.wan_i2v`). Wan 2.2
-A14B (two experts switched at ``boundary_ratio``) is not supported.
+:class:`WanImageToVideoModel`; Wan 2.1's image-to-video models are their own family (:mod:`.wan_i2v`).
+
+Wan 2.2 T2V-A14B has two experts of the Wan 2.1 14B shape: the pipeline's ``transformer`` gives the velocity at the
+high-noise steps, timestep ``1000 sigma >= boundary_ratio * 1000``, and ``transformer_2`` below (0.875: with
+flow_shift 3 and 10 steps, the first 3). The LoRA trains one of them, ``model.expert`` (a LoRA per expert is what
+diffusers loads, ``load_into_transformer_2=True`` for the second); the other samples with its base weights, and
+only the trained expert's steps are trained (:meth:`WanModel.trained_steps`: GRPO's placement, NFT's and AWM's
+draws happen within them).
 
 Sigmas: the pipeline's default scheduler is UniPC with ``flow_shift``; the sampler takes Euler steps on the
 flow-matching schedule of ``FlowMatchEulerDiscreteScheduler(shift=flow_shift)`` (what diffusers' Wan training
@@ -58,9 +64,9 @@ class WanModel(FlowModel):
 
     def __init__(self, pipe, config: ModelConfig, device: torch.device | str = "cpu", *, num_frames: int = 1,
                  **placement):
-        if pipe.transformer_2 is not None:
-            raise UserError(f"model '{config.name}' is a Wan 2.2 pipeline of two experts (A14B), which is not "
-                            "supported; Wan 2.1 (text- and image-to-video) and Wan 2.2 TI2V-5B are")
+        if pipe.transformer_2 is not None and (pipe.transformer is None or pipe.config.boundary_ratio is None):
+            raise UserError(f"model '{config.name}' has a transformer_2 but not both experts and a boundary_ratio; a "
+                            "two-expert Wan 2.2 pipeline (A14B) needs transformer, transformer_2 and boundary_ratio")
         group = pipe.vae_scale_factor_temporal
         if (num_frames - 1) % group:
             raise UserError(f"sampling.num_frames is {num_frames}; this Wan VAE needs {group}k + 1 frames")
@@ -115,14 +121,53 @@ class WanModel(FlowModel):
         under Wan 2.2's per-token timesteps too (all equal in text-to-video: the module docstring)."""
         return self.transformer_output(z, sigma.float() * 1000, cond)
 
+    # ----- two experts (Wan 2.2 A14B) ----------------------------------------------------
+    @property
+    def boundary_timestep(self) -> float | None:
+        """``boundary_ratio * num_train_timesteps`` of a two-expert pipeline (None for one transformer): the high-noise
+        expert (``transformer``) gives the velocity at timesteps ``t >= boundary``, the low-noise one
+        (``transformer_2``) below, as the pipeline switches them."""
+        if self.pipe.transformer_2 is None:
+            return None
+        return self.pipe.config.boundary_ratio * self.pipe.scheduler.config.num_train_timesteps
+
+    def trained_steps(self, sigmas: torch.Tensor) -> range:
+        """The trained expert's steps: those whose timestep ``1000 sigma`` is on its side of the boundary (the first
+        steps for ``model.expert: high_noise``, the rest for ``low_noise``); a schedule that gives it none is refused
+        in one line."""
+        boundary, steps = self.boundary_timestep, super().trained_steps(sigmas)
+        if boundary is None:
+            return steps
+        high = sum(float(sigma) * 1000 >= boundary for sigma in sigmas[:-1])  # sigmas decrease
+        trained = range(0, high) if self.config.expert == "high_noise" else range(high, len(steps))
+        if not trained:
+            raise UserError(f"none of the {len(steps)} steps is the {self.config.expert} expert's (the experts switch "
+                            f"at sigma {boundary / 1000:g}): train the other expert (model.expert) or take more "
+                            "sampling.num_steps")
+        return trained
+
     def transformer_output(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Conditioning) -> torch.Tensor:
-        """The transformer's float32 output for video latents [B, C, F', h, w] at ``timestep`` ([B], or [B, tokens]
-        per token) under the text states of ``cond`` (and its image states, Wan 2.1 image-to-video's)."""
-        dtype = self.transformer.dtype
+        """The float32 output for video latents [B, C, F', h, w] at ``timestep`` ([B], or [B, tokens] per token)
+        under the text states of ``cond`` (and its image states, Wan 2.1 image-to-video's): the transformer's, or of
+        a two-expert model each row's expert's (:attr:`boundary_timestep`), rows of both experts split between them
+        and put back in order."""
+        boundary = self.boundary_timestep
+        if boundary is None or timestep.is_meta:  # a memory plan's tensors have no values: it traces the trained one
+            return self.expert_output(self.transformer, latents, timestep, cond)
+        high = timestep.reshape(len(timestep), -1).amax(1) >= boundary
+        rows = [high.nonzero()[:, 0], (~high).nonzero()[:, 0]]
+        parts = [self.expert_output(expert, latents[index], timestep[index], {k: v[index] for k, v in cond.items()})
+                 for expert, index in zip([self.pipe.transformer, self.pipe.transformer_2], rows) if len(index)]
+        return torch.cat(parts)[torch.cat(rows).argsort()] if len(parts) > 1 else parts[0]
+
+    def expert_output(self, transformer: torch.nn.Module, latents: torch.Tensor, timestep: torch.Tensor,
+                      cond: Conditioning) -> torch.Tensor:
+        """One transformer's float32 output (see :meth:`transformer_output`)."""
+        dtype = transformer.dtype
         image_states = cond[IMAGE_STATES].to(dtype) if IMAGE_STATES in cond else None
-        return self.transformer(hidden_states=latents.to(dtype), timestep=timestep,
-                                encoder_hidden_states=cond["prompt_embeds"].to(dtype),
-                                encoder_hidden_states_image=image_states, return_dict=False)[0].float()
+        return transformer(hidden_states=latents.to(dtype), timestep=timestep,
+                           encoder_hidden_states=cond["prompt_embeds"].to(dtype),
+                           encoder_hidden_states_image=image_states, return_dict=False)[0].float()
 
     def latent_statistics(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The VAE's per-channel ``latents_mean`` and ``latents_std``, float32 [1, C, 1, 1, 1]."""
@@ -288,9 +333,21 @@ def build_tiny_wan22() -> WanPipeline:
     return tiny_wan_pipeline(vae, flow_shift=5.0, expand_timesteps=True)
 
 
-FAMILY = Family(label="Wan 2.1 / Wan 2.2 TI2V-5B video", pipeline="WanPipeline", model=WanModel,
+def build_tiny_wan_a14b() -> WanPipeline:
+    """Wan 2.2 T2V-A14B-like: two tiny experts of the same shape (``transformer`` for the high-noise steps,
+    ``transformer_2`` for the low-noise ones, switched at Wan-AI/Wan2.2-T2V-A14B-Diffusers' boundary_ratio 0.875)
+    around the Wan 2.1 video VAE, flow_shift 3."""
+    pipe = tiny_wan_pipeline(tiny_wan21_vae(), flow_shift=3.0)
+    low_noise = WanTransformer3DModel.from_config(pipe.transformer.config)
+    return WanPipeline(tokenizer=pipe.tokenizer, text_encoder=pipe.text_encoder, vae=pipe.vae, scheduler=pipe.scheduler,
+                       transformer=pipe.transformer, transformer_2=low_noise, boundary_ratio=0.875)
+
+
+FAMILY = Family(label="Wan 2.1 / Wan 2.2 video", pipeline="WanPipeline", model=WanModel,
                 edit_model=WanImageToVideoModel, edit_pipeline="WanImageToVideoPipeline", image_to_video=True,
-                tiny_builders={"tiny-wan": build_tiny_wan, "tiny-wan22": build_tiny_wan22},
+                tiny_builders={"tiny-wan": build_tiny_wan, "tiny-wan22": build_tiny_wan22,
+                               "tiny-wan-a14b": build_tiny_wan_a14b},
                 archs={"wan21-t2v-1.3b": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
                        "wan21-t2v-14b": "Wan-AI/Wan2.1-T2V-14B-Diffusers",
-                       "wan22-ti2v-5b": "Wan-AI/Wan2.2-TI2V-5B-Diffusers"})
+                       "wan22-ti2v-5b": "Wan-AI/Wan2.2-TI2V-5B-Diffusers",
+                       "wan22-t2v-a14b": "Wan-AI/Wan2.2-T2V-A14B-Diffusers"})

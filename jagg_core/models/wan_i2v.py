@@ -21,8 +21,10 @@ frame and decoding is Wan's. Under CFG the negative prompt's branch sees the sam
 as in the pipeline. The CLIP image encoder is a prompt encoder: it sits on the device at set-up beside UMT5 and is
 released with it (:data:`~jagg_core.models.base.PROMPT_ENCODERS`).
 
-Wan 2.2 I2V-A14B has the same pipeline class with two experts (``transformer_2``): refused in one line, as Wan 2.2
-T2V-A14B (:class:`~jagg_core.models.wan.WanModel`).
+Wan 2.2 I2V-A14B has the same pipeline class, the same video condition and two experts (``transformer_2``, switched
+at ``boundary_ratio`` 0.9 as in :class:`~jagg_core.models.wan.WanModel`), and no image encoder: its transformers
+have no image cross-attention (``image_dim`` null), so the conditioning has no image states and the LoRA no
+``add_k_proj``/``add_v_proj``, as in the pipeline.
 """
 
 from __future__ import annotations
@@ -45,19 +47,30 @@ class Wan21ImageToVideoModel(FirstFrameModel):
 
     family = "wan-i2v"
     generates_from_text_too = False
-    #: Wan's targets (every block's self-attention and cross-attention to the text), and the keys and values its
-    #: cross-attention reads the image's states through: diffusers' Wan loader takes an adapter with them as an
-    #: image-to-video LoRA (one without them it pads with zero weights its peft config does not name, and warns)
-    default_lora_targets = (*FirstFrameModel.default_lora_targets, "add_k_proj", "add_v_proj")
+
+    @property
+    def reads_image_states(self) -> bool:
+        """Whether the transformer's cross-attention reads the image encoder's states (Wan 2.1's; not Wan 2.2
+        I2V-A14B's, whose ``image_dim`` is null), as the pipeline decides."""
+        return self.pipe.transformer.config.image_dim is not None
+
+    @property
+    def default_lora_targets(self) -> tuple[str, ...]:
+        """Wan's targets (every block's self-attention and cross-attention to the text), and the keys and values its
+        cross-attention reads the image's states through where it has them: diffusers' Wan loader takes an adapter
+        with them as an image-to-video LoRA (one without them it pads with zero weights its peft config does not
+        name, and warns)."""
+        return (*FirstFrameModel.default_lora_targets, *(("add_k_proj", "add_v_proj") if self.reads_image_states else ()))
 
     def encode_prompts(self, prompts: list[str]) -> Conditioning:
         rows = self.rows(prompts)
         cond = super().encode_prompts(self.prompt_texts(rows))
         frames = self.first_frames(rows)
-        cond[IMAGE_STATES] = self.image_states(frames)
+        if self.reads_image_states:
+            cond[IMAGE_STATES] = self.image_states(frames)
         cond[VIDEO_CONDITION] = self.input_pixel_latents(self.preprocessed(frames))
         if self.use_cfg:
-            cond[NEGATIVE + IMAGE_STATES], cond[NEGATIVE + VIDEO_CONDITION] = cond[IMAGE_STATES], cond[VIDEO_CONDITION]
+            cond.update({NEGATIVE + key: cond[key] for key in (IMAGE_STATES, VIDEO_CONDITION) if key in cond})
         return cond
 
     def image_states(self, frames: list[Image.Image]) -> torch.Tensor:
@@ -78,13 +91,15 @@ class Wan21ImageToVideoModel(FirstFrameModel):
         return torch.cat([mask, latents], dim=1)
 
     def conditioning_shapes(self) -> dict[str, tuple[int, ...]]:
-        """The text's states, the image's (from the image encoder's config: a token a patch and the class token) and
-        the video condition (before the prompt encoders are released)."""
-        encoder = self.pipe.image_encoder.config
+        """The text's states, the image's where the transformer reads them (from the image encoder's config: a token
+        a patch and the class token) and the video condition (before the prompt encoders are released)."""
         channels, frames, rows, cols = self.latent_shape(self.config.condition_size)
-        return {**super().conditioning_shapes(),
-                IMAGE_STATES: ((encoder.image_size // encoder.patch_size) ** 2 + 1, encoder.hidden_size),
-                VIDEO_CONDITION: (self.pipe.vae_scale_factor_temporal + channels, frames, rows, cols)}
+        shapes = {**super().conditioning_shapes(),
+                  VIDEO_CONDITION: (self.pipe.vae_scale_factor_temporal + channels, frames, rows, cols)}
+        if self.reads_image_states:
+            encoder = self.pipe.image_encoder.config
+            shapes[IMAGE_STATES] = ((encoder.image_size // encoder.patch_size) ** 2 + 1, encoder.hidden_size)
+        return shapes
 
     def transformer_velocity(self, z: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
         """``v = transformer([z ; video_condition], 1000 sigma, text, image states)``."""
@@ -105,6 +120,19 @@ def build_tiny_wan_i2v() -> WanImageToVideoPipeline:
                              transformer_settings=dict(in_channels=4 + 2 * z_dim, image_dim=8, added_kv_proj_dim=24))
 
 
-FAMILY = Family(label="Wan 2.1 image-to-video", pipeline="WanImageToVideoPipeline", model=Wan21ImageToVideoModel,
-                edits_images=True, image_to_video=True, tiny_builders={"tiny-wan-i2v": build_tiny_wan_i2v},
-                archs={"wan21-i2v-14b-480p": "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers"})
+def build_tiny_wan_i2v_a14b() -> WanImageToVideoPipeline:
+    """Wan 2.2 I2V-A14B-like: two tiny experts with the 4 + 2C input channels and no image cross-attention, no image
+    encoder, switched at Wan-AI/Wan2.2-I2V-A14B-Diffusers' boundary_ratio 0.9, the Wan 2.1 video VAE, flow_shift 3."""
+    vae = tiny_wan21_vae()
+    settings = dict(in_channels=4 + 2 * vae.config.z_dim)
+    pipe = tiny_wan_pipeline(vae, 3.0, WanImageToVideoPipeline, transformer_settings=settings, image_encoder=None,
+                             image_processor=None, boundary_ratio=0.9)
+    pipe.register_modules(transformer_2=type(pipe.transformer).from_config(pipe.transformer.config))
+    return pipe
+
+
+FAMILY = Family(label="Wan 2.1 / Wan 2.2 A14B image-to-video", pipeline="WanImageToVideoPipeline",
+                model=Wan21ImageToVideoModel, edits_images=True, image_to_video=True,
+                tiny_builders={"tiny-wan-i2v": build_tiny_wan_i2v, "tiny-wan-i2v-a14b": build_tiny_wan_i2v_a14b},
+                archs={"wan21-i2v-14b-480p": "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers",
+                       "wan22-i2v-a14b": "Wan-AI/Wan2.2-I2V-A14B-Diffusers"})

@@ -1,0 +1,199 @@
+"""Wan 2.2 A14B: two experts, the pipeline's ``transformer`` at the high-noise steps and ``transformer_2`` below the
+boundary; the LoRA trains one of them (``model.expert``), only at its steps (tiny-wan-a14b: 6 steps, the first 2 the
+high-noise expert's)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+from peft import get_peft_model_state_dict
+from safetensors.torch import load_file
+
+from jagg_core.config import ModelConfig
+from jagg_core.errors import UserError
+from jagg_core.image_size import ImageSize
+from jagg_core.memory_plan import plan_memory
+from jagg_core.model_card import build_model_card, read_run
+from jagg_core.models import build_tiny_pipeline, load_flow_model
+from jagg_core.models.quantize import is_quantized
+from jagg_core.models.wan import IMAGE_STATES, WanModel
+from jagg_core.models.wan_i2v import VIDEO_CONDITION
+from jagg_core.placement import trained_steps
+from jagg_core.rundir import RunDirectory
+from jagg_core.trainer import Trainer
+
+from conftest import adapter_and_base_velocity, euler_ode, noise, pipeline_with_final_latents, run_cli, tiny_config
+
+FRAMES, SIZE, STEPS = 5, ImageSize.square(32), 6
+PROMPTS = ["a red ball rolling", "two blue cubes spinning on a green floor"]
+HIGH, LOW = range(0, 2), range(2, 6)  # tiny-wan-a14b's 6 steps: sigma 1, 0.92 >= 0.875 > 0.82, 0.67, 0.43, 0.01
+
+
+def load(**overrides) -> WanModel:
+    return load_flow_model(ModelConfig(name="tiny-wan-a14b", max_sequence_length=16, **overrides), num_frames=FRAMES)
+
+
+def expert_config(expert: str, algorithm: str = "grpo", **overrides):
+    config = tiny_config("tiny-wan-a14b", sampling__num_frames=FRAMES, model__max_sequence_length=16,
+                         model__expert=expert, **overrides)
+    return config.for_algorithm(algorithm, ["awm.train_timesteps=2"] if algorithm == "awm" else [])
+
+
+@pytest.mark.parametrize("guidance_scale", [1.0, 5.0])
+def test_the_euler_ode_switches_experts_where_the_pipeline_does(guidance_scale):
+    """3 steps (sigma 1, 0.75, 0.01): the first is the high-noise expert's, the others the low-noise one's; the same
+    latents as WanPipeline with FlowMatchEuler swapped in, which switches at ``t >= boundary_ratio * 1000``."""
+    model = load(guidance_scale=guidance_scale, negative_prompt="ugly")
+    sigmas = model.sigmas(3, SIZE)
+    assert model.trained_steps(sigmas) == range(0, 1)
+    z0 = noise(model, len(PROMPTS), seed=1)
+    z, frames = euler_ode(model, z0, sigmas, model.conditioning(PROMPTS))
+    model.pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=model.pipe.scheduler.config.flow_shift)
+    output, latents = pipeline_with_final_latents(
+        model.pipe, prompt=PROMPTS, negative_prompt=["ugly"] * len(PROMPTS), guidance_scale=guidance_scale,
+        height=32, width=32, num_frames=FRAMES, num_inference_steps=3, latents=z0.clone(), max_sequence_length=16,
+        output_type="pt")
+    torch.testing.assert_close(z, latents, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(frames, output.frames.float(), atol=1e-4, rtol=1e-4)
+
+
+def test_image_to_video_a14b_switches_experts_where_its_pipeline_does_with_no_image_states():
+    """Wan 2.2 I2V-A14B: the video condition as Wan 2.1's, no image encoder and no image states, the experts
+    switched at 0.9; the same latents and frames as WanImageToVideoPipeline, with CFG."""
+    from test_video import I2V_FRAMES, first_frame_rows
+    model = load_flow_model(ModelConfig(name="tiny-wan-i2v-a14b", max_sequence_length=16, condition_resolution=32,
+                                        guidance_scale=5.0, negative_prompt="ugly"), num_frames=I2V_FRAMES)
+    assert model.default_lora_targets == ("to_q", "to_k", "to_v", "to_out.0") and model.pipe.image_encoder is None
+    rows = first_frame_rows(SIZE)
+    cond = model.conditioning(rows)
+    assert IMAGE_STATES not in cond and VIDEO_CONDITION in cond
+    sigmas = model.sigmas(3, SIZE)
+    assert model.trained_steps(sigmas) == range(0, 1)
+    z0 = noise(model, len(rows), seed=1)
+    z, frames = euler_ode(model, z0, sigmas, cond)
+    model.pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    for i, row in enumerate(rows):
+        output, final = pipeline_with_final_latents(
+            model.pipe, image=row.image(SIZE), prompt=row.instruction, negative_prompt="ugly", guidance_scale=5.0,
+            height=32, width=32, num_frames=I2V_FRAMES, num_inference_steps=3, latents=z0[i:i + 1].clone(),
+            max_sequence_length=16, output_type="pt")
+        torch.testing.assert_close(final, z[i:i + 1], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(frames[i:i + 1], output.frames.float(), atol=1e-4, rtol=1e-4)
+
+
+def test_a_batch_of_both_experts_rows_gives_each_row_its_experts_velocity():
+    model = load()
+    z, cond = noise(model, 2, seed=3), model.conditioning(PROMPTS)
+    with torch.no_grad():
+        mixed = model.velocity(z, torch.tensor([0.9, 0.3]), cond)
+        high = model.velocity(z, torch.tensor([0.9, 0.9]), cond)
+        low = model.velocity(z, torch.tensor([0.3, 0.3]), cond)
+        row = model.pipe.transformer(hidden_states=z[:1], timestep=torch.tensor([900.0]),
+                                     encoder_hidden_states=cond["prompt_embeds"][:1], return_dict=False)[0]
+    torch.testing.assert_close(mixed, torch.stack([high[0], low[1]]))
+    torch.testing.assert_close(high[:1], row)
+    assert not torch.allclose(high[1], low[1], atol=1e-3)  # two experts of their own weights
+
+
+@pytest.mark.parametrize(("expert", "steps"), [("high_noise", HIGH), ("low_noise", LOW)])
+def test_the_lora_is_on_the_trained_expert_alone_and_changes_only_its_steps(expert, steps):
+    model = load(expert=expert)
+    assert model.trained_steps(model.sigmas(STEPS, SIZE)) == steps
+    trained, frozen = (model.pipe.transformer, model.pipe.transformer_2)[::1 if expert == "high_noise" else -1]
+    assert model.transformer is trained and model.denoisers == [model.pipe.transformer, model.pipe.transformer_2]
+    from conftest import add_moved_lora
+    add_moved_lora(model)
+    assert get_peft_model_state_dict(trained) and not hasattr(frozen, "peft_config")
+    z, cond = noise(model, 1), model.conditioning(PROMPTS[:1])
+    on_side, off_side = (0.9, 0.3) if expert == "high_noise" else (0.3, 0.9)
+    tuned, base = adapter_and_base_velocity(model, z, torch.tensor([on_side]), cond)
+    assert not torch.allclose(tuned, base, atol=1e-4)
+    tuned, base = adapter_and_base_velocity(model, z, torch.tensor([off_side]), cond)
+    assert torch.equal(tuned, base)
+
+
+@pytest.mark.parametrize(("expert", "steps"), [("high_noise", HIGH), ("low_noise", LOW)])
+@pytest.mark.parametrize("algorithm", ["grpo", "nft", "awm"])
+def test_every_algorithm_trains_at_the_trained_experts_steps_only(algorithm, expert, steps, tmp_path, offline):
+    """GRPO places its trained steps in the expert's (timestep_fraction of them, from its first), NFT and AWM draw
+    theirs there (AWM from step 1)."""
+    trainer = Trainer(expert_config(expert, algorithm, grpo__timestep_fraction=0.5), tmp_path)
+    trainer.setup()
+    if algorithm == "grpo":
+        spans = [trainer.algorithm.trained_spans(k) for k in range(1, 4)]
+        assert {tuple(trained_steps(s)) for s in spans} == {tuple(steps[:len(steps) // 2])}
+        rollout = trainer.rollout(1)
+        assert rollout.sampled.spans == spans[0]
+    else:
+        drawn = trainer.algorithm.draw_steps(64, torch.Generator().manual_seed(0))
+        # NFT: any of them; AWM: strata of 1 .. n (n = int(0.9 T) = 5) in them, as with one transformer
+        awm = {"high_noise": {1}, "low_noise": {2, 3, 4}}[expert]
+        assert set(drawn.flatten().tolist()) == (set(steps) if algorithm == "nft" else awm)
+    before = [p.detach().clone() for p in trainer.params]
+    frozen = [p.detach().clone() for p in (trainer.model.pipe.transformer_2 if expert == "high_noise"
+                                          else trainer.model.pipe.transformer).parameters()]
+    trainer.fit()
+    assert any(not torch.equal(a, p) for a, p in zip(before, trainer.params))
+    other = trainer.model.pipe.transformer_2 if expert == "high_noise" else trainer.model.pipe.transformer
+    assert all(torch.equal(a, p) for a, p in zip(frozen, other.parameters()))
+
+
+@pytest.mark.parametrize("expert", ["high_noise", "low_noise"])
+def test_a_run_of_either_expert_through_the_cli_loads_into_its_expert_of_the_pipeline(expert, tmp_path):
+    """The adapter file is diffusers' Wan LoRA of one transformer: the low-noise expert's loads with
+    ``load_into_transformer_2=True``, as its model card says; GRPO with a JAGG window of 3 at the low-noise expert's
+    4 steps."""
+    out = tmp_path / "run"
+    result = run_cli("--preset", "tiny-sd3", "--output-dir", str(out), "--set", "model.name=tiny-wan-a14b",
+                     "--set", f"model.expert={expert}", "--set", "sampling.num_frames=5", "--set",
+                     "sampling.resolution=32", "--set", "sampling.num_steps=6", "--set", "train.iterations=1",
+                     "--set", "grpo.num_generations=2", "--set", "prompts.eval_count=2", "--set", "backward.window=3",
+                     "--set", "model.max_sequence_length=16", "--set", "rewards=[{name: jpeg_compressibility}]")
+    assert result.returncode == 0, result.stderr[-2000:]
+    run = RunDirectory(out)
+    assert run.read_status()["state"] == "finished" and run.read_run_info()["expert"] == expert
+    card = str(build_model_card(read_run(out), "alice/wan-a14b-lora"))
+    low = expert == "low_noise"
+    assert ('pipe.load_lora_weights("alice/wan-a14b-lora", load_into_transformer_2=True)' in card) == low
+    assert f"this adapter is its {expert.replace('_', '-')} expert's (`pipe.transformer{'_2' if low else ''}`)" in card
+
+    pipe = build_tiny_pipeline("tiny-wan-a14b")  # the run's base model: drawn from train.seed 0
+    pipe.load_lora_weights(str(run.lora_dir), adapter_name="tuned", **({"load_into_transformer_2": True} if low else {}))
+    trained, frozen = (pipe.transformer_2, pipe.transformer) if low else (pipe.transformer, pipe.transformer_2)
+    saved = load_file(run.lora_file)
+    loaded = get_peft_model_state_dict(trained, adapter_name="tuned")
+    assert {f"transformer.{key}" for key in loaded} == set(saved) and not hasattr(frozen, "peft_config")
+    assert all(torch.equal(loaded[key.removeprefix("transformer.")], value) for key, value in saved.items())
+
+
+def test_a_model_of_one_transformer_and_a_schedule_without_the_experts_steps_are_refused(tmp_path, offline):
+    with pytest.raises(UserError, match=r"^model.expert=low_noise trains the low-noise expert of a two-expert model "
+                                        r"\(Wan 2.2 A14B\); 'tiny-wan' has one transformer: unset model.expert$"):
+        load_flow_model(ModelConfig(name="tiny-wan", expert="low_noise"), num_frames=FRAMES)
+    pipe = build_tiny_pipeline("tiny-wan")
+    pipe.register_modules(transformer_2=build_tiny_pipeline("tiny-wan").transformer)
+    with pytest.raises(UserError, match="has a transformer_2 but not both experts and a boundary_ratio"):
+        WanModel(pipe, ModelConfig(name="tiny-wan"), num_frames=FRAMES)
+    model = load(expert="low_noise")
+    with pytest.raises(UserError, match=r"^none of the 1 steps is the low_noise expert's \(the experts switch at sigma "
+                                        r"0.875\): train the other expert \(model.expert\) or take more "
+                                        r"sampling.num_steps$"):
+        model.trained_steps(model.sigmas(1, SIZE))
+    trainer = Trainer(expert_config("high_noise", grpo__timestep_fraction=0.5, grpo__trained_start=2), tmp_path)
+    trainer.setup()
+    with pytest.raises(UserError, match=r"grpo.trained_start 2 \+ 1 trained steps exceeds the 2 steps the trained "
+                                        r"expert denoises"):
+        trainer.algorithm.trained_spans(1)
+
+
+def test_both_experts_are_quantized_and_planned():
+    model = load(quantize="int8")
+    model.release_text_encoders()  # the transformers come (quantized) once the prompts are encoded
+    assert len(model.denoisers) == 2 and all(is_quantized(expert) for expert in model.denoisers)
+    config = tiny_config("random:wan22-t2v-a14b@2", sampling__num_frames=5, sampling__resolution=64,
+                         model__dtype="bfloat16")
+    plan = plan_memory(config, trace=False)
+    transformer, = (size for name, size in plan.resident.items() if name.startswith("transformer ("))
+    other, = (size for name, size in plan.resident.items() if name.startswith("other expert ("))
+    assert other == transformer > 0
