@@ -156,6 +156,8 @@ ADVANCED_KNOBS = (
     Knob("train.optimizer", "8-bit AdamW", "bool", on="adamw8bit", off="adamw"),
     Knob("model.quantize", "Quantize base model", "choice",
          choices=(("no", "none"), ("NF4 (4-bit, GPU)", "nf4"), ("int8", "int8"))),
+    Knob("model.expert", "Trained expert (Wan 2.2 A14B)", "choice",
+         choices=(("high-noise (transformer)", "high_noise"), ("low-noise (transformer_2)", "low_noise"))),
     Knob("train.gradient_checkpointing", "Gradient checkpointing", "bool"),
     Knob("train.gradient_accumulation_steps", "Micro-batches", "int"),
     Knob("train.lr_scheduler", "LR schedule", "choice",
