@@ -35,8 +35,8 @@ def test_a_prompts_count_is_the_tokens_its_encoder_reads(name):
 
 @pytest.mark.parametrize("name", sorted(TINY_BUILDERS))
 def test_every_family_counts_its_prompts_in_each_encoder_it_has(name):
-    edits = name in ("tiny-flux-kontext", "tiny-qwen-edit", "tiny-qwen-edit-plus", "tiny-wan-i2v")
-    frames = 5 if name == "tiny-wan-i2v" else 1  # an image-to-video model makes frames after its input image
+    edits = name in ("tiny-flux-kontext", "tiny-qwen-edit", "tiny-qwen-edit-plus", "tiny-wan-i2v", "tiny-wan-i2v-a14b")
+    frames = 5 if name.startswith("tiny-wan-i2v") else 1  # an image-to-video model makes frames after its input image
     model = load_flow_model(ModelConfig(name=name, max_sequence_length=48), num_frames=frames)
     prompts = [EditPrompt(text, model_image(), "red.png") for text in (SHORT, LONG)] if edits else [SHORT, LONG]
     readings = model.read_text_windows(prompts * 2)  # a prompt counts once

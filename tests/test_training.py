@@ -139,7 +139,8 @@ def test_exact_and_jagg_runs_write_their_backward_statistics(tmp_path, offline):
     assert config == {"family": "sd3", "base_model": "tiny-sd3",
                       "hardware": f"{cpu_name()} ({torch.get_num_threads()} threads)", "processes": 1,
                       "text_windows": [{"encoder": "CLIP", "tokens": 77, "setting": None, "prompts": 320, "longer": 0,
-                                        "longest": 60}]}  # the general set's prompts all fit tiny-sd3's CLIP
+                                        "longest": 60}],  # the general set's prompts all fit tiny-sd3's CLIP
+                      "expert": None}  # one transformer
 
 
 def test_a_run_names_the_cpu_it_trains_on_as_linux_describes_it(tmp_path):

@@ -197,3 +197,12 @@ def test_both_experts_are_quantized_and_planned():
     transformer, = (size for name, size in plan.resident.items() if name.startswith("transformer ("))
     other, = (size for name, size in plan.resident.items() if name.startswith("other expert ("))
     assert other == transformer > 0
+
+
+def test_under_sharding_the_trained_expert_waits_for_its_shards_and_the_other_comes_to_the_device_whole():
+    """FSDP places each process's shard of the trained transformer itself (``place_transformer=False``); the other
+    expert, frozen and unsharded, is placed as the VAE is (the meta device stands in for a GPU)."""
+    model = load_flow_model(ModelConfig(name="tiny-wan-a14b", expert="low_noise", cache_text_embeddings=False),
+                            device="meta", place_transformer=False, num_frames=FRAMES)
+    assert {p.device.type for p in model.transformer.parameters()} == {"cpu"}
+    assert {p.device.type for p in model.pipe.transformer.parameters()} == {"meta"}

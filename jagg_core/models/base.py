@@ -145,10 +145,10 @@ class FlowModel(ABC):
             self._prepare_transformer()
             self._prepare_transformer = None
         self.pipe.vae.to(self.device)
-        for module in self.denoisers:
+        for module in self.denoisers:  # sharding places the trained one's parts; a two-expert model's other comes whole
             module.requires_grad_(False)
-            if self._place_transformer and not is_quantized(module):  # quantizers place while loading
-                module.to(self.device)
+            if (self._place_transformer or module is not self.transformer) and not is_quantized(module):
+                module.to(self.device)  # quantizers place while loading
 
     @property
     def text_encoders(self) -> list[torch.nn.Module]:
