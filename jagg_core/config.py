@@ -66,6 +66,10 @@ class ModelConfig(_Section):
         "float32", description="dtype the pipeline's weights are loaded in; the LoRA parameters stay float32")
     guidance_scale: float = Field(1.0, ge=0.0, description="classifier-free guidance g: v = v_neg + g (v_pos - v_neg) "
                                   "in rollouts, training and eval; 1 disables CFG (one forward instead of two)")
+    guidance_scale_2: float | None = Field(None, ge=0.0, description="the CFG scale at a two-expert model's "
+                                           "low-noise steps (Wan 2.2 A14B's transformer_2: the pipeline's "
+                                           "guidance_scale_2; the official settings are 3.0 for text-to-video "
+                                           "beside 4.0 at the high-noise steps); null = model.guidance_scale")
     negative_prompt: str = Field("", description="negative prompt of CFG (used only when guidance_scale > 1)")
     flux_guidance: float = Field(3.5, ge=0.0, description="value of the FLUX guidance embedding (guidance-distilled "
                                  "models such as FLUX.1-dev); ignored by models without one")
@@ -131,6 +135,12 @@ class ModelConfig(_Section):
     def condition_size(self) -> ImageSize:
         """``condition_resolution`` as ``(height, width)``."""
         return parse_resolution(self.condition_resolution)
+
+    @property
+    def uses_cfg(self) -> bool:
+        """Whether any step is guided: ``guidance_scale > 1``, or ``guidance_scale_2 > 1`` (then the negative prompt
+        is encoded, and a step whose scale is 1 takes the conditional velocity)."""
+        return max(self.guidance_scale, self.guidance_scale_2 or 0.0) > 1.0
 
     @model_validator(mode="before")
     @classmethod
@@ -613,9 +623,10 @@ class RunConfig(_Section):
                 if changed:
                     raise ValueError(f"{changed} applies to train.algorithm {owner} only; remove it, or set "
                                      f"train.algorithm {owner}")
-        if algorithm != "grpo" and self.model.guidance_scale > 1:
+        if algorithm != "grpo" and self.model.uses_cfg:
             raise ValueError(f"train.algorithm {algorithm} trains without classifier-free guidance (as its paper); "
-                             "set model.guidance_scale 1")
+                             "set model.guidance_scale 1" + " and unset model.guidance_scale_2" * bool(
+                                 self.model.guidance_scale_2))
         if algorithm == "nft":
             per_sample = self.nft_steps_per_sample()
             if self.nft.updates_per_rollout > per_sample:

@@ -40,11 +40,12 @@ def expert_config(expert: str, algorithm: str = "grpo", **overrides):
     return config.for_algorithm(algorithm, ["awm.train_timesteps=2"] if algorithm == "awm" else [])
 
 
-@pytest.mark.parametrize("guidance_scale", [1.0, 5.0])
-def test_the_euler_ode_switches_experts_where_the_pipeline_does(guidance_scale):
+@pytest.mark.parametrize(("guidance_scale", "guidance_scale_2"), [(1.0, None), (5.0, None), (4.0, 2.0)])
+def test_the_euler_ode_switches_experts_where_the_pipeline_does(guidance_scale, guidance_scale_2):
     """3 steps (sigma 1, 0.75, 0.01): the first is the high-noise expert's, the others the low-noise one's; the same
-    latents as WanPipeline with FlowMatchEuler swapped in, which switches at ``t >= boundary_ratio * 1000``."""
-    model = load(guidance_scale=guidance_scale, negative_prompt="ugly")
+    latents as WanPipeline with FlowMatchEuler swapped in, which switches at ``t >= boundary_ratio * 1000``, and its
+    CFG scale with them (``guidance_scale_2``)."""
+    model = load(guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2, negative_prompt="ugly")
     sigmas = model.sigmas(3, SIZE)
     assert model.trained_steps(sigmas) == range(0, 1)
     z0 = noise(model, len(PROMPTS), seed=1)
@@ -52,8 +53,8 @@ def test_the_euler_ode_switches_experts_where_the_pipeline_does(guidance_scale):
     model.pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=model.pipe.scheduler.config.flow_shift)
     output, latents = pipeline_with_final_latents(
         model.pipe, prompt=PROMPTS, negative_prompt=["ugly"] * len(PROMPTS), guidance_scale=guidance_scale,
-        height=32, width=32, num_frames=FRAMES, num_inference_steps=3, latents=z0.clone(), max_sequence_length=16,
-        output_type="pt")
+        guidance_scale_2=guidance_scale_2, height=32, width=32, num_frames=FRAMES, num_inference_steps=3,
+        latents=z0.clone(), max_sequence_length=16, output_type="pt")
     torch.testing.assert_close(z, latents, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(frames, output.frames.float(), atol=1e-4, rtol=1e-4)
 
@@ -171,6 +172,12 @@ def test_a_model_of_one_transformer_and_a_schedule_without_the_experts_steps_are
     with pytest.raises(UserError, match=r"^model.expert=low_noise trains the low-noise expert of a two-expert model "
                                         r"\(Wan 2.2 A14B\); 'tiny-wan' has one transformer: unset model.expert$"):
         load_flow_model(ModelConfig(name="tiny-wan", expert="low_noise"), num_frames=FRAMES)
+    with pytest.raises(UserError, match=r"^model.guidance_scale_2 is the CFG scale of a two-expert model's low-noise "
+                                        r"steps \(Wan 2.2 A14B\); 'tiny-wan' has one transformer: unset it$"):
+        load_flow_model(ModelConfig(name="tiny-wan", guidance_scale_2=3.0), num_frames=FRAMES)
+    with pytest.raises(UserError, match=r"train.algorithm nft trains without classifier-free guidance \(as its "
+                                        r"paper\); set model.guidance_scale 1 and unset model.guidance_scale_2"):
+        expert_config("low_noise", "nft", model__guidance_scale_2=3.0)
     pipe = build_tiny_pipeline("tiny-wan")
     pipe.register_modules(transformer_2=build_tiny_pipeline("tiny-wan").transformer)
     with pytest.raises(UserError, match="has a transformer_2 but not both experts and a boundary_ratio"):

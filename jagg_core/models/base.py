@@ -114,6 +114,9 @@ class FlowModel(ABC):
         if config.expert != "high_noise" and getattr(pipe, EXPERT_COMPONENTS[config.expert], None) is None:
             raise UserError(f"model.expert={config.expert} trains the low-noise expert of a two-expert model (Wan 2.2 "
                             f"A14B); '{config.name}' has one transformer: unset model.expert")
+        if config.guidance_scale_2 is not None and getattr(pipe, EXPERT_COMPONENTS["low_noise"], None) is None:
+            raise UserError(f"model.guidance_scale_2 is the CFG scale of a two-expert model's low-noise steps (Wan 2.2 "
+                            f"A14B); '{config.name}' has one transformer: unset it")
         if num_frames != 1 and not self.is_video:
             raise UserError(f"sampling.num_frames is {num_frames}, but {self.family} makes images: set it to 1")
         self.num_frames = num_frames
@@ -193,7 +196,7 @@ class FlowModel(ABC):
 
     @property
     def use_cfg(self) -> bool:
-        return self.config.guidance_scale > 1.0
+        return self.config.uses_cfg
 
     def add_lora(self, lora: LoraConfig) -> list[torch.nn.Parameter]:
         """Add a trainable LoRA adapter (peft through diffusers); return its parameters (fp32)."""
@@ -427,12 +430,18 @@ class FlowModel(ABC):
             return self.transformer_velocity(z, sigma, positive)
         stacked = {k: torch.cat([cond[NEGATIVE + k], v]) for k, v in positive.items()}
         v_neg, v_pos = self.transformer_velocity(torch.cat([z, z]), torch.cat([sigma, sigma]), stacked).chunk(2)
-        return self.guide(v_neg, v_pos)
+        return self.guide(v_neg, v_pos, sigma)
 
-    def guide(self, v_neg: torch.Tensor, v_pos: torch.Tensor) -> torch.Tensor:
-        """Classifier-free guidance ``v = v_neg + g (v_pos - v_neg)``; families whose pipeline
-        post-processes the guided prediction (Qwen-Image) override this."""
-        return v_neg + self.config.guidance_scale * (v_pos - v_neg)
+    def guide(self, v_neg: torch.Tensor, v_pos: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        """Classifier-free guidance ``v = v_neg + g (v_pos - v_neg)`` at each row's ``sigma`` [B]
+        (:meth:`cfg_scale`); families whose pipeline post-processes the guided prediction (Qwen-Image) override
+        this."""
+        return v_neg + self.cfg_scale(sigma, v_pos.dim()) * (v_pos - v_neg)
+
+    def cfg_scale(self, sigma: torch.Tensor, dims: int) -> float | torch.Tensor:
+        """The CFG scale ``g`` of rows at ``sigma`` [B], as a number or a tensor broadcasting over ``dims``-dimensional
+        velocities: ``model.guidance_scale`` (a two-expert model's low-noise rows: ``model.guidance_scale_2``)."""
+        return self.config.guidance_scale
 
 
 class PackedFlowModel(FlowModel):

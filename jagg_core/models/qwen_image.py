@@ -92,10 +92,10 @@ class QwenImageModel(PackedFlowModel):
     def conditioning_shapes(self) -> dict[str, tuple[int, ...]]:
         return {"prompt_embeds": (self.text_length, self.transformer.config.joint_attention_dim)}
 
-    def guide(self, v_neg: torch.Tensor, v_pos: torch.Tensor) -> torch.Tensor:
+    def guide(self, v_neg: torch.Tensor, v_pos: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
         """QwenImagePipeline's true CFG: ``c = v_neg + g (v_pos - v_neg)``, rescaled per token to the
         conditional norm, ``v = c * ||v_pos|| / ||c||`` (norms over the channel axis)."""
-        combined = super().guide(v_neg, v_pos)
+        combined = super().guide(v_neg, v_pos, sigma)
         return combined * (v_pos.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ from .base import Conditioning
 
 def fingerprint(config: ModelConfig) -> str:
     """The settings the embeddings depend on, as a JSON string."""
-    cfg = config.guidance_scale > 1.0
+    cfg = config.uses_cfg
     return json.dumps({"name": config.name, "revision": config.revision, "dtype": config.dtype,
                        "max_sequence_length": config.max_sequence_length, "cfg": cfg,
                        "condition_resolution": config.condition_resolution,  # an editing row's image latents

@@ -146,6 +146,16 @@ class WanModel(FlowModel):
                             "sampling.num_steps")
         return trained
 
+    def cfg_scale(self, sigma: torch.Tensor, dims: int) -> float | torch.Tensor:
+        """``model.guidance_scale`` at the high-noise rows, ``model.guidance_scale_2`` at the low-noise ones (the
+        pipeline's ``guidance_scale_2``), as a [B, 1, ...] tensor when it is set."""
+        scale_2 = self.config.guidance_scale_2
+        if self.boundary_timestep is None or scale_2 is None:
+            return super().cfg_scale(sigma, dims)
+        high = sigma.float() * 1000 >= self.boundary_timestep
+        scales = torch.where(high, self.config.guidance_scale, scale_2)
+        return scales.view(-1, *[1] * (dims - 1))
+
     def transformer_output(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Conditioning) -> torch.Tensor:
         """The float32 output for video latents [B, C, F', h, w] at ``timestep`` ([B], or [B, tokens] per token)
         under the text states of ``cond`` (and its image states, Wan 2.1 image-to-video's): the transformer's, or of
