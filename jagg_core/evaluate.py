@@ -11,15 +11,17 @@ model and ``K`` times by the adapter from the same ``K`` noises (each drawn from
 CPU, so a batch changes nothing and the device holds one batch's), with the run's fixed-seed ODE sampler, steps and
 sizes (as its evals). Every reward scores both: by default the run's rewards (``reward NAME``) and judges (``judge
 NAME``), each with its options; ``--reward`` names others instead (``geneval`` or a YAML mapping such as ``"{name:
-geneval, options: {strict: true}}"``, repeated). For each, over the ``n = N K`` pairs::
+geneval, options: {strict: true}}"``, repeated). For each, over the ``n = N K`` pairs, the ``N`` prompts as the units
+(a prompt's ``K`` pairs share it, so they are not independent draws: each prompt's mean over its ``K`` is one value,
+``x_i``; with one prompt its ``K`` pairs are the units)::
 
-    base, adapter      mean +- standard error, s / sqrt(n)
-    adapter - base     the paired difference's mean +- its standard error (same prompt, same noise)
+    base, adapter      mean(x) +- standard error, s_x / sqrt(N)
+    adapter - base     the paired difference's mean +- its standard error (same prompt, same noise): with each
+                       prompt's mean difference d_i, mean(d) +- s_d / sqrt(N)
     adapter wins       the share of pairs the adapter scores higher (a tie counts a half)
-    p                  two-sided, that the adapter and the base score the same on average over prompts: the
-                       prompts are the units (a prompt's K pairs share it, so they are not independent draws), each
-                       its mean paired difference d_i, z = mean(d) / (s_d / sqrt(N)), p = erfc(|z| / sqrt 2) (a
-                       normal approximation, close from about 30 prompts; none with one prompt)
+    p                  two-sided, that the adapter and the base score the same on average over prompts:
+                       z = mean(d) / (s_d / sqrt(N)), p = erfc(|z| / sqrt 2) (a normal approximation, close from
+                       about 30 prompts; none with one prompt)
 
 ``--against RUN2`` compares the adapter with another adapter of the same base model instead of the base model (an A/B
 test of two runs, say GRPO's and DiffusionNFT's, or with ``RUN2 = RUN`` of two checkpoints): RUN2's latest adapter, or
@@ -74,21 +76,26 @@ class Scored:
     adapter: list[float]
 
     def row(self, prompts: int) -> dict:
-        """Means with standard errors, the paired difference, the adapter's wins and the p-value over the
-        ``prompts`` (pair ``k N + i`` is prompt ``i``'s ``k``-th; the module docstring)."""
+        """Means with standard errors, the paired difference, the adapter's wins and the p-value, the ``prompts`` as
+        the units (pair ``k N + i`` is prompt ``i``'s ``k``-th; the module docstring)."""
         difference = [a - b for a, b in zip(self.adapter, self.base)]
         wins = sum(1.0 if d > 0 else 0.5 if d == 0 else 0.0 for d in difference) / len(difference)
-        return {"reward": self.label, "pairs": len(difference), "base": mean_and_error(self.base),
-                "adapter": mean_and_error(self.adapter), "difference": mean_and_error(difference),
-                "adapter_wins": wins, "p_value": p_value([difference[i::prompts] for i in range(prompts)])}
+        mean_difference = mean_and_error(prompt_means(difference, prompts))
+        return {"reward": self.label, "pairs": len(difference), "base": mean_and_error(prompt_means(self.base, prompts)),
+                "adapter": mean_and_error(prompt_means(self.adapter, prompts)), "difference": mean_difference,
+                "adapter_wins": wins, "p_value": p_value(*mean_difference) if prompts > 1 else None}
 
 
-def p_value(differences_by_prompt: list[list[float]]) -> float | None:
-    """Two-sided p of a zero mean difference, the prompts as the units (the module docstring); None for one
-    prompt."""
-    if len(differences_by_prompt) < 2:
-        return None
-    mean, error = mean_and_error([sum(d) / len(d) for d in differences_by_prompt])
+def prompt_means(values: list[float], prompts: int) -> list[float]:
+    """Each prompt's mean over its pairs (pair ``k N + i`` is prompt ``i``'s), the units of the standard errors;
+    one prompt's pairs themselves."""
+    if prompts < 2:
+        return values
+    return [sum(values[i::prompts]) / len(values[i::prompts]) for i in range(prompts)]
+
+
+def p_value(mean: float, error: float) -> float:
+    """Two-sided p of a zero mean difference from its mean and standard error (the module docstring)."""
     if error == 0:
         return 1.0 if mean == 0 else 0.0
     return math.erfc(abs(mean / error) / math.sqrt(2))
@@ -305,15 +312,16 @@ def p_words(p: float | None) -> str:
 
 def table(settings: dict, scored: list[Scored]) -> str:
     """The markdown table of the evaluation, its settings above it."""
-    pairs = settings["distinct_prompts"] * settings["images_per_prompt"]
+    pairs, prompts = settings["distinct_prompts"] * settings["images_per_prompt"], settings["distinct_prompts"]
+    units = f"over the {prompts} prompts' means" if prompts > 1 else f"over the {pairs} pairs"
     other, baseline = settings.get("against"), baseline_name(settings)
     versus = (f"its base model {settings['model']}" if not other else f"the LoRA `{other['source']}`"
               if other["adapter"] == LORA_LABEL else
               f"the {other['adapter']} of `{other['name']}` (the same base model {settings['model']})")
     lines = [f"**{settings['adapter']}** of `{Path(settings['run']).name}` against {versus}: "
              f"{settings['distinct_prompts']} prompts ({settings['prompts']}) x {settings['images_per_prompt']} "
-             f"noises, {settings['steps']} steps at {settings['resolution']} px; mean ± standard error of {pairs} "
-             "pairs; p: that both score the same, the prompts as the units", "",
+             f"noises, {settings['steps']} steps at {settings['resolution']} px ({pairs} pairs); mean ± standard "
+             f"error {units}; p: that both score the same", "",
              f"| reward | {baseline} | adapter | adapter - {baseline} | adapter wins | p |", "|---|---|---|---|---|---|"]
     for result in scored:
         row = result.row(settings["distinct_prompts"])

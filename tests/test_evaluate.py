@@ -79,21 +79,27 @@ def test_each_reward_and_judge_scores_the_base_and_the_adapter_on_the_same_noise
     torch.testing.assert_close(torch.tensor(batched[0].adapter), torch.tensor(compress.adapter))
 
 
-def test_a_row_is_the_means_their_standard_errors_the_paired_difference_and_the_wins():
+def test_a_row_is_the_means_their_standard_errors_over_the_prompts_the_paired_difference_and_the_wins():
+    """A prompt's pairs share it: the standard errors are of the prompts' means (one prompt: of its pairs)."""
     result = Scored("reward x", base=[1.0, 2.0, 3.0, 4.0], adapter=[2.0, 2.0, 5.0, 3.0])
     row = result.row(2)  # pairs 0, 2 of prompt 0; 1, 3 of prompt 1
     assert row["pairs"] == 4
-    assert row["base"] == pytest.approx((2.5, statistics.stdev([1, 2, 3, 4]) / 2))
-    assert row["adapter"] == pytest.approx((3.0, statistics.stdev([2, 2, 5, 3]) / 2))
-    assert row["difference"] == pytest.approx((0.5, statistics.stdev([1, 0, 2, -1]) / 2))
-    assert row["adapter_wins"] == pytest.approx((1 + 0.5 + 1 + 0) / 4)
+    assert row["base"] == pytest.approx((2.5, statistics.stdev([2, 3]) / 2 ** 0.5))  # prompt means 2 and 3
+    assert row["adapter"] == pytest.approx((3.0, statistics.stdev([3.5, 2.5]) / 2 ** 0.5))
     # the prompts' mean differences 1.5 and -0.5: z = 0.5 / (stdev / sqrt 2) = 0.5
-    z = 0.5 / (statistics.stdev([1.5, -0.5]) / 2 ** 0.5)
-    assert row["p_value"] == pytest.approx(2 * (1 - statistics.NormalDist().cdf(z)))
-    assert result.row(1)["p_value"] is None and Scored("y", [0.0] * 4, [1.0] * 4).row(2)["p_value"] == 0.0
-    text = table({"adapter": "latest adapter", "run": "runs/x", "model": "m", "distinct_prompts": 2,
-                  "prompts": "p", "images_per_prompt": 2, "steps": 6, "resolution": "32"}, [result])
-    assert "| reward x | 2.5000 ± 0.6455 | 3.0000 ± 0.7071 | +0.5000 ± 0.6455 | 62% | 0.617 |" in text
+    error = statistics.stdev([1.5, -0.5]) / 2 ** 0.5
+    assert row["difference"] == pytest.approx((0.5, error))
+    assert row["adapter_wins"] == pytest.approx((1 + 0.5 + 1 + 0) / 4)
+    assert row["p_value"] == pytest.approx(2 * (1 - statistics.NormalDist().cdf(0.5 / error)))
+    one_prompt = result.row(1)
+    assert one_prompt["p_value"] is None and one_prompt["difference"] == pytest.approx(
+        (0.5, statistics.stdev([1, 0, 2, -1]) / 2))
+    assert Scored("y", [0.0] * 4, [1.0] * 4).row(2)["p_value"] == 0.0
+    settings = {"adapter": "latest adapter", "run": "runs/x", "model": "m", "distinct_prompts": 2, "prompts": "p",
+                "images_per_prompt": 2, "steps": 6, "resolution": "32"}
+    text = table(settings, [result])
+    assert "x 2 noises, 6 steps at 32 px (4 pairs); mean ± standard error over the 2 prompts' means; p: that" in text
+    assert "| reward x | 2.5000 ± 0.5000 | 3.0000 ± 0.5000 | +0.5000 ± 1.0000 | 62% | 0.617 |" in text
 
 
 def test_other_rewards_and_prompt_sets_are_named_on_the_command_line(tiny_run, tmp_path):
