@@ -186,7 +186,8 @@ class FlowModel(ABC):
     @property
     def denoisers(self) -> list[torch.nn.Module]:
         """The pipeline's transformers: one, or a two-expert model's two (Wan 2.2 A14B's ``transformer`` and
-        ``transformer_2``), all placed on the device."""
+        ``transformer_2``), placed, quantized and metered alike (under sharding FSDP places the trained one's
+        shards)."""
         return [module for name in DENOISER_COMPONENTS if (module := getattr(self.pipe, name, None)) is not None]
 
     def trained_steps(self, sigmas: torch.Tensor) -> range:
