@@ -377,14 +377,12 @@ def plan_memory(config: RunConfig, traces: dict[tuple, int] | None = None, trace
                       traces={} if traces is None else traces)
 
     # ----- resident weights
-    frozen_bytes = _transformer_bytes(transformer, cfg.model.quantize,
-                                      transformer_dtype(cfg.model.quantize, dtype).itemsize)
+    weight_size = transformer_dtype(cfg.model.quantize, dtype).itemsize
     quant = f", {cfg.model.quantize}" if cfg.model.quantize != "none" else ""
-    plan.resident[f"transformer ({_count(_params(transformer))} params, {cfg.model.dtype}{quant})"] = frozen_bytes
-    for other in model.denoisers:  # a two-expert model's other expert, frozen, on the device beside it
-        if other is not transformer:
-            plan.resident[f"other expert ({_count(_params(other))} params, {cfg.model.dtype}{quant})"] = \
-                _transformer_bytes(other, cfg.model.quantize, transformer_dtype(cfg.model.quantize, dtype).itemsize)
+    for denoiser in model.denoisers:  # the trained one, and a two-expert model's other, frozen, beside it
+        role = "transformer" if denoiser is transformer else "other expert"
+        plan.resident[f"{role} ({_count(_params(denoiser))} params, {cfg.model.dtype}{quant})"] = \
+            _transformer_bytes(denoiser, cfg.model.quantize, weight_size)
     vae_bytes = _params(pipe.vae) * element
     plan.resident[f"VAE ({_count(_params(pipe.vae))}, {cfg.model.dtype})"] = vae_bytes
     encoders = model.text_encoders

@@ -131,6 +131,10 @@ class WanModel(FlowModel):
             return None
         return self.pipe.config.boundary_ratio * self.pipe.scheduler.config.num_train_timesteps
 
+    def high_noise(self, timesteps: torch.Tensor) -> torch.Tensor:
+        """Which of ``timesteps`` [B] the high-noise expert takes, ``t >= boundary`` (a two-expert model's)."""
+        return timesteps >= self.boundary_timestep
+
     def trained_steps(self, sigmas: torch.Tensor) -> range:
         """The trained expert's steps: those whose timestep ``1000 sigma`` is on its side of the boundary (the first
         steps for ``model.expert: high_noise``, the rest for ``low_noise``); a schedule that gives it none is refused
@@ -138,7 +142,7 @@ class WanModel(FlowModel):
         boundary, steps = self.boundary_timestep, super().trained_steps(sigmas)
         if boundary is None:
             return steps
-        high = sum(float(sigma) * 1000 >= boundary for sigma in sigmas[:-1])  # sigmas decrease
+        high = int(self.high_noise(sigmas[:-1].float() * 1000).sum())  # sigmas decrease
         trained = range(0, high) if self.config.expert == "high_noise" else range(high, len(steps))
         if not trained:
             raise UserError(f"none of the {len(steps)} steps is the {self.config.expert} expert's (the experts switch "
@@ -152,8 +156,7 @@ class WanModel(FlowModel):
         scale_2 = self.config.guidance_scale_2
         if self.boundary_timestep is None or scale_2 is None:
             return super().cfg_scale(sigma, dims)
-        high = sigma.float() * 1000 >= self.boundary_timestep
-        scales = torch.where(high, self.config.guidance_scale, scale_2)
+        scales = torch.where(self.high_noise(sigma.float() * 1000), self.config.guidance_scale, scale_2)
         return scales.view(-1, *[1] * (dims - 1))
 
     def transformer_output(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Conditioning) -> torch.Tensor:
@@ -161,10 +164,9 @@ class WanModel(FlowModel):
         under the text states of ``cond`` (and its image states, Wan 2.1 image-to-video's): the transformer's, or of
         a two-expert model each row's expert's (:attr:`boundary_timestep`), rows of both experts split between them
         and put back in order."""
-        boundary = self.boundary_timestep
-        if boundary is None or timestep.is_meta:  # a memory plan's tensors have no values: it traces the trained one
+        if self.boundary_timestep is None or timestep.is_meta:  # a memory plan's tensors have no values: it traces the trained one
             return self.expert_output(self.transformer, latents, timestep, cond)
-        high = timestep.reshape(len(timestep), -1).amax(1) >= boundary
+        high = self.high_noise(timestep.reshape(len(timestep), -1).amax(1))
         rows = [high.nonzero()[:, 0], (~high).nonzero()[:, 0]]
         parts = [self.expert_output(expert, latents[index], timestep[index], {k: v[index] for k, v in cond.items()})
                  for expert, index in zip([self.pipe.transformer, self.pipe.transformer_2], rows) if len(index)]
