@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import UserError
-from .rundir import RunDirectory, iteration_dirname
+from .rundir import RunDirectory, adapter_files, iteration_dirname
 
 BEST = "best"
 LATEST_LABEL = "latest adapter"
@@ -33,10 +33,21 @@ class Adapter:
     iteration: int | None
     record: dict = field(default_factory=dict)
 
+    @property
+    def files(self) -> list[Path]:
+        """The adapter's files: :attr:`file`, and the low-noise expert's beside it when the run trained both experts
+        of a two-expert model (:func:`~jagg_core.rundir.adapter_files`)."""
+        return adapter_files(self.file)
+
     def digest(self) -> str:
-        """The SHA-256 of the adapter file, hex: which weights an evaluation of it scored."""
-        with self.file.open("rb") as weights:
-            return hashlib.file_digest(weights, "sha256").hexdigest()
+        """The SHA-256 of the adapter's files one after the other (of one file: that file's), hex: which weights an
+        evaluation of it scored."""
+        digest = hashlib.sha256()
+        for file in self.files:
+            with file.open("rb") as weights:
+                for chunk in iter(lambda: weights.read(1 << 20), b""):
+                    digest.update(chunk)
+        return digest.hexdigest()
 
     @property
     def label(self) -> str:

@@ -77,11 +77,12 @@ class ModelConfig(_Section):
                                      "/ Mistral text encoder, a chat template's included (longer prompts are cut, and "
                                      "set-up says how many and the length that keeps them whole; Qwen-Image-Edit "
                                      "refuses them; FLUX allows at most 512)")
-    expert: Literal["high_noise", "low_noise"] = Field(
+    expert: Literal["high_noise", "low_noise", "both"] = Field(
         "high_noise", description="which expert of a two-expert model (Wan 2.2 A14B) the LoRA trains: high_noise = "
         "the pipeline's transformer, which denoises from pure noise down to the boundary (sigma >= boundary_ratio), "
         "low_noise = its transformer_2, which finishes; the other expert samples with its base weights and only the "
-        "trained expert's steps are trained; models of one transformer take high_noise")
+        "trained expert's steps are trained; both = a LoRA in each, trained together at every step (two adapter "
+        "files, the second loaded with load_into_transformer_2=True); models of one transformer take high_noise")
     quantize: Literal["none", "nf4", "int8"] = Field(
         "none", description="the frozen base transformer's weights: none = model.dtype; nf4 = 4-bit NormalFloat "
         "(bitsandbytes, bf16 compute, CUDA GPU only, QLoRA); int8 = 8-bit weight-only (torchao, per-channel scales, "

@@ -162,7 +162,7 @@ def other_adapter(config, against: str, checkpoint: str | None) -> tuple[Adapter
     from .adapters import Adapter, choose_adapter
     from .config import validate_config
     from .hubclient import resolve_lora
-    from .rundir import LORA_FILE, RunDirectory
+    from .rundir import LORA_FILE, RunDirectory, adapter_filenames
 
     run = RunDirectory(against)
     if run.config_file.is_file():
@@ -179,7 +179,7 @@ def other_adapter(config, against: str, checkpoint: str | None) -> tuple[Adapter
         if checkpoint:
             raise UserError(f"--against-checkpoint names a checkpoint of a run, but {against} is a LoRA, not a run "
                             "folder")
-        adapter = Adapter(resolve_lora(str(against)), None, None)
+        adapter = Adapter(resolve_lora(str(against), files=adapter_filenames(config.model.expert)), None, None)
         local = Path(against).expanduser()
         if not local.exists():
             name = str(against)  # a Hub id

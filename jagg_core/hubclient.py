@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlparse
@@ -124,19 +124,21 @@ def is_repo_id(name: str) -> bool:
     return "/" in name
 
 
-def resolve_lora(source: str, token: str | None = None) -> Path:
-    """The local path of the diffusers LoRA named by ``source``: a local folder (or file), or a Hub repo id.
+def resolve_lora(source: str, token: str | None = None, files: Sequence[str] = (LORA_FILE,)) -> Path:
+    """The local path of the diffusers LoRA named by ``source``: a local folder (or file), or a Hub repo id; the
+    path of its first file when it has several (``files``: an adapter of both experts of a two-expert model,
+    :func:`~jagg_core.rundir.adapter_filenames`; the model finds the others beside it).
 
-    Hub LoRAs are downloaded (``pytorch_lora_weights.safetensors``) into the Hugging Face cache, which also
-    serves them when offline once downloaded.
+    Hub LoRAs are downloaded (``files``) into the Hugging Face cache, one folder for all of them, which also serves
+    them when offline once downloaded.
     """
     path = Path(source).expanduser()
     if path.is_file():
         return path
     if path.is_dir():
-        if not (path / LORA_FILE).is_file():
-            raise UserError(f"LoRA folder {source} has no {LORA_FILE} (save it with save_lora_weights)")
-        return path / LORA_FILE
+        if not (path / files[0]).is_file():
+            raise UserError(f"LoRA folder {source} has no {files[0]} (save it with save_lora_weights)")
+        return path / files[0]
     if not is_repo_id(source):
         raise UserError(f"LoRA '{source}' is neither a local folder nor a Hub repo id (USER/NAME)")
-    return download(source, LORA_FILE, f"download the LoRA {source}", token=token)
+    return [download(source, name, f"download the LoRA {source}", token=token) for name in files][0]

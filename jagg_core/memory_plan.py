@@ -67,7 +67,7 @@ from .memory_meter import LiveBytes
 from .meta_kernels import cpp_meta_kernels
 from .models import DTYPES, family_for
 from .models.base import ENCODE_BATCH, NEGATIVE, FlowModel
-from .models.quantize import transformer_dtype
+from .models.quantize import DENOISER_COMPONENTS, transformer_dtype
 from .models.meta import META, meta_pipeline
 from .models.text_embeddings import bytes_per_prompt, check_cache_room
 from .placement import most_trained_steps
@@ -379,8 +379,9 @@ def plan_memory(config: RunConfig, traces: dict[tuple, int] | None = None, trace
     # ----- resident weights
     weight_size = transformer_dtype(cfg.model.quantize, dtype).itemsize
     quant = f", {cfg.model.quantize}" if cfg.model.quantize != "none" else ""
-    for denoiser in model.denoisers:  # the trained one, and a two-expert model's other, frozen, beside it
-        role = "transformer" if denoiser is transformer else "other expert"
+    trained = [id(denoiser) for denoiser in model.trained_transformers]
+    for name, denoiser in zip(DENOISER_COMPONENTS, model.denoisers):  # the trained one(s), and a frozen other expert
+        role = ("transformer" if denoiser is transformer else name) if id(denoiser) in trained else "other expert"
         plan.resident[f"{role} ({_count(_params(denoiser))} params, {cfg.model.dtype}{quant})"] = \
             _transformer_bytes(denoiser, cfg.model.quantize, weight_size)
     vae_bytes = _params(pipe.vae) * element

@@ -8,6 +8,8 @@ why for the best, and quotes the newest reward-hacking alarm up to its iteration
 Files in the published repo::
 
     pytorch_lora_weights.safetensors   the adapter (diffusers format)
+    pytorch_lora_weights_transformer_2.safetensors   an adapter of both experts of a two-expert model: the
+                                       low-noise expert's (``load_into_transformer_2=True``)
     README.md                          the model card built by build_model_card
     config.yaml                        the resolved config, secrets removed
     images/reward_curve.png            training reward (mean +- std), held-out eval reward and each judge's eval
@@ -41,7 +43,7 @@ from .edit_prompts import instruction_of
 from .errors import UserError
 from .image_size import parse_resolution
 from .rundir import GRID_FILE as GRID_NAME
-from .rundir import LORA_FILE, ImageSet, RunDirectory, iteration_dirname
+from .rundir import LORA_FILE, TRANSFORMER_2_LORA_FILE, ImageSet, RunDirectory, iteration_dirname
 
 CURVE_FILE = "images/reward_curve.png"
 EVALUATION_IMAGE = "images/evaluation.png"
@@ -217,10 +219,24 @@ def _eval_reward(rows: list[dict]) -> tuple[dict | None, dict | None]:
     return (evals[0], evals[-1]) if len(evals) >= 2 else (None, None)
 
 
+def _load_lines(repo_id: str, expert: str | None) -> str:
+    """The snippet's ``load_lora_weights`` calls: one, into the trained expert; two for an adapter of both experts
+    (the low-noise one's file into ``transformer_2``)."""
+    if expert == "both":
+        return (f'pipe.load_lora_weights("{repo_id}")\n'
+                f'pipe.load_lora_weights("{repo_id}", weight_name="{TRANSFORMER_2_LORA_FILE}", '
+                "load_into_transformer_2=True)")
+    return f'pipe.load_lora_weights("{repo_id}"{", load_into_transformer_2=True" if expert == "low_noise" else ""})'
+
+
 def _expert_words(expert: str | None) -> str:
     """What a two-expert base model's adapter is for (``model.expert``); nothing for a model of one transformer."""
     if expert is None:
         return ""
+    if expert == "both":
+        return (f"\nThe base model has two experts; this adapter trains both, together at every step: `{LORA_FILE}` "
+                f"is the high-noise expert's (`pipe.transformer`), `{TRANSFORMER_2_LORA_FILE}` the low-noise "
+                "expert's (`pipe.transformer_2`, loaded with `load_into_transformer_2=True`).\n")
     component, other = ("transformer_2", "high-noise") if expert == "low_noise" else ("transformer", "low-noise")
     return (f"\nThe base model has two experts; this adapter is its {expert.replace('_', '-')} expert's "
             f"(`pipe.{component}`), trained at that expert's steps while the {other} expert sampled with its base "
@@ -512,7 +528,7 @@ import torch
 {imports}
 
 pipe = {pipeline_class}.from_pretrained("{base}", torch_dtype=torch.bfloat16).to("cuda")
-pipe.load_lora_weights("{repo_id}"{", load_into_transformer_2=True" if expert == "low_noise" else ""})
+{_load_lines(repo_id, expert)}
 {call}
 ```
 {_expert_words(expert)}""")
@@ -544,9 +560,9 @@ def eval_grids(snap: RunSnapshot) -> dict[str, Path]:
 
 
 def publish_files(snap: RunSnapshot, repo_id: str) -> dict[str, bytes | Path]:
-    """Every file of the published repo: path in the repo -> bytes, or a local path for the adapter."""
+    """Every file of the published repo: path in the repo -> bytes, or a local path for the adapter's files."""
     files: dict[str, bytes | Path] = {
-        LORA_FILE: snap.adapter.file,
+        **{file.name: file for file in snap.adapter.files},
         "README.md": str(build_model_card(snap, repo_id)).encode(),
         "config.yaml": public_config(snap.config).encode(),
     }

@@ -50,6 +50,17 @@ def trained_spans(num_steps: int, fraction: float, placement: str, start: int, b
     return [blocks[k] for k in sorted(chosen)]
 
 
+def split_at(spans: list[range], step: int | None) -> list[range]:
+    """The spans with the one holding ``step`` (not as its first) cut in two there, ``[a, step)`` and ``[step, b)``:
+    a two-expert model's spans cut where the experts switch, so no JAGG window (planned inside a span) spans both.
+    ``step`` None: the spans unchanged."""
+    if step is None:
+        return spans
+    return [part for span in spans
+            for part in ((span,) if not span.start < step < span.stop else (range(span.start, step),
+                                                                             range(step, span.stop)))]
+
+
 def most_trained_steps(num_steps: int, fraction: float, placement: str, block: int) -> int:
     """The most steps an iteration can train: ``T`` (range), ``min(num_steps, ceil(T / W) W)`` (random)."""
     count = trained_count(num_steps, fraction)

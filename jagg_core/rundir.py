@@ -11,7 +11,8 @@
                                EMA, raw LoRA) + trainer_state.json (written atomically)
     RUN/tracking/              experiment trackers' files (TensorBoard events, W&B)
     RUN/text_embeddings.safetensors  every prompt's text-encoder output (model.cache_text_embeddings)
-    RUN/lora/pytorch_lora_weights.safetensors   latest adapter, diffusers format
+    RUN/lora/pytorch_lora_weights.safetensors   latest adapter, diffusers format (model.expert both: and the
+                               low-noise expert's pytorch_lora_weights_transformer_2.safetensors, here and below)
     RUN/best/pytorch_lora_weights.safetensors   the adapter of the best eval so far (``eval.best_by``), with
     RUN/best/best.json         {"iteration", "metric" (a metrics key), "label" (in words), "value", "reason"}
     RUN/doctor.json            the first iteration's checklist: {"iteration", "passed", "checks": [{"check",
@@ -50,6 +51,10 @@ from .errors import UserError
 from .video import write_mp4
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
+#: the low-noise expert's adapter beside :data:`LORA_FILE` (the high-noise one's) when a run trains both experts of
+#: a two-expert model (``model.expert: both``); diffusers loads it with ``weight_name=`` this and
+#: ``load_into_transformer_2=True``
+TRANSFORMER_2_LORA_FILE = "pytorch_lora_weights_transformer_2.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 TRAINING_STATE_FILE = "training_state.pt"
 STATE_FILE = "trainer_state.json"
@@ -73,6 +78,19 @@ def atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def adapter_filenames(expert: str) -> tuple[str, ...]:
+    """The files of one adapter of a run of ``model.expert``: :data:`LORA_FILE`, and :data:`TRANSFORMER_2_LORA_FILE`
+    beside it when the run trains both experts."""
+    return (LORA_FILE, TRANSFORMER_2_LORA_FILE) if expert == "both" else (LORA_FILE,)
+
+
+def adapter_files(file: Path) -> list[Path]:
+    """The files of the adapter whose first file is ``file``: it, and the low-noise expert's beside it when there
+    is one (:data:`TRANSFORMER_2_LORA_FILE`)."""
+    second = file.parent / TRANSFORMER_2_LORA_FILE
+    return [file, second] if file.name == LORA_FILE and second.is_file() else [file]
 
 
 def replace_folder(folder: Path, fill) -> None:
@@ -438,8 +456,9 @@ class RunDirectory:
         return _read_json(self.doctor_file, dict)
 
     def publish_lora(self, checkpoint: Path) -> None:
-        """Copy the checkpoint's adapter to ``RUN/lora/`` atomically."""
-        self.lora_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.lora_dir / f".{LORA_FILE}.{os.getpid()}.tmp"
-        shutil.copyfile(checkpoint / LORA_FILE, tmp)
-        os.replace(tmp, self.lora_file)
+        """Copy the checkpoint's adapter (its one or two files, :func:`adapter_files`) to ``RUN/lora/`` atomically."""
+        def fill(tmp: Path) -> None:
+            for file in adapter_files(checkpoint / LORA_FILE):
+                shutil.copyfile(file, tmp / file.name)
+
+        replace_folder(self.lora_dir, fill)

@@ -103,12 +103,13 @@ class Sharding:
         self.record: dict = {}
 
     def prepare(self, model: FlowModel, optimizer: torch.optim.Optimizer):
-        """Shard ``model``'s transformer (when enabled) and return the optimizer of the LoRA parameters,
-        prepared by accelerate. The LoRA parameters are the same tensors before and after."""
+        """Shard ``model``'s trained transformers (when enabled; a two-expert model's ``model.expert: both``: each
+        expert on its own) and return the optimizer of the LoRA parameters, prepared by accelerate. The LoRA
+        parameters are the same tensors before and after."""
         if not self.enabled:
             return self.accelerator.prepare(optimizer)
-        transformer = model.transformer
-        if any(type(p).__name__ == "Params4bit" or type(p.data) is not torch.Tensor for p in transformer.parameters()):
+        if any(type(p).__name__ == "Params4bit" or type(p.data) is not torch.Tensor
+               for transformer in model.trained_transformers for p in transformer.parameters()):
             raise UserError("a quantized transformer (model.quantize) cannot be sharded with FSDP; shard its bf16 "
                             "weights instead (model.quantize=none, model.dtype=bfloat16) or train it without sharding")
         lora = [param for group in optimizer.param_groups for param in group["params"]]
@@ -116,17 +117,20 @@ class Sharding:
             self.plugin.ignored_modules = LORA_MODULES
         elif isinstance(self.plugin.ignored_modules, str):
             self.plugin.ignored_modules = f"(?:{self.plugin.ignored_modules})|(?:{LORA_MODULES})"
-        sharded = fsdp2_prepare_model(self._accelerate_view(), transformer)
-        # the root unit too (FSDP keeps it whole after a forward by default): between transformer calls every
-        # process holds only its shards, so rank 0 alone can read the LoRA's state dict for a checkpoint
-        # (state_dict() reshards first) without leaving the processes in different states
-        sharded.set_reshard_after_forward(True)
-        if sharded is not transformer:  # fully_shard works in place; keep the pipeline's module the one trained
-            model.transformer = sharded
-        in_model = {id(p) for name, p in model.transformer.named_parameters() if "lora_" in name}
+        for component in model.trained_components:
+            transformer = getattr(model.pipe, component)
+            sharded = fsdp2_prepare_model(self._accelerate_view(), transformer)
+            # the root unit too (FSDP keeps it whole after a forward by default): between transformer calls every
+            # process holds only its shards, so rank 0 alone can read the LoRA's state dict for a checkpoint
+            # (state_dict() reshards first) without leaving the processes in different states
+            sharded.set_reshard_after_forward(True)
+            if sharded is not transformer:  # fully_shard works in place; keep the pipeline's module the one trained
+                setattr(model.pipe, component, sharded)
+        in_model = {id(p) for transformer in model.trained_transformers
+                    for name, p in transformer.named_parameters() if "lora_" in name}
         if in_model != {id(p) for p in lora} or any(_is_sharded(p) for p in lora):
             raise RuntimeError("sharding the transformer replaced or sharded its LoRA parameters")
-        self.record = self._describe(model.transformer, lora)
+        self.record = self._describe(model, lora)
         return self.accelerator.prepare_optimizer(optimizer)
 
     def _accelerate_view(self):
@@ -139,25 +143,26 @@ class Sharding:
                                parallelism_config=None, mixed_precision=accelerator.mixed_precision,
                                is_main_process=accelerator.is_main_process, device=accelerator.device)
 
-    def _describe(self, transformer: torch.nn.Module, lora: list[torch.Tensor]) -> dict:
-        """How the transformer is sharded, for status.json: the number of shards, of FSDP units, and the
-        fraction of the frozen weights each process holds."""
+    def _describe(self, model: FlowModel, lora: list[torch.Tensor]) -> dict:
+        """How the trained transformers are sharded, for status.json: which, the number of shards, of FSDP units,
+        and the fraction of their frozen weights each process holds."""
         from torch.distributed.fsdp import FSDPModule
 
         lora_ids = {id(p) for p in lora}
-        frozen = [p for p in transformer.parameters() if id(p) not in lora_ids]
+        frozen = [p for transformer in model.trained_transformers for p in transformer.parameters()
+                  if id(p) not in lora_ids]
         total = sum(p.numel() for p in frozen)
         local = sum(p.to_local().numel() if _is_sharded(p) else p.numel() for p in frozen)
         held = self.accelerator.gather(torch.tensor([local], dtype=torch.float64, device=self.accelerator.device))
         shards = max((p.device_mesh.size() for p in frozen if _is_sharded(p)), default=1)
-        return {"strategy": "fsdp2", "shards": int(shards),
-                "units": sum(isinstance(m, FSDPModule) for m in transformer.modules()),
+        return {"strategy": "fsdp2", "components": list(model.trained_components), "shards": int(shards),
+                "units": sum(isinstance(m, FSDPModule) for t in model.trained_transformers for m in t.modules()),
                 "frozen_parameters": int(total), "held_fraction": [round(float(h) / total, 4) for h in held.cpu()],
                 "lora_parameters": int(sum(p.numel() for p in lora)), "lora_sharded": False}
 
     def describe_line(self) -> str:
         r = self.record
-        return (f"transformer sharded with FSDP2 over {r['shards']} processes in {r['units']} units: each holds "
+        return (f"{' and '.join(r['components'])} sharded with FSDP2 over {r['shards']} processes in {r['units']} units: each holds "
                 f"{', '.join(f'{100 * f:.1f}%' for f in r['held_fraction'])} of its {r['frozen_parameters']:,} "
                 f"frozen weights; the LoRA ({r['lora_parameters']:,} weights) is whole on every process")
 

@@ -48,7 +48,7 @@ from .prompts import run_prompts
 from .rewards import CombinedReward, build_rewards
 from .rewards.catalog import reward_entry
 from .rng import forked_rng
-from .rundir import OPTIMIZER_FILE, TRAINING_STATE_FILE, RunDirectory
+from .rundir import OPTIMIZER_FILE, TRAINING_STATE_FILE, RunDirectory, adapter_filenames
 from .sampler import initial_noise, ode_sample
 from .sharding import Sharding, fsdp_requested
 from .stopping import STOP, AlarmStop, StopRequested
@@ -119,10 +119,11 @@ class Trainer:
         self.model = self._load_model()
         self.judges = self._load_judges()
         if cfg.train.gradient_checkpointing:
-            self.model.transformer.enable_gradient_checkpointing()
+            for transformer in self.model.trained_transformers:
+                transformer.enable_gradient_checkpointing()
         self.params = self.model.add_lora(cfg.lora)
-        if cfg.lora.init_lora:
-            self.model.load_lora(resolve_lora(cfg.lora.init_lora))  # token: HF_TOKEN or `hf auth login`
+        if cfg.lora.init_lora:  # token: HF_TOKEN or `hf auth login`
+            self.model.load_lora(resolve_lora(cfg.lora.init_lora, files=adapter_filenames(cfg.model.expert)))
         optimizer = make_optimizer(cfg.train.optimizer, self.params, cfg.train.learning_rate, cfg.train.weight_decay)
         self.sharding = Sharding(self.accelerator)  # FSDP2 of the frozen transformer under an FSDP accelerate config
         self.optimizer = self.sharding.prepare(self.model, optimizer)

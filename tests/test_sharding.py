@@ -25,7 +25,7 @@ from jagg_core.errors import UserError
 from jagg_core.grpo import LossSettings
 from jagg_core.jagg import make_plan
 from jagg_core.models import build_tiny_pipeline
-from jagg_core.rundir import RunDirectory
+from jagg_core.rundir import LORA_FILE, TRANSFORMER_2_LORA_FILE, RunDirectory
 from jagg_core.sharding import Sharding
 
 from conftest import ROOT
@@ -102,6 +102,22 @@ def test_sharded_and_data_parallel_runs_train_the_same_adapter(fsdp_run, tmp_pat
     evals = [[row.get(metrics.EVAL_REWARD_MEAN) for row in RunDirectory(run).read_metrics()]
              for run in (sharded, data_parallel)]
     assert evals[0] == evals[1]
+
+
+def test_fsdp_shards_each_expert_of_a_two_expert_model_that_trains_both(tmp_path):
+    """Wan 2.2 A14B with ``model.expert: both``: each expert is sharded on its own, both LoRAs stay whole and
+    identical on every process, and the adapter is the two files."""
+    result = launch(tmp_path / "run", "--config_file", str(FSDP_CONFIG), extra=(
+        "--set", "model.name=tiny-wan-a14b", "--set", "model.expert=both", "--set", "sampling.num_frames=5",
+        "--set", "sampling.resolution=32", "--set", "train.iterations=1", "--set", "model.max_sequence_length=16",
+        "--set", "rewards=[{name: jpeg_compressibility}]"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = RunDirectory(tmp_path / "run")
+    status = run.read_status()
+    assert status["state"] == "finished" and status["adapters_identical"] is True
+    assert status["sharding"]["components"] == ["transformer", "transformer_2"] and status["sharding"]["shards"] == 2
+    assert "transformer and transformer_2 sharded with FSDP2 over 2 processes" in run.log_file.read_text()
+    assert sorted(file.name for file in run.lora_dir.iterdir()) == [LORA_FILE, TRANSFORMER_2_LORA_FILE]
 
 
 class ThreadProcesses:

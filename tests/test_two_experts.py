@@ -1,6 +1,6 @@
 """Wan 2.2 A14B: two experts, the pipeline's ``transformer`` at the high-noise steps and ``transformer_2`` below the
-boundary; the LoRA trains one of them (``model.expert``), only at its steps (tiny-wan-a14b: 6 steps, the first 2 the
-high-noise expert's)."""
+boundary; the LoRA trains one of them (``model.expert``), only at its steps, or both, each at its own (tiny-wan-a14b:
+6 steps, the first 2 the high-noise expert's)."""
 
 from __future__ import annotations
 
@@ -10,17 +10,17 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from peft import get_peft_model_state_dict
 from safetensors.torch import load_file
 
-from jagg_core.config import ModelConfig
+from jagg_core.config import LoraConfig, ModelConfig
 from jagg_core.errors import UserError
 from jagg_core.image_size import ImageSize
 from jagg_core.memory_plan import plan_memory
-from jagg_core.model_card import build_model_card, read_run
+from jagg_core.model_card import build_model_card, publish_files, read_run
 from jagg_core.models import build_tiny_pipeline, load_flow_model
 from jagg_core.models.quantize import is_quantized
 from jagg_core.models.wan import IMAGE_STATES, WanModel
 from jagg_core.models.wan_i2v import VIDEO_CONDITION
 from jagg_core.placement import trained_steps
-from jagg_core.rundir import RunDirectory
+from jagg_core.rundir import LORA_FILE, TRANSFORMER_2_LORA_FILE, RunDirectory
 from jagg_core.trainer import Trainer
 
 from conftest import adapter_and_base_velocity, euler_ode, noise, pipeline_with_final_latents, run_cli, tiny_config
@@ -97,54 +97,62 @@ def test_a_batch_of_both_experts_rows_gives_each_row_its_experts_velocity():
     assert not torch.allclose(high[1], low[1], atol=1e-3)  # two experts of their own weights
 
 
-@pytest.mark.parametrize(("expert", "steps"), [("high_noise", HIGH), ("low_noise", LOW)])
-def test_the_lora_is_on_the_trained_expert_alone_and_changes_only_its_steps(expert, steps):
+@pytest.mark.parametrize(("expert", "steps"), [("high_noise", HIGH), ("low_noise", LOW), ("both", range(6))])
+def test_the_lora_is_on_the_trained_experts_alone_and_changes_only_their_steps(expert, steps):
     model = load(expert=expert)
     assert model.trained_steps(model.sigmas(STEPS, SIZE)) == steps
-    trained, frozen = (model.pipe.transformer, model.pipe.transformer_2)[::1 if expert == "high_noise" else -1]
-    assert model.transformer is trained and model.denoisers == [model.pipe.transformer, model.pipe.transformer_2]
+    trained = {"high_noise": [model.pipe.transformer], "low_noise": [model.pipe.transformer_2],
+               "both": [model.pipe.transformer, model.pipe.transformer_2]}[expert]
+    assert model.trained_transformers == trained and model.transformer is trained[0]
+    assert model.denoisers == [model.pipe.transformer, model.pipe.transformer_2]
     from conftest import add_moved_lora
-    add_moved_lora(model)
-    assert get_peft_model_state_dict(trained) and not hasattr(frozen, "peft_config")
+    params = add_moved_lora(model)
+    assert sum(p.numel() for p in params) == sum(p.numel() for t in trained for p in get_peft_model_state_dict(t).values())
     z, cond = noise(model, 1), model.conditioning(PROMPTS[:1])
-    on_side, off_side = (0.9, 0.3) if expert == "high_noise" else (0.3, 0.9)
-    tuned, base = adapter_and_base_velocity(model, z, torch.tensor([on_side]), cond)
-    assert not torch.allclose(tuned, base, atol=1e-4)
-    tuned, base = adapter_and_base_velocity(model, z, torch.tensor([off_side]), cond)
-    assert torch.equal(tuned, base)
+    for sigma, expert_of_sigma in [(0.9, model.pipe.transformer), (0.3, model.pipe.transformer_2)]:
+        tuned, base = adapter_and_base_velocity(model, z, torch.tensor([sigma]), cond)
+        assert torch.allclose(tuned, base, atol=1e-4) == (expert_of_sigma not in trained)
+        assert hasattr(expert_of_sigma, "peft_config") == (expert_of_sigma in trained)
 
 
-@pytest.mark.parametrize(("expert", "steps"), [("high_noise", HIGH), ("low_noise", LOW)])
+@pytest.mark.parametrize(("expert", "steps"), [("high_noise", HIGH), ("low_noise", LOW), ("both", range(6))])
 @pytest.mark.parametrize("algorithm", ["grpo", "nft", "awm"])
 def test_every_algorithm_trains_at_the_trained_experts_steps_only(algorithm, expert, steps, tmp_path, offline):
-    """GRPO places its trained steps in the expert's (timestep_fraction of them, from its first), NFT and AWM draw
-    theirs there (AWM from step 1)."""
+    """GRPO places its trained steps in the expert's (timestep_fraction of them, from its first; both experts': cut
+    at the switch, so no JAGG window spans two), NFT and AWM draw theirs there (AWM from step 1); each trained
+    expert's LoRA learns and a frozen expert stays as it was."""
     trainer = Trainer(expert_config(expert, algorithm, grpo__timestep_fraction=0.5), tmp_path)
     trainer.setup()
     if algorithm == "grpo":
         spans = [trainer.algorithm.trained_spans(k) for k in range(1, 4)]
         assert {tuple(trained_steps(s)) for s in spans} == {tuple(steps[:len(steps) // 2])}
+        if expert == "both":
+            assert spans[0] == [range(0, 2), range(2, 3)]
         rollout = trainer.rollout(1)
         assert rollout.sampled.spans == spans[0]
     else:
         drawn = trainer.algorithm.draw_steps(64, torch.Generator().manual_seed(0))
         # NFT: any of them; AWM: strata of 1 .. n (n = int(0.9 T) = 5) in them, as with one transformer
-        awm = {"high_noise": {1}, "low_noise": {2, 3, 4}}[expert]
+        awm = {"high_noise": {1}, "low_noise": {2, 3, 4}, "both": {1, 2, 3, 4}}[expert]
         assert set(drawn.flatten().tolist()) == (set(steps) if algorithm == "nft" else awm)
-    before = [p.detach().clone() for p in trainer.params]
-    frozen = [p.detach().clone() for p in (trainer.model.pipe.transformer_2 if expert == "high_noise"
-                                          else trainer.model.pipe.transformer).parameters()]
+    model = trainer.model
+    adapters = {id(t): [p.detach().clone() for n, p in t.named_parameters() if "lora_" in n] for t in model.denoisers}
+    frozen = {id(t): [p.detach().clone() for n, p in t.named_parameters() if "lora_" not in n] for t in model.denoisers}
     trainer.fit()
-    assert any(not torch.equal(a, p) for a, p in zip(before, trainer.params))
-    other = trainer.model.pipe.transformer_2 if expert == "high_noise" else trainer.model.pipe.transformer
-    assert all(torch.equal(a, p) for a, p in zip(frozen, other.parameters()))
+    for transformer in model.denoisers:
+        trained = transformer in model.trained_transformers
+        assert bool(adapters[id(transformer)]) == trained
+        after = [p for n, p in transformer.named_parameters() if "lora_" in n]
+        assert not trained or any(not torch.equal(a, p) for a, p in zip(adapters[id(transformer)], after))
+        assert all(torch.equal(a, p) for a, p in zip(frozen[id(transformer)],
+                                                     (p for n, p in transformer.named_parameters() if "lora_" not in n)))
 
 
-@pytest.mark.parametrize("expert", ["high_noise", "low_noise"])
+@pytest.mark.parametrize("expert", ["high_noise", "low_noise", "both"])
 def test_a_run_of_either_expert_through_the_cli_loads_into_its_expert_of_the_pipeline(expert, tmp_path):
-    """The adapter file is diffusers' Wan LoRA of one transformer: the low-noise expert's loads with
-    ``load_into_transformer_2=True``, as its model card says; GRPO with a JAGG window of 3 at the low-noise expert's
-    4 steps."""
+    """Each adapter file is diffusers' Wan LoRA of one transformer: the low-noise expert's loads with
+    ``load_into_transformer_2=True``, as its model card says (both experts: two files, the second named with
+    ``weight_name``), and a push uploads them all; GRPO with a JAGG window of 3 at the low-noise expert's 4 steps."""
     out = tmp_path / "run"
     result = run_cli("--preset", "tiny-sd3", "--output-dir", str(out), "--set", "model.name=tiny-wan-a14b",
                      "--set", f"model.expert={expert}", "--set", "sampling.num_frames=5", "--set",
@@ -154,18 +162,36 @@ def test_a_run_of_either_expert_through_the_cli_loads_into_its_expert_of_the_pip
     assert result.returncode == 0, result.stderr[-2000:]
     run = RunDirectory(out)
     assert run.read_status()["state"] == "finished" and run.read_run_info()["expert"] == expert
-    card = str(build_model_card(read_run(out), "alice/wan-a14b-lora"))
+    snap = read_run(out)
+    card = str(build_model_card(snap, "alice/wan-a14b-lora"))
+    components = {"high_noise": {LORA_FILE: "transformer"}, "low_noise": {LORA_FILE: "transformer_2"},
+                  "both": {LORA_FILE: "transformer", TRANSFORMER_2_LORA_FILE: "transformer_2"}}[expert]
+    assert sorted(file.name for file in run.lora_dir.iterdir()) == sorted(components)
+    assert sorted(file.name for file in snap.adapter.files) == sorted(components)
+    assert set(components) <= set(publish_files(snap, "alice/wan-a14b-lora"))
     low = expert == "low_noise"
     assert ('pipe.load_lora_weights("alice/wan-a14b-lora", load_into_transformer_2=True)' in card) == low
-    assert f"this adapter is its {expert.replace('_', '-')} expert's (`pipe.transformer{'_2' if low else ''}`)" in card
+    if expert == "both":
+        assert ('pipe.load_lora_weights("alice/wan-a14b-lora")\npipe.load_lora_weights("alice/wan-a14b-lora", '
+                f'weight_name="{TRANSFORMER_2_LORA_FILE}", load_into_transformer_2=True)') in card
+        assert "this adapter trains both, together at every step" in card
+    else:
+        assert f"this adapter is its {expert.replace('_', '-')} expert's (`pipe.transformer{'_2' if low else ''}`)" in card
 
     pipe = build_tiny_pipeline("tiny-wan-a14b")  # the run's base model: drawn from train.seed 0
-    pipe.load_lora_weights(str(run.lora_dir), adapter_name="tuned", **({"load_into_transformer_2": True} if low else {}))
-    trained, frozen = (pipe.transformer_2, pipe.transformer) if low else (pipe.transformer, pipe.transformer_2)
-    saved = load_file(run.lora_file)
-    loaded = get_peft_model_state_dict(trained, adapter_name="tuned")
-    assert {f"transformer.{key}" for key in loaded} == set(saved) and not hasattr(frozen, "peft_config")
-    assert all(torch.equal(loaded[key.removeprefix("transformer.")], value) for key, value in saved.items())
+    for filename, component in components.items():
+        pipe.load_lora_weights(str(run.lora_dir), weight_name=filename, adapter_name="tuned",
+                               **({"load_into_transformer_2": True} if component == "transformer_2" else {}))
+    by_component = {component: filename for filename, component in components.items()}
+    for component in ("transformer", "transformer_2"):
+        transformer = getattr(pipe, component)
+        if component not in by_component:
+            assert not hasattr(transformer, "peft_config")
+            continue
+        saved = load_file(run.lora_dir / by_component[component])
+        loaded = get_peft_model_state_dict(transformer, adapter_name="tuned")
+        assert {f"transformer.{key}" for key in loaded} == set(saved)
+        assert all(torch.equal(loaded[key.removeprefix("transformer.")], value) for key, value in saved.items())
 
 
 def test_a_model_of_one_transformer_and_a_schedule_without_the_experts_steps_are_refused(tmp_path, offline):
@@ -204,6 +230,10 @@ def test_both_experts_are_quantized_and_planned():
     transformer, = (size for name, size in plan.resident.items() if name.startswith("transformer ("))
     other, = (size for name, size in plan.resident.items() if name.startswith("other expert ("))
     assert other == transformer > 0
+    both = plan_memory(config.model_copy(update={"model": config.model.model_copy(update={"expert": "both"})}),
+                       trace=False)
+    assert [name.split(" (")[0] for name in both.resident][:2] == ["transformer", "transformer_2"]
+    assert both.lora_params == 2 * plan.lora_params > 0
 
 
 def test_under_sharding_the_trained_expert_waits_for_its_shards_and_the_other_comes_to_the_device_whole():
@@ -213,3 +243,42 @@ def test_under_sharding_the_trained_expert_waits_for_its_shards_and_the_other_co
                             device="meta", place_transformer=False, num_frames=FRAMES)
     assert {p.device.type for p in model.transformer.parameters()} == {"cpu"}
     assert {p.device.type for p in model.pipe.transformer.parameters()} == {"meta"}
+
+
+def test_an_adapter_of_both_experts_is_saved_loaded_and_compared_as_its_two_files(tmp_path):
+    """What a resume (``load_lora`` of a checkpoint folder), Try it and ``evaluate --against`` (``load_other_lora``)
+    read: each expert's file into its expert; a folder without the low-noise file is refused in one line; the
+    adapter's digest covers both files."""
+    from conftest import add_moved_lora
+    from jagg_core.adapters import Adapter
+    model = load(expert="both")
+    add_moved_lora(model)
+    first = model.save_lora(tmp_path / "saved")
+    assert first == tmp_path / "saved" / LORA_FILE and (tmp_path / "saved" / TRANSFORMER_2_LORA_FILE).is_file()
+    states = [get_peft_model_state_dict(t) for t in model.trained_transformers]
+
+    fresh = load(expert="both")
+    fresh.add_lora(LoraConfig(rank=4, alpha=8.0))
+    fresh.load_lora(tmp_path / "saved")
+    for state, transformer in zip(states, fresh.trained_transformers):
+        assert all(torch.equal(value, get_peft_model_state_dict(transformer)[key]) for key, value in state.items())
+
+    z, cond = noise(model, 2), model.conditioning(PROMPTS)
+    sigma = torch.tensor([0.9, 0.3])  # a row of each expert
+    with torch.no_grad():
+        tuned = model.velocity(z, sigma, cond)
+        model.load_other_lora(first, "other")  # the same weights under another name
+        model.use_adapter("other")
+        other = model.velocity(z, sigma, cond)
+        model.use_adapter(None)
+        base = model.velocity(z, sigma, cond)
+    torch.testing.assert_close(other, tuned)
+    assert not torch.allclose(base[0], tuned[0], atol=1e-4) and not torch.allclose(base[1], tuned[1], atol=1e-4)
+
+    digest = Adapter(first, None, None).digest()
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one" / LORA_FILE).write_bytes(first.read_bytes())
+    assert Adapter(tmp_path / "one" / LORA_FILE, None, None).digest() != digest
+    with pytest.raises(UserError, match=rf"^{tmp_path / 'one'} has no {TRANSFORMER_2_LORA_FILE}: an adapter of both "
+                                        rf"experts \(model.expert: both\) is two files, {LORA_FILE} and "):
+        fresh.load_lora(tmp_path / "one")

@@ -23,7 +23,7 @@ from ..config import BackwardConfig
 from ..grpo import LossSettings
 from ..jagg import BackwardPlan, BackwardResult, Window, make_plan, rescored, run_backward
 from ..models.base import Conditioning
-from ..placement import branch_splits, trained_spans, trained_steps
+from ..placement import branch_splits, split_at, trained_spans, trained_steps
 from ..sampler import Trajectory, initial_noise, sde_rollout
 from .base import Algorithm, Rollout, Sampled, iteration_seed
 
@@ -51,14 +51,16 @@ class GrpoAlgorithm(Algorithm):
     def trained_spans(self, iteration: int) -> list[range]:
         """The steps iteration ``iteration`` trains (``grpo.window_placement``), the same on every process, placed in
         the trained transformer's steps (:meth:`~jagg_core.models.base.FlowModel.trained_steps`: all, or a
-        two-expert model's trained expert's) that add noise (:meth:`~jagg_core.config.RunConfig.trainable_steps`)."""
-        cfg = self.config
-        steps = self.ctx.model.trained_steps(self.ctx.sigmas)
+        two-expert model's trained expert's) that add noise (:meth:`~jagg_core.config.RunConfig.trainable_steps`),
+        cut where a two-expert model's experts switch (both trained: each window backpropagates through one)."""
+        cfg, model = self.config, self.ctx.model
+        steps = model.trained_steps(self.ctx.sigmas)
         steps = range(steps.start, min(steps.stop, cfg.trainable_steps()))
-        return trained_spans(len(steps), cfg.grpo.timestep_fraction, cfg.grpo.window_placement,
-                             cfg.grpo.trained_start, cfg.backward.window,
-                             seed=iteration_seed(self.ctx.seed, iteration, 0, 2), iteration=iteration,
-                             slide_every=cfg.grpo.slide_every, first=steps.start)
+        spans = trained_spans(len(steps), cfg.grpo.timestep_fraction, cfg.grpo.window_placement,
+                              cfg.grpo.trained_start, cfg.backward.window,
+                              seed=iteration_seed(self.ctx.seed, iteration, 0, 2), iteration=iteration,
+                              slide_every=cfg.grpo.slide_every, first=steps.start)
+        return split_at(spans, model.expert_switch(self.ctx.sigmas))
 
     def sample(self, iteration: int, cond: Conditioning, generator: torch.Generator) -> Sampled:
         """SDE rollouts; a group shares its initial noise under a shared prefix or a tree."""

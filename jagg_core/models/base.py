@@ -28,6 +28,7 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from ..config import LoraConfig, ModelConfig
 from ..errors import UserError
 from ..image_size import ImageSize
+from ..rundir import LORA_FILE, adapter_filenames
 from .quantize import DENOISER_COMPONENTS, is_quantized
 from .text_windows import TextWindow, WindowReading, read_windows
 
@@ -36,9 +37,11 @@ NEGATIVE = "negative/"
 #: the pipeline components that encode a prompt row at set-up, released together after it: its text encoders, and
 #: the image encoder of Wan 2.1's image-to-video (a CLIP vision tower that reads the row's input image)
 PROMPT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3", "image_encoder")
-#: ``model.expert`` -> the pipeline component of that expert: a two-expert model's (Wan 2.2 A14B's) ``transformer``
-#: denoises the high-noise steps and ``transformer_2`` the low-noise ones; a model of one transformer has the first
-EXPERT_COMPONENTS = dict(zip(("high_noise", "low_noise"), DENOISER_COMPONENTS))
+#: ``model.expert`` -> the pipeline components its LoRA trains: a two-expert model's (Wan 2.2 A14B's)
+#: ``transformer`` denoises the high-noise steps and ``transformer_2`` the low-noise ones, ``both`` trains each; a
+#: model of one transformer has the first
+TRAINED_COMPONENTS = {"high_noise": DENOISER_COMPONENTS[:1], "low_noise": DENOISER_COMPONENTS[1:],
+                      "both": DENOISER_COMPONENTS}
 #: prompts encoded together at set-up
 ENCODE_BATCH = 16
 #: the peft name of the run's own adapter (:meth:`FlowModel.add_lora`)
@@ -111,10 +114,10 @@ class FlowModel(ABC):
         VAE of a model that does not encode input images) waits until :meth:`release_text_encoders`, so the text
         encoders never share the accelerator with it. ``num_frames`` (``sampling.num_frames``): the frames of one
         sample of a video family; an image family takes 1 only."""
-        if config.expert != "high_noise" and getattr(pipe, EXPERT_COMPONENTS[config.expert], None) is None:
+        if config.expert != "high_noise" and getattr(pipe, DENOISER_COMPONENTS[1], None) is None:
             raise UserError(f"model.expert={config.expert} trains the low-noise expert of a two-expert model (Wan 2.2 "
                             f"A14B); '{config.name}' has one transformer: unset model.expert")
-        if config.guidance_scale_2 is not None and getattr(pipe, EXPERT_COMPONENTS["low_noise"], None) is None:
+        if config.guidance_scale_2 is not None and getattr(pipe, DENOISER_COMPONENTS[1], None) is None:
             raise UserError(f"model.guidance_scale_2 is the CFG scale of a two-expert model's low-noise steps (Wan 2.2 "
                             f"A14B); '{config.name}' has one transformer: unset it")
         if num_frames != 1 and not self.is_video:
@@ -148,9 +151,10 @@ class FlowModel(ABC):
             self._prepare_transformer()
             self._prepare_transformer = None
         self.pipe.vae.to(self.device)
-        for module in self.denoisers:  # sharding places the trained one's parts; a two-expert model's other comes whole
+        trained = [id(module) for module in self.trained_transformers]
+        for module in self.denoisers:  # sharding places the trained ones' parts; a two-expert model's other comes whole
             module.requires_grad_(False)
-            if (self._place_transformer or module is not self.transformer) and not is_quantized(module):
+            if (self._place_transformer or id(module) not in trained) and not is_quantized(module):
                 module.to(self.device)  # quantizers place while loading
 
     @property
@@ -169,19 +173,27 @@ class FlowModel(ABC):
 
     # ----- the transformer and its LoRA -------------------------------------------------
     @property
-    def trained_component(self) -> str:
-        """The pipeline component the LoRA trains: ``transformer``, or a two-expert model's ``model.expert``
-        (:data:`EXPERT_COMPONENTS`)."""
-        return EXPERT_COMPONENTS[self.config.expert]
+    def trained_components(self) -> tuple[str, ...]:
+        """The pipeline components the LoRA trains: ``transformer``, or a two-expert model's ``model.expert``'s
+        (:data:`TRAINED_COMPONENTS`: one of them, or both)."""
+        return TRAINED_COMPONENTS[self.config.expert]
+
+    @property
+    def trained_transformers(self) -> list[torch.nn.Module]:
+        """The transformers the LoRA trains (:attr:`trained_components`), each with an adapter of its own."""
+        return [getattr(self.pipe, name) for name in self.trained_components]
 
     @property
     def transformer(self) -> torch.nn.Module:
-        """The transformer the LoRA trains (:attr:`trained_component`)."""
-        return getattr(self.pipe, self.trained_component)
+        """The (first) transformer the LoRA trains, whose config and dtype the family reads (two experts share
+        them)."""
+        return self.trained_transformers[0]
 
-    @transformer.setter
-    def transformer(self, module: torch.nn.Module) -> None:
-        setattr(self.pipe, self.trained_component, module)
+    @property
+    def lora_files(self) -> dict[str, str]:
+        """Each trained component's adapter file: :data:`~jagg_core.rundir.LORA_FILE` (the trained expert's), and
+        with both experts :data:`~jagg_core.rundir.TRANSFORMER_2_LORA_FILE` for the low-noise one."""
+        return dict(zip(self.trained_components, adapter_filenames(self.config.expert)))
 
     @property
     def denoisers(self) -> list[torch.nn.Module]:
@@ -195,6 +207,10 @@ class FlowModel(ABC):
         model of one transformer."""
         return range(len(sigmas) - 1)
 
+    def expert_switch(self, sigmas: torch.Tensor) -> int | None:
+        """The step of ``sigmas`` where a two-expert model's second expert takes over; None for one transformer."""
+        return None
+
     @property
     def use_cfg(self) -> bool:
         return self.config.uses_cfg
@@ -204,36 +220,64 @@ class FlowModel(ABC):
         targets = lora.target_modules or list(self.default_lora_targets)
         peft_config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                                      init_lora_weights="gaussian", target_modules=targets)
-        try:
-            self.transformer.add_adapter(peft_config)
-        except ValueError as err:
-            raise UserError(f"lora.target_modules {targets} do not fit this {self.family} model: {err}") from None
-        params = [p for n, p in self.transformer.named_parameters() if "lora_" in n]
+        params = []
+        for transformer in self.trained_transformers:
+            try:
+                transformer.add_adapter(peft_config)
+            except ValueError as err:
+                raise UserError(f"lora.target_modules {targets} do not fit this {self.family} model: {err}") from None
+            params += [p for n, p in transformer.named_parameters() if "lora_" in n]
         for param in params:
             param.data = param.data.float()
             param.requires_grad_(True)
         return params
 
     def lora_state_dict(self) -> dict[str, torch.Tensor]:
+        """The (first) trained transformer's LoRA weights, peft names."""
         return get_peft_model_state_dict(self.transformer)
 
     def save_lora(self, directory: str | Path) -> Path:
-        """Write ``pytorch_lora_weights.safetensors`` in diffusers format (``pipe.load_lora_weights``).
+        """Write each trained transformer's adapter in diffusers format (``pipe.load_lora_weights``) into
+        ``directory``, as :attr:`lora_files` names them; return the first.
 
         The adapter's peft config (rank, alpha, targets) goes into the file's metadata: without it,
         ``load_lora_weights`` assumes ``alpha = rank``, a wrong scale whenever ``lora.alpha != lora.rank``. Its sets
         (``target_modules``) are written sorted, so equal weights give an equal file."""
-        state = {k: v.detach().to("cpu").contiguous() for k, v in self.lora_state_dict().items()}
-        metadata = {key: sorted(value) if isinstance(value, set) else value
-                    for key, value in self.transformer.peft_config[DEFAULT_ADAPTER].to_dict().items()}
-        type(self.pipe).save_lora_weights(str(directory), transformer_lora_layers=state, safe_serialization=True,
-                                          transformer_lora_adapter_metadata=metadata)
-        path = Path(directory) / "pytorch_lora_weights.safetensors"
-        sort_safetensors_header(path)
-        return path
+        paths = []
+        for component, filename in self.lora_files.items():
+            transformer = getattr(self.pipe, component)
+            state = {k: v.detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(transformer).items()}
+            metadata = {key: sorted(value) if isinstance(value, set) else value
+                        for key, value in transformer.peft_config[DEFAULT_ADAPTER].to_dict().items()}
+            type(self.pipe).save_lora_weights(str(directory), transformer_lora_layers=state, safe_serialization=True,
+                                              transformer_lora_adapter_metadata=metadata, weight_name=filename)
+            paths.append(Path(directory) / filename)
+            sort_safetensors_header(paths[-1])
+        return paths[0]
+
+    def adapter_sources(self, path: str | Path) -> dict[str, Path]:
+        """Each trained component's file of the adapter ``path`` (a diffusers LoRA file, or its folder): the file
+        (the folder's :data:`~jagg_core.rundir.LORA_FILE`), and with both experts the low-noise one's beside it; a
+        one-line :class:`UserError` when that one is missing."""
+        path = Path(path)
+        first = path / LORA_FILE if path.is_dir() else path
+        (component, _), *others = self.lora_files.items()
+        sources = {component: first}
+        for component, filename in others:
+            sources[component] = first.parent / filename
+            if not sources[component].is_file():
+                raise UserError(f"{first.parent} has no {filename}: an adapter of both experts (model.expert: both) "
+                                f"is two files, {' and '.join(self.lora_files.values())}")
+        return sources
 
     def load_lora(self, path: str | Path) -> None:
-        """Load a diffusers-format LoRA file or folder into the (already added) adapter."""
+        """Load a diffusers-format LoRA (file or folder; both experts': :meth:`adapter_sources`) into the (already
+        added) adapter."""
+        for component, source in self.adapter_sources(path).items():
+            self._load_lora_into(getattr(self.pipe, component), source)
+
+    def _load_lora_into(self, transformer: torch.nn.Module, path: Path) -> None:
+        """Load one diffusers-format LoRA file into ``transformer``'s (already added) adapter."""
         try:
             state = type(self.pipe).lora_state_dict(str(path))
         except Exception as err:  # safetensors, torch.load and diffusers raise many kinds for a bad file
@@ -245,7 +289,7 @@ class FlowModel(ABC):
             raise UserError(f"{path} holds no transformer LoRA weights")
         transformer_state = convert_unet_state_dict_to_peft(transformer_state)
         try:
-            result = set_peft_model_state_dict(self.transformer, transformer_state, adapter_name=DEFAULT_ADAPTER)
+            result = set_peft_model_state_dict(transformer, transformer_state, adapter_name=DEFAULT_ADAPTER)
         except RuntimeError as err:
             raise UserError(f"the LoRA in {path} does not match lora.rank/target_modules: {str(err).splitlines()[0]}") from None
         unexpected = getattr(result, "unexpected_keys", None)
@@ -254,36 +298,41 @@ class FlowModel(ABC):
                             "set lora.target_modules to match it")
 
     def load_other_lora(self, path: str | Path, name: str) -> None:
-        """Load another diffusers-format LoRA file beside the run's, as the adapter ``name``, with its own rank, alpha
-        and targets (``pipe.load_lora_weights``), into the trained transformer (a two-expert model's low-noise expert:
-        ``load_into_transformer_2``); :meth:`use_adapter` picks which one samples."""
-        into = {"load_into_transformer_2": True} if self.trained_component == "transformer_2" else {}
-        try:
-            with warnings.catch_warnings():  # peft warns of a second adapter: here that is the point
-                warnings.filterwarnings("ignore", "Already found a `peft_config`", UserWarning)
-                self.pipe.load_lora_weights(str(path), adapter_name=name, **into)
-        except Exception as err:  # safetensors, peft and diffusers raise many kinds for a file they cannot use
-            raise UserError(f"{path} is not a LoRA of this {self.family} model ({type(err).__name__}: "
-                            f"{str(err).splitlines()[0][:160] if str(err) else 'unreadable'})") from None
-        self.transformer.set_adapter(DEFAULT_ADAPTER)
+        """Load another diffusers-format LoRA beside the run's, as the adapter ``name``, with its own rank, alpha and
+        targets (``pipe.load_lora_weights``), into the trained transformers (each file of :meth:`adapter_sources`; a
+        two-expert model's low-noise expert's: ``load_into_transformer_2``); :meth:`use_adapter` picks which one
+        samples."""
+        for component, source in self.adapter_sources(path).items():
+            into = {"load_into_transformer_2": True} if component == DENOISER_COMPONENTS[1] else {}
+            try:
+                with warnings.catch_warnings():  # peft warns of a second adapter: here that is the point
+                    warnings.filterwarnings("ignore", "Already found a `peft_config`", UserWarning)
+                    self.pipe.load_lora_weights(str(source), adapter_name=name, **into)
+            except Exception as err:  # safetensors, peft and diffusers raise many kinds for a file they cannot use
+                raise UserError(f"{source} is not a LoRA of this {self.family} model ({type(err).__name__}: "
+                                f"{str(err).splitlines()[0][:160] if str(err) else 'unreadable'})") from None
+        self.use_adapter(DEFAULT_ADAPTER)
 
     def use_adapter(self, name: str | None) -> None:
         """Sample with the adapter ``name`` (the run's is ``default``; another loaded by :meth:`load_other_lora`), or
         with None the base model."""
-        if name is None:
-            self.transformer.disable_adapters()
-        else:
-            self.transformer.enable_adapters()
-            self.transformer.set_adapter(name)
+        for transformer in self.trained_transformers:
+            if name is None:
+                transformer.disable_adapters()
+            else:
+                transformer.enable_adapters()
+                transformer.set_adapter(name)
 
     @contextmanager
     def adapters_disabled(self):
-        """The reference model: the base transformer with the LoRA switched off."""
-        self.transformer.disable_adapters()
+        """The reference model: the base transformers with the LoRA switched off."""
+        for transformer in self.trained_transformers:
+            transformer.disable_adapters()
         try:
             yield
         finally:
-            self.transformer.enable_adapters()
+            for transformer in self.trained_transformers:
+                transformer.enable_adapters()
 
     # ----- prompts --------------------------------------------------------------------
     def encode_and_cache(self, prompts: list[str], batch_size: int = ENCODE_BATCH,

@@ -20,7 +20,8 @@ high-noise steps, timestep ``1000 sigma >= boundary_ratio * 1000``, and ``transf
 flow_shift 3 and 10 steps, the first 3). The LoRA trains one of them, ``model.expert`` (a LoRA per expert is what
 diffusers loads, ``load_into_transformer_2=True`` for the second); the other samples with its base weights, and
 only the trained expert's steps are trained (:meth:`WanModel.trained_steps`: GRPO's placement, NFT's and AWM's
-draws happen within them).
+draws happen within them). ``model.expert: both`` puts a LoRA in each and trains every step, each through its
+expert; GRPO's spans are cut at the switch (:meth:`WanModel.expert_switch`), so no JAGG window spans two experts.
 
 Sigmas: the pipeline's default scheduler is UniPC with ``flow_shift``; the sampler takes Euler steps on the
 flow-matching schedule of ``FlowMatchEulerDiscreteScheduler(shift=flow_shift)`` (what diffusers' Wan training
@@ -135,18 +136,24 @@ class WanModel(FlowModel):
         """Which of ``timesteps`` [B] the high-noise expert takes, ``t >= boundary`` (a two-expert model's)."""
         return timesteps >= self.boundary_timestep
 
+    def expert_switch(self, sigmas: torch.Tensor) -> int | None:
+        """The first low-noise step of ``sigmas`` [T + 1] (T when every step is the high-noise expert's), the first
+        whose timestep ``1000 sigma`` is below the boundary; None for one transformer."""
+        if self.boundary_timestep is None:
+            return None
+        return int(self.high_noise(sigmas[:-1].float() * 1000).sum())  # sigmas decrease
+
     def trained_steps(self, sigmas: torch.Tensor) -> range:
         """The trained expert's steps: those whose timestep ``1000 sigma`` is on its side of the boundary (the first
-        steps for ``model.expert: high_noise``, the rest for ``low_noise``); a schedule that gives it none is refused
-        in one line."""
-        boundary, steps = self.boundary_timestep, super().trained_steps(sigmas)
-        if boundary is None:
+        steps for ``model.expert: high_noise``, the rest for ``low_noise``, all of them for ``both``); a schedule
+        that gives it none is refused in one line."""
+        high, steps = self.expert_switch(sigmas), super().trained_steps(sigmas)
+        if high is None or self.config.expert == "both":
             return steps
-        high = int(self.high_noise(sigmas[:-1].float() * 1000).sum())  # sigmas decrease
         trained = range(0, high) if self.config.expert == "high_noise" else range(high, len(steps))
         if not trained:
             raise UserError(f"none of the {len(steps)} steps is the {self.config.expert} expert's (the experts switch "
-                            f"at sigma {boundary / 1000:g}): train the other expert (model.expert) or take more "
+                            f"at sigma {self.boundary_timestep / 1000:g}): train the other expert (model.expert) or take more "
                             "sampling.num_steps")
         return trained
 
