@@ -7,7 +7,9 @@ so a read never sees half a file. Missing files mean "not yet" and give empty va
 from __future__ import annotations
 
 import html
+import tempfile
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -352,6 +354,19 @@ def chosen_adapter(run_dir: Path, choice: str | None) -> Adapter | None:
         return choose_adapter(run_dir, adapter_name(choice))
     except UserError:
         return None
+
+
+def download_file(adapter: Adapter | None) -> Path | None:
+    """What the download button gives: the adapter's file, or, for an adapter of two files (both experts of a
+    two-expert model), a zip of them (``latest_adapter.zip``, ``best_adapter.zip``, ``iter_000120.zip``) written to a
+    fresh temporary folder."""
+    if adapter is None or len(files := adapter.files) == 1:
+        return adapter.file if adapter else None
+    archive = Path(tempfile.mkdtemp(prefix="jagg-adapter-")) / f"{adapter.label.replace(' ', '_')}.zip"
+    with zipfile.ZipFile(archive, "w") as bundle:  # stored: safetensors' weights do not compress
+        for file in files:
+            bundle.write(file, file.name)
+    return archive
 
 
 def download_label(adapter: Adapter | None) -> str:

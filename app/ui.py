@@ -690,7 +690,7 @@ class Studio:
                      lambda: live.captioned(run.rollouts()) if run else []),
             *changed("log", log, lambda: log),
             *changed("download", (selected, str(adapter_file), mtime(adapter_file)),
-                     lambda: gr.update(value=str(adapter_file) if adapter_file else None,
+                     lambda: gr.update(value=live.download_file(adapter),
                                        label=live.download_label(adapter), interactive=adapter is not None)),
             *changed("adapters", choices, lambda: _dropdown(list(choices), chosen, adapter_choice)),
             *changed("buttons", buttons, lambda: [gr.update(interactive=b) for b in buttons], count=3),

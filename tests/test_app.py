@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import zipfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -30,7 +31,7 @@ from app.jobs import LOCK_NAME, JobControl, Placement, _group_alive
 from jagg_core import metrics
 from jagg_core.config import RunConfig, list_presets, load_config
 from jagg_core.errors import UserError
-from jagg_core.rundir import RunDirectory
+from jagg_core.rundir import LORA_FILE, TRANSFORMER_2_LORA_FILE, RunDirectory
 from tests.fake_hub_server import FakeHub
 
 from conftest import HACKING_ALARM_LINE, add_judges
@@ -399,6 +400,12 @@ def test_the_live_view_reads_the_judges_the_alarm_the_first_iteration_check_and_
     best, latest = live.chosen_adapter(run.path, "best"), live.chosen_adapter(run.path, "latest adapter")
     assert best.file.read_bytes() == b"best" and latest.file == run.lora_file
     assert (live.download_label(best), live.download_label(latest)) == ("Download best adapter", "Download adapter")
+    assert live.download_file(best) == best.file and live.download_file(None) is None
+    (run.best_dir / TRANSFORMER_2_LORA_FILE).write_bytes(b"best, low-noise expert")  # an adapter of both experts
+    with zipfile.ZipFile(archive := live.download_file(live.chosen_adapter(run.path, "best"))) as bundle:
+        assert archive.name == "best_adapter.zip"
+        assert {name: bundle.read(name) for name in bundle.namelist()} == {
+            LORA_FILE: b"best", TRANSFORMER_2_LORA_FILE: b"best, low-noise expert"}
     assert [live.adapter_name(v) for v in ("latest adapter", None, "best", "iter_000002")] == [
         None, None, "best", "iter_000002"]
 
