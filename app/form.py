@@ -146,6 +146,7 @@ ADVANCED_KNOBS = (
                   ("each reward's own, weighted (DanceGRPO)", "per_reward"))),
     Knob("backward.audit_every", "Fidelity audit every", "int"),
     Knob("model.guidance_scale", "CFG scale", "float"),
+    Knob("model.flow_shift", "Schedule shift (empty: the model's)", "float", optional=True),
     Knob("model.guidance_scale_2", "CFG scale, low-noise expert (Wan 2.2 A14B)", "float", optional=True),
     Knob("model.max_sequence_length", "Text tokens", "int"),  # what the doctor's prompt-window fix names
     Knob("grpo.prompts_per_iteration", "Prompts per iteration", "int"),

@@ -70,6 +70,13 @@ class ModelConfig(_Section):
                                            "low-noise steps (Wan 2.2 A14B's transformer_2: the pipeline's "
                                            "guidance_scale_2; the official settings are 3.0 for text-to-video "
                                            "beside 4.0 at the high-noise steps); null = model.guidance_scale")
+    flow_shift: float | None = Field(None, gt=0.0, description="the schedule's shift s: sigma = s t / (1 + (s - 1) "
+                                     "t) for t evenly spaced from 1 (the pipeline scheduler's shift, Wan's "
+                                     "flow_shift), in rollouts, training and eval; larger s spends more steps at "
+                                     "high noise (the official Wan 2.2 A14B settings: 12 for text-to-video, 5 for "
+                                     "image-to-video; Wan 2.1: 5 at 720p); null = the base model's scheduler config; "
+                                     "refused for models whose shift follows the resolution (FLUX.1, FLUX.2, "
+                                     "Qwen-Image)")
     negative_prompt: str = Field("", description="negative prompt of CFG (used only when guidance_scale > 1)")
     flux_guidance: float = Field(3.5, ge=0.0, description="value of the FLUX guidance embedding (guidance-distilled "
                                  "models such as FLUX.1-dev); ignored by models without one")

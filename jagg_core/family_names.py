@@ -42,6 +42,7 @@ class DeclaredFamily:
     requires: tuple[str, ...]
     edit_pipeline: str  # the pipeline class of its runs with input images, where it is not ``pipeline``
     image_to_video: bool  # its runs with input images make videos that start from them
+    edit_label: str  # which of its models take input images, where not all of them do ("": the whole family)
 
     @property
     def does_with_images(self) -> str:
@@ -77,7 +78,7 @@ def _read(path: Path, call: ast.Call) -> DeclaredFamily:
     fields = {keyword.arg: keyword.value for keyword in call.keywords}
     literal = {name: ast.literal_eval(fields[name]) for name in ("label", "pipeline", "archs", "depth_key",
                                                                  "edits_images", "max_input_images", "requires",
-                                                                 "edit_pipeline", "image_to_video")
+                                                                 "edit_pipeline", "image_to_video", "edit_label")
                if name in fields}
     return DeclaredFamily(module=path.stem, label=literal["label"], pipeline=literal["pipeline"],
                           tiny_models=tuple(ast.literal_eval(key) for key in fields["tiny_builders"].keys),
@@ -85,7 +86,8 @@ def _read(path: Path, call: ast.Call) -> DeclaredFamily:
                           edits_images=literal.get("edits_images", False), also_edits="edit_model" in fields,
                           max_input_images=literal.get("max_input_images", 1), requires=literal.get("requires", ()),
                           edit_pipeline=literal.get("edit_pipeline", ""),
-                          image_to_video=literal.get("image_to_video", False))
+                          image_to_video=literal.get("image_to_video", False),
+                          edit_label=literal.get("edit_label", ""))
 
 
 @cache

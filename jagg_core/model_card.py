@@ -229,6 +229,15 @@ def _load_lines(repo_id: str, expert: str | None) -> str:
     return f'pipe.load_lora_weights("{repo_id}"{", load_into_transformer_2=True" if expert == "low_noise" else ""})'
 
 
+def _schedule_line(flow_shift: float | None, family: str) -> str:
+    """The snippet's scheduler line when the run set ``model.flow_shift``: the pipeline's own scheduler at that
+    shift (Wan's UniPC calls it ``flow_shift``, the flow-matching Euler scheduler ``shift``); nothing otherwise."""
+    if flow_shift is None:
+        return ""
+    key = "flow_shift" if family.startswith("wan") else "shift"
+    return f"pipe.scheduler = pipe.scheduler.from_config(pipe.scheduler.config, {key}={flow_shift})  # as trained\n"
+
+
 def _expert_words(expert: str | None) -> str:
     """What a two-expert base model's adapter is for (``model.expert``); nothing for a model of one transformer."""
     if expert is None:
@@ -529,7 +538,7 @@ import torch
 
 pipe = {pipeline_class}.from_pretrained("{base}", torch_dtype=torch.bfloat16).to("cuda")
 {_load_lines(repo_id, expert)}
-{call}
+{_schedule_line((snap.config.get("model") or {}).get("flow_shift"), snap.run_info.get("family", ""))}{call}
 ```
 {_expert_words(expert)}""")
     first, last = _eval_reward(snap.metrics)

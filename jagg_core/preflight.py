@@ -79,7 +79,7 @@ def check_prompt_kind(family: DeclaredFamily | None, prompts: list[str], input_i
                   does=family.does_with_images)
     elif any(isinstance(prompt, EditPrompt) for prompt in prompts):
         editors = ", ".join(f.label for f in declared_families() if f.edits_images and not f.image_to_video)
-        also = " or ".join(f.label for f in declared_families() if f.also_edits)
+        also = " or ".join(f.edit_label or f.label for f in declared_families() if f.also_edits)
         also = f"; or {also} with model.input_images=1" if also else ""
         animators = ", ".join(f.label for f in declared_families() if f.edits_images and f.image_to_video)
         animates = f", or an image-to-video one ({animators})" if animators else ""

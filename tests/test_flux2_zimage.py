@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import yaml
+from peft import get_peft_model_state_dict
 
 from conftest import (adapter_and_base_velocity, add_moved_lora, euler_ode, loop_latents, noise, pipeline_latents,
                       pipeline_with_final_latents, run_cli, tiny_config)
@@ -173,7 +174,7 @@ def test_z_image_padding_of_the_caption_changes_nothing():
 def test_flux2_lora_targets_are_the_training_scripts():
     model = load("tiny-flux2")
     model.add_lora(LoraConfig(rank=2, alpha=2.0))
-    adapted = {name.split(".lora_A")[0] for name in model.lora_state_dict() if ".lora_A" in name}
+    adapted = {name.split(".lora_A")[0] for name in get_peft_model_state_dict(model.transformer) if ".lora_A" in name}
     singles = model.transformer.config.num_single_layers
     assert {f"single_transformer_blocks.{i}.attn.{part}" for i in range(singles)
             for part in ("to_out", "to_qkv_mlp_proj")} <= adapted

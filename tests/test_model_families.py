@@ -152,6 +152,20 @@ def test_sigmas_are_the_pipelines_schedule(name, num_steps, size):
     torch.testing.assert_close(sigmas, pipeline_sigmas(model, num_steps, size), atol=1e-6, rtol=0)
 
 
+def test_a_flow_shift_gives_the_schedule_of_the_pipelines_scheduler_at_that_shift():
+    """``model.flow_shift``: SD3's schedule is its pipeline's once the model card's line sets the scheduler's shift;
+    a model whose shift follows the image size refuses it in one line."""
+    model = load("tiny-sd3", flow_shift=1.5)
+    default, shifted = load("tiny-sd3").sigmas(STEPS, SIZE), model.sigmas(STEPS, SIZE)
+    model.pipe.scheduler = model.pipe.scheduler.from_config(model.pipe.scheduler.config, shift=1.5)  # the card's line
+    torch.testing.assert_close(shifted, pipeline_sigmas(model, STEPS, SIZE), atol=1e-6, rtol=0)
+    assert bool((shifted[1:-1] < default[1:-1]).all())  # a smaller shift (SD3's is 3): less noise at each step
+    with pytest.raises(UserError, match=r"^model.flow_shift sets a fixed schedule shift, but 'tiny-flux' shifts its "
+                                        r"schedule with the image size \(its scheduler's use_dynamic_shifting\): "
+                                        r"unset model.flow_shift$"):
+        load("tiny-flux", flow_shift=3.0)
+
+
 def test_schnell_sigmas_are_the_pipelines_schedule():
     model = schnell(ModelConfig(name="tiny-flux", max_sequence_length=32))
     size = ImageSize.square(64)

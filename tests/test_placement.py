@@ -11,7 +11,7 @@ from jagg_core import metrics
 from jagg_core.errors import UserError
 from jagg_core.model_card import build_model_card, read_run
 from jagg_core.config import load_config
-from jagg_core.placement import branch_splits, most_trained_steps, trained_spans, trained_steps
+from jagg_core.placement import branch_splits, most_trained_steps, split_at, trained_spans, trained_steps
 from jagg_core.rundir import RunDirectory
 from jagg_core.trainer import Trainer
 
@@ -168,3 +168,11 @@ def test_the_config_refuses_a_branch_factor_the_rollout_cannot_split(factor, gro
     with pytest.raises(UserError, match=f"grpo.branch_factor {factor} must split"):
         load_config(preset="tiny-sd3", overrides=[f"grpo.branch_factor={factor}", f"grpo.num_generations={group}",
                                                   "sampling.num_steps=10", f"grpo.timestep_fraction={fraction}"])
+
+
+def test_split_at_cuts_the_span_that_holds_the_step_inside_it():
+    """Where a two-expert model's experts switch: a span across it becomes two; one that starts there, or none
+    (one transformer), is as it was."""
+    assert split_at([range(1, 6)], 3) == [range(1, 3), range(3, 6)]
+    assert split_at([range(0, 2), range(4, 6)], 4) == [range(0, 2), range(4, 6)]
+    assert split_at([range(0, 6)], None) == [range(0, 6)]

@@ -184,7 +184,8 @@ def test_the_derived_tables_agree_with_the_declarations():
                                           tuple(family.tiny_builders), family.archs, family.depth_key,
                                           family.edits_images, family.edit_model is not None,
                                           family.max_input_images, family.requires, family.edit_pipeline,
-                                          family.image_to_video)
+                                          family.image_to_video, family.edit_label)
+        assert not family.edit_label or family.edit_model is not None
         # prompted by rows with input images: an image editor, or Wan 2.1's image-to-video (a video from the image)
         assert family.edits_images == issubclass(family.model, (EditingFlowModel, FirstFrameModel))
         assert family.image_to_video == (family.edit_model or family.model).is_video

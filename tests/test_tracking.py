@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from peft import get_peft_model_state_dict
 from safetensors.torch import load_file
 
 from app import live
@@ -143,7 +144,7 @@ def test_with_ema_the_adapter_and_the_eval_samples_are_the_average(tmp_path, off
     assert not torch.equal(averaged, trained), "the test needs the average to differ from the trained weights"
     with trainer.averaged_weights():
         in_context = torch.cat([p.detach().flatten() for p in trainer.params])
-        state = {k: v.detach().clone() for k, v in trainer.model.lora_state_dict().items()}
+        state = {k: v.detach().clone() for k, v in get_peft_model_state_dict(trainer.model.transformer).items()}
     assert torch.equal(in_context, averaged)
     assert torch.equal(torch.cat([p.detach().flatten() for p in trainer.params]), trained)  # restored after
     assert all(torch.equal(saved[k], state[k.removeprefix("transformer.")].cpu()) for k in saved)

@@ -34,10 +34,11 @@ def load(**overrides) -> WanModel:
     return load_flow_model(ModelConfig(name="tiny-wan-a14b", max_sequence_length=16, **overrides), num_frames=FRAMES)
 
 
-def expert_config(expert: str, algorithm: str = "grpo", **overrides):
+def expert_config(expert: str, algorithm: str = "grpo", awm: tuple[str, ...] = ("awm.train_timesteps=2",),
+                  **overrides):
     config = tiny_config("tiny-wan-a14b", sampling__num_frames=FRAMES, model__max_sequence_length=16,
                          model__expert=expert, **overrides)
-    return config.for_algorithm(algorithm, ["awm.train_timesteps=2"] if algorithm == "awm" else [])
+    return config.for_algorithm(algorithm, list(awm) if algorithm == "awm" else [])
 
 
 @pytest.mark.parametrize(("guidance_scale", "guidance_scale_2"), [(1.0, None), (5.0, None), (4.0, 2.0)])
@@ -57,6 +58,24 @@ def test_the_euler_ode_switches_experts_where_the_pipeline_does(guidance_scale, 
         latents=z0.clone(), max_sequence_length=16, output_type="pt")
     torch.testing.assert_close(z, latents, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(frames, output.frames.float(), atol=1e-4, rtol=1e-4)
+
+
+def test_a_flow_shift_moves_the_switch_as_the_pipeline_at_that_shift_does():
+    """``model.flow_shift: 12`` (the official Wan 2.2 T2V setting): 4 steps at sigma 1, 0.96, 0.86, 0.13, the first
+    2 the high-noise expert's (1 at the tiny model's shift 3: sigma 1, 0.86, 0.6, 0.01); the same latents as the
+    pipeline at that shift, whose own scheduler takes it as the model card's line sets it."""
+    model = load(flow_shift=12.0)
+    sigmas = model.sigmas(4, SIZE)
+    assert model.expert_switch(sigmas) == 2 and load().expert_switch(load().sigmas(4, SIZE)) == 1
+    z0 = noise(model, len(PROMPTS), seed=2)
+    z, _ = euler_ode(model, z0, sigmas, model.conditioning(PROMPTS))
+    unipc = model.pipe.scheduler.from_config(model.pipe.scheduler.config, flow_shift=12.0)  # the card's line
+    assert unipc.config.flow_shift == 12.0
+    model.pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=12.0)
+    _, latents = pipeline_with_final_latents(model.pipe, prompt=PROMPTS, guidance_scale=1.0, height=32, width=32,
+                                             num_frames=FRAMES, num_inference_steps=4, latents=z0.clone(),
+                                             max_sequence_length=16, output_type="pt")
+    torch.testing.assert_close(z, latents, atol=1e-4, rtol=1e-4)
 
 
 def test_image_to_video_a14b_switches_experts_where_its_pipeline_does_with_no_image_states():
@@ -152,13 +171,15 @@ def test_every_algorithm_trains_at_the_trained_experts_steps_only(algorithm, exp
 def test_a_run_of_either_expert_through_the_cli_loads_into_its_expert_of_the_pipeline(expert, tmp_path):
     """Each adapter file is diffusers' Wan LoRA of one transformer: the low-noise expert's loads with
     ``load_into_transformer_2=True``, as its model card says (both experts: two files, the second named with
-    ``weight_name``), and a push uploads them all; GRPO with a JAGG window of 3 at the low-noise expert's 4 steps."""
+    ``weight_name``; and the run's ``model.flow_shift`` set on the scheduler), and a push uploads them all; GRPO with
+    a JAGG window of 3 at the low-noise expert's 4 steps."""
     out = tmp_path / "run"
     result = run_cli("--preset", "tiny-sd3", "--output-dir", str(out), "--set", "model.name=tiny-wan-a14b",
                      "--set", f"model.expert={expert}", "--set", "sampling.num_frames=5", "--set",
                      "sampling.resolution=32", "--set", "sampling.num_steps=6", "--set", "train.iterations=1",
                      "--set", "grpo.num_generations=2", "--set", "prompts.eval_count=2", "--set", "backward.window=3",
-                     "--set", "model.max_sequence_length=16", "--set", "rewards=[{name: jpeg_compressibility}]")
+                     "--set", "model.max_sequence_length=16", "--set", "rewards=[{name: jpeg_compressibility}]",
+                     *(["--set", "model.flow_shift=4"] if expert == "both" else []))
     assert result.returncode == 0, result.stderr[-2000:]
     run = RunDirectory(out)
     assert run.read_status()["state"] == "finished" and run.read_run_info()["expert"] == expert
@@ -175,6 +196,7 @@ def test_a_run_of_either_expert_through_the_cli_loads_into_its_expert_of_the_pip
         assert ('pipe.load_lora_weights("alice/wan-a14b-lora")\npipe.load_lora_weights("alice/wan-a14b-lora", '
                 f'weight_name="{TRANSFORMER_2_LORA_FILE}", load_into_transformer_2=True)') in card
         assert "this adapter trains both, together at every step" in card
+        assert "\npipe.scheduler = pipe.scheduler.from_config(pipe.scheduler.config, flow_shift=4.0)  # as trained\n" in card
     else:
         assert f"this adapter is its {expert.replace('_', '-')} expert's (`pipe.transformer{'_2' if low else ''}`)" in card
 
@@ -192,6 +214,22 @@ def test_a_run_of_either_expert_through_the_cli_loads_into_its_expert_of_the_pip
         loaded = get_peft_model_state_dict(transformer, adapter_name="tuned")
         assert {f"transformer.{key}" for key in loaded} == set(saved)
         assert all(torch.equal(loaded[key.removeprefix("transformer.")], value) for key, value in saved.items())
+
+
+def test_awm_draws_each_of_the_high_noise_experts_steps_but_the_first(tmp_path, offline):
+    """10 steps: the high-noise expert's are 0, 1, 2 (sigma 1, 0.96, 0.91); AWM's strata cover ``[1, n)``, n = 9, so
+    it draws 1 and 2; with n = 1 it has no step of the expert's, refused in one line."""
+    trainer = Trainer(expert_config("high_noise", "awm", sampling__num_steps=10), tmp_path / "a")
+    trainer.setup()
+    assert trainer.model.trained_steps(trainer.sigmas) == range(0, 3)
+    assert set(trainer.algorithm.draw_steps(64, torch.Generator().manual_seed(0)).flatten().tolist()) == {1, 2}
+    trainer = Trainer(expert_config("high_noise", "awm", ("awm.train_timesteps=1", "awm.timestep_fraction=0.1"),
+                                    sampling__num_steps=10), tmp_path / "b")
+    trainer.setup()
+    with pytest.raises(UserError, match=r"^AWM's steps, 1 to n - 1 with n = int\(sampling.num_steps x "
+                                        r"awm.timestep_fraction\) = 1, include none of the trained expert's \(0 .. "
+                                        r"2\): raise awm.timestep_fraction or train the other expert"):
+        trainer.algorithm.draw_steps(1, torch.Generator().manual_seed(0))
 
 
 def test_a_model_of_one_transformer_and_a_schedule_without_the_experts_steps_are_refused(tmp_path, offline):

@@ -73,15 +73,17 @@ class AwmAlgorithm(ForwardProcessAlgorithm):
         return config.awm.steps_per_sample(config.sampling.num_steps)
 
     def draw_steps(self, samples: int, generator: torch.Generator) -> torch.Tensor:
-        """Stratified from ``1 .. n``; of a two-expert model, from those of its trained expert's steps
-        (:meth:`~jagg_core.models.base.FlowModel.trained_steps`), refused in one line when there are none."""
+        """Stratified from ``[1, n)`` (the module's strata); of a two-expert model, from those of its trained
+        expert's steps ``[start, stop)`` (:meth:`~jagg_core.models.base.FlowModel.trained_steps`): from
+        ``[max(1, start), min(n, stop))``, refused in one line when that is empty."""
         awm, num_steps = self.config.awm, self.config.sampling.num_steps
         expert = self.ctx.model.trained_steps(self.ctx.sigmas)
-        first, last = max(1, expert.start), min(awm.trainable_steps(num_steps), expert.stop - 1)
-        if last < first:
-            raise UserError(f"AWM draws its steps from 1 .. {awm.trainable_steps(num_steps)}, none of them the "
-                            f"trained expert's ({expert.start} .. {expert.stop - 1}): raise awm.timestep_fraction or "
-                            "train the other expert (model.expert)")
+        first, last = max(1, expert.start), min(awm.trainable_steps(num_steps), expert.stop)
+        if last <= first:
+            raise UserError(f"AWM's steps, 1 to n - 1 with n = int(sampling.num_steps x awm.timestep_fraction) = "
+                            f"{awm.trainable_steps(num_steps)}, include none of the trained expert's ({expert.start} "
+                            f".. {expert.stop - 1}): raise awm.timestep_fraction or train the other expert "
+                            "(model.expert)")
         return stratified_steps(awm.steps_per_sample(num_steps), last, samples, generator, first)
 
     @staticmethod

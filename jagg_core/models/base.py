@@ -120,6 +120,9 @@ class FlowModel(ABC):
         if config.guidance_scale_2 is not None and getattr(pipe, DENOISER_COMPONENTS[1], None) is None:
             raise UserError(f"model.guidance_scale_2 is the CFG scale of a two-expert model's low-noise steps (Wan 2.2 "
                             f"A14B); '{config.name}' has one transformer: unset it")
+        if config.flow_shift is not None and pipe.scheduler.config.get("use_dynamic_shifting", False):
+            raise UserError(f"model.flow_shift sets a fixed schedule shift, but '{config.name}' shifts its schedule with "
+                            "the image size (its scheduler's use_dynamic_shifting): unset model.flow_shift")
         if num_frames != 1 and not self.is_video:
             raise UserError(f"sampling.num_frames is {num_frames}, but {self.family} makes images: set it to 1")
         self.num_frames = num_frames
@@ -231,10 +234,6 @@ class FlowModel(ABC):
             param.data = param.data.float()
             param.requires_grad_(True)
         return params
-
-    def lora_state_dict(self) -> dict[str, torch.Tensor]:
-        """The (first) trained transformer's LoRA weights, peft names."""
-        return get_peft_model_state_dict(self.transformer)
 
     def save_lora(self, directory: str | Path) -> Path:
         """Write each trained transformer's adapter in diffusers format (``pipe.load_lora_weights``) into
@@ -411,8 +410,10 @@ class FlowModel(ABC):
         return calculate_shift(self.image_seq_len(size), self.pipe.scheduler.config)
 
     def euler_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
-        """A flow-matching Euler scheduler with the pipeline's schedule settings (its scheduler's config)."""
-        return FlowMatchEulerDiscreteScheduler.from_config(self.pipe.scheduler.config)
+        """A flow-matching Euler scheduler with the pipeline's schedule settings (its scheduler's config), its shift
+        ``model.flow_shift`` when that is set."""
+        shift = {"shift": self.config.flow_shift} if self.config.flow_shift is not None else {}
+        return FlowMatchEulerDiscreteScheduler.from_config(self.pipe.scheduler.config, **shift)
 
     def schedule_kwargs(self, num_steps: int) -> dict:
         """Extra ``set_timesteps`` arguments the family's pipeline passes (e.g. explicit sigmas)."""

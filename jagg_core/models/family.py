@@ -43,5 +43,8 @@ class Family:
     #: its runs with input images make videos that start from each row's image (Wan 2.2 TI2V-5B), where an editing
     #: family's edit them: what messages say of such runs and their prompt rows
     image_to_video: bool = False
+    #: which of its models take input images, as messages name them where not all of them do (Wan: only Wan 2.2
+    #: TI2V-5B among the ``WanPipeline`` models); empty: the whole family (``label``)
+    edit_label: str = ""
     #: packages beyond requirements.txt that loading the real pipeline needs (its processor's), checked before launch
     requires: tuple[str, ...] = ()

@@ -75,12 +75,12 @@ class WanModel(FlowModel):
 
     def euler_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
         """``FlowMatchEulerDiscreteScheduler(shift=flow_shift)`` for the pipeline's UniPC (or DPM-Solver) scheduler
-        with flow sigmas; a flow-matching Euler scheduler as it is."""
+        with flow sigmas (``model.flow_shift`` when set); a flow-matching Euler scheduler as it is."""
         config = self.pipe.scheduler.config
         if "flow_shift" not in config:
             return super().euler_scheduler()
         return FlowMatchEulerDiscreteScheduler(num_train_timesteps=config["num_train_timesteps"],
-                                               shift=config["flow_shift"])
+                                               shift=self.config.flow_shift or config["flow_shift"])
 
     def encode_prompts(self, prompts: list[str]) -> Conditioning:
         """UMT5 states of each prompt, zero past its last token, padded to ``model.max_sequence_length``."""
@@ -364,6 +364,7 @@ def build_tiny_wan_a14b() -> WanPipeline:
 
 FAMILY = Family(label="Wan 2.1 / Wan 2.2 video", pipeline="WanPipeline", model=WanModel,
                 edit_model=WanImageToVideoModel, edit_pipeline="WanImageToVideoPipeline", image_to_video=True,
+                edit_label="Wan 2.2 TI2V-5B",
                 tiny_builders={"tiny-wan": build_tiny_wan, "tiny-wan22": build_tiny_wan22,
                                "tiny-wan-a14b": build_tiny_wan_a14b},
                 archs={"wan21-t2v-1.3b": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
