@@ -15,8 +15,8 @@ Stable API endpoints (``gradio_client``):
     /generate run, adapter, prompt, seed[, input image] -> (image, message)  the base model beside the adapter for
               one's own prompt (an image-editing run's: an instruction and the image it applies to)
     /evaluate run, adapter, prompt set ("" = the run's held-out prompts), prompts at most (0 = all), images per
-              prompt[, against: another run ("" = the base model)] -> (image, table) of ``python -m
-              jagg_core.evaluate``: first samples, each reward's and judge's means
+              prompt[, against: another run ("" = the base model), its adapter ("latest adapter", best, iter_N)] ->
+              (image, table) of ``python -m jagg_core.evaluate``: first samples, each reward's and judge's means
     /queue_up, /queue_down, /queue_remove  queued run -> (message, queue words, queued runs)  reorder or empty the
               queue (Start while a run trains queues the new run)
 
@@ -447,13 +447,14 @@ class Studio:
         return str(out), f"`{run_dir.name}`, {checkpoint or LATEST_ADAPTER}: {shown}{cut}"
 
     def evaluate(self, run: str, checkpoint: str, prompt_set: str | None, limit: float | None,
-                 images_per_prompt: float | None, against: str | None = None,
+                 images_per_prompt: float | None, against: str | None = None, against_adapter: str | None = None,
                  profile: gr.OAuthProfile | None = None) -> tuple[str | None, str]:
-        """The adapter against its base model (or the latest adapter of the run ``against``) on prompts x noises,
-        scored by the run's rewards and judges: the grid of samples and the table of ``python -m
-        jagg_core.evaluate``, run in its own process (the app holds no model). ``prompt_set``: a built-in set, or
-        empty for the run's held-out prompts; ``limit``: that many of its prompts (0: all). An evaluation against
-        the base model is the one Publish puts into the model card (:meth:`evaluation_of`)."""
+        """The adapter against its base model (or the adapter ``against_adapter`` of the run ``against``: its latest,
+        best or a checkpoint's, as :meth:`against_adapters` offers them) on prompts x noises, scored by the run's
+        rewards and judges: the grid of samples and the table of ``python -m jagg_core.evaluate``, run in its own
+        process (the app holds no model). ``prompt_set``: a built-in set, or empty for the run's held-out prompts;
+        ``limit``: that many of its prompts (0: all). An evaluation against the base model is the one Publish puts
+        into the model card (:meth:`evaluation_of`)."""
         if refused := _refusal(profile):
             return None, f"**Not evaluated:** {refused}"
         run_dir = self._run_dir(run)
@@ -468,6 +469,9 @@ class Studio:
         other = self.jobs.run_dir(against) if against else None
         if against and other is None:
             return None, f"**Not evaluated:** there is no run '{against}' to compare with; choose one of the runs"
+        if other is not None and against_adapter not in (None, "", *(v for _, v in live.adapter_choices(other))):
+            return None, (f"**Not evaluated:** the run '{against}' has no adapter '{against_adapter}'; choose one of "
+                          "its adapters")
         out = Path(tempfile.mkdtemp(prefix="jagg-evaluate-"))
         command = [sys.executable, "-m", EVALUATE, str(run_dir), "--out", str(out),
                    "--images-per-prompt", str(int(images_per_prompt))]
@@ -479,6 +483,8 @@ class Studio:
             command += ["--checkpoint", checkpoint]
         if other is not None:
             command += ["--against", str(other)]
+            if live.adapter_name(against_adapter):
+                command += ["--against-checkpoint", against_adapter]
         result = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL,
                                 env=sampling_environment())
         if result.returncode != 0 or not (out / EVALUATION_TABLE).is_file():
@@ -486,6 +492,13 @@ class Studio:
         if other is None:
             self.evaluations[(run_dir.name, live.adapter_name(checkpoint))] = out
         return str(out / EVALUATION_GRID), (out / EVALUATION_TABLE).read_text()
+
+    def against_adapters(self, against: str | None) -> dict:
+        """The adapters of the run ``against`` that Evaluate can compare with (:func:`live.adapter_choices`: its
+        latest, best and checkpoints'), the latest chosen."""
+        other = self.jobs.run_dir(against) if against else None
+        choices = live.adapter_choices(other) if other else [(LATEST_ADAPTER, LATEST_ADAPTER)]
+        return gr.update(choices=choices, value=LATEST_ADAPTER)
 
     def evaluation_of(self, run_dir: Path, checkpoint: str) -> Path | None:
         """The folder of the page's evaluation of ``run_dir``'s adapter ``checkpoint``, while it is of that adapter's
@@ -960,8 +973,12 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                     evaluate_images = gr.Number(4, label="Images per prompt", precision=0, minimum=1,
                                                 maximum=MAX_EVALUATION_IMAGES, elem_id="evaluate-images")
                     evaluate_against = gr.Dropdown(["", *studio._run_names()], value="", label="Against",
-                                                   info="empty: the base model; a run: its latest adapter",
+                                                   info="empty: the base model; a run: the adapter chosen beside",
                                                    elem_id="evaluate-against")
+                    evaluate_against_adapter = gr.Dropdown([(LATEST_ADAPTER, LATEST_ADAPTER)], value=LATEST_ADAPTER,
+                                                           label="Its adapter", elem_id="evaluate-against-adapter",
+                                                           info="of the run against: its latest, best or a "
+                                                           "checkpoint's")
                 evaluate = gr.Button("Evaluate", elem_id="evaluate-btn")
                 evaluate_result = gr.Markdown(elem_id="evaluate-result")
                 evaluate_image = gr.Image(label="First samples: base model | adapter", type="filepath",
@@ -990,8 +1007,10 @@ def build_app(root: Path | None = None) -> gr.Blocks:
         generate.click(studio.generate, [run_select, checkpoint, try_prompt, try_seed, *try_inputs, try_whole],
                        [try_image, try_message],
                        api_name="generate")
+        evaluate_against.change(studio.against_adapters, evaluate_against, evaluate_against_adapter,
+                                api_visibility="private")
         evaluate.click(studio.evaluate, [run_select, checkpoint, evaluate_set, evaluate_limit, evaluate_images,
-                                         evaluate_against],
+                                         evaluate_against, evaluate_against_adapter],
                        [evaluate_image, evaluate_result], api_name="evaluate")
         queue_outputs = [queue_message, queue_list, queue_select]
         queue_up.click(studio.queue_up, queue_select, queue_outputs, api_name="queue_up")

@@ -18,6 +18,7 @@ from conftest import ROOT, run_python, tiny_config
 from jagg_core.errors import UserError
 from jagg_core.evaluate import PROG as EVALUATE
 from jagg_core.evaluate import Scored, evaluate, pair_seed, table
+from jagg_core.rundir import RunDirectory
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +170,16 @@ def test_the_page_evaluates_the_chosen_adapter_on_a_built_in_set_and_a_push_carr
                         types.SimpleNamespace(returncode=2, stdout="", stderr=f"{EVALUATE}: error: the reason\n"))
     assert studio.evaluate(Path(tiny_run).name, "latest adapter", "", 0, 1, "against-run")[1] == (
         "**Not evaluated:** the reason")
-    assert commands[-1][commands[-1].index("--against") + 1] == str(other)
+    assert commands[-1][commands[-1].index("--against") + 1] == str(other) and "--against-checkpoint" not in commands[-1]
+    checkpoint = RunDirectory(other).checkpoint_dir(1)  # the other run's checkpoint: Evaluate offers it beside
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "trainer_state.json").write_text("{}")
+    assert studio.against_adapters("against-run")["choices"] == [("latest adapter", "latest adapter"),
+                                                                 ("iter_000001", "iter_000001")]
+    studio.evaluate(Path(tiny_run).name, "latest adapter", "", 0, 1, "against-run", "iter_000001")
+    assert commands[-1][commands[-1].index("--against-checkpoint") + 1] == "iter_000001"
+    assert studio.evaluate(Path(tiny_run).name, "latest adapter", "", 0, 1, "against-run", "iter_000009")[1] == (
+        "**Not evaluated:** the run 'against-run' has no adapter 'iter_000009'; choose one of its adapters")
     assert studio.evaluate(Path(tiny_run).name, "latest adapter", "", 0, 1, "../etc")[1] == (
         "**Not evaluated:** there is no run '../etc' to compare with; choose one of the runs")
     (Path(tiny_run).parent / "no-runs").mkdir(exist_ok=True)
