@@ -972,6 +972,7 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                                                info="0: all of the set", elem_id="evaluate-limit")
                     evaluate_images = gr.Number(4, label="Images per prompt", precision=0, minimum=1,
                                                 maximum=MAX_EVALUATION_IMAGES, elem_id="evaluate-images")
+                with gr.Row():
                     evaluate_against = gr.Dropdown(["", *studio._run_names()], value="", label="Against",
                                                    info="empty: the base model; a run: the adapter chosen beside",
                                                    elem_id="evaluate-against")

@@ -48,7 +48,7 @@ from .prompts import run_prompts
 from .rewards import CombinedReward, build_rewards
 from .rewards.catalog import reward_entry
 from .rng import forked_rng
-from .rundir import OPTIMIZER_FILE, TRAINING_STATE_FILE, RunDirectory, adapter_filenames
+from .rundir import OPTIMIZER_FILE, TRAINING_STATE_FILE, RunDirectory, adapter_filenames, adapter_files
 from .sampler import initial_noise, ode_sample
 from .sharding import Sharding, fsdp_requested
 from .stopping import STOP, AlarmStop, StopRequested
@@ -561,7 +561,8 @@ class Trainer:
                 self.run.write_status("finished", iteration=total, message=f"finished {total} iterations",
                                       processes=self.accelerator.num_processes, adapters_identical=identical,
                                       **({"sharding": self.sharding.record} if self.sharding.enabled else {}))
-                self._log(f"finished: adapter at {self.run.lora_file}")
+                first, *others = adapter_files(self.run.lora_file)
+                self._log(f"finished: adapter at {first}" + "".join(f" and {file.name}" for file in others))
         # Every process waits here for the others (and, on gloo, for its own collectives still in flight) before
         # :meth:`close` tears the process group down: a process destroying it while another still writes its status
         # or finishes a collective can abort at exit ("terminate called without an active exception").

@@ -303,6 +303,11 @@ def test_a_judged_run_shows_its_judges_the_alarm_the_first_iteration_check_and_i
     _fill(page, "try-prompt", "a red circle on a blue background, top left")
     page.locator("#generate-btn").click()
     expect(page.locator("#try-message")).to_contain_text(f"{one.path.name}, best: the base model (left)")
+    page.locator("#evaluate-against input").click()  # Evaluate against another run: its adapters to choose from
+    page.locator("ul[role=listbox] li", has_text=two.path.name).click()
+    page.locator("#evaluate-against-adapter input").click()
+    page.locator("ul[role=listbox] li", has_text="best (iteration 2").click()
+    expect(page.locator("#evaluate-against-adapter input")).to_have_value(re.compile(r"^best \(iteration 2"))
 
 
 def test_two_runs_compare_side_by_side_and_the_queue_block_says_none_waits(studio):

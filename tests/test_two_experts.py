@@ -188,6 +188,8 @@ def test_a_run_of_either_expert_through_the_cli_loads_into_its_expert_of_the_pip
     components = {"high_noise": {LORA_FILE: "transformer"}, "low_noise": {LORA_FILE: "transformer_2"},
                   "both": {LORA_FILE: "transformer", TRANSFORMER_2_LORA_FILE: "transformer_2"}}[expert]
     assert sorted(file.name for file in run.lora_dir.iterdir()) == sorted(components)
+    assert f"finished: adapter at {run.lora_file}{' and ' + TRANSFORMER_2_LORA_FILE if expert == 'both' else ''}\n" in \
+        run.log_file.read_text()
     assert sorted(file.name for file in snap.adapter.files) == sorted(components)
     assert set(components) <= set(publish_files(snap, "alice/wan-a14b-lora"))
     low = expert == "low_noise"
