@@ -29,7 +29,7 @@ from jagg_core.hub import push_if_configured, push_run, write_model_card
 from jagg_core.hubclient import resolve_lora, resolve_token
 from jagg_core.model_card import reward_curve_figure
 from jagg_core.models import build_tiny_pipeline
-from jagg_core.rundir import RunDirectory
+from jagg_core.rundir import LORA_FILE, TRANSFORMER_2_LORA_FILE, RunDirectory, adapter_filenames
 from tests.fake_hub_server import FakeHub, validate_card_metadata
 
 from conftest import HACKING_ALARM_LINE, add_judges
@@ -187,6 +187,20 @@ def test_pushed_adapter_loads_back_from_the_hub(fake_hub, run_dir, loras, monkey
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # once downloaded, the cache serves it offline
     assert resolve_lora("alice/shapes-lora") == path
+
+
+def test_an_adapter_of_both_experts_is_pushed_and_downloaded_as_its_two_files(fake_hub, run_dir):
+    """``model.expert: both``: the push uploads the low-noise expert's file beside the first, and ``lora.init_lora``
+    (``resolve_lora`` with the run's file names) downloads both into one folder; a repo without it is one line."""
+    second = run_dir / "lora" / TRANSFORMER_2_LORA_FILE
+    second.write_bytes(b"the low-noise expert's weights")
+    push_run(run_dir, "alice/both-experts", token=TOKEN)
+    assert fake_hub.repos["alice/both-experts"].files[TRANSFORMER_2_LORA_FILE] == second.read_bytes()
+    path = resolve_lora("alice/both-experts", files=adapter_filenames("both"))
+    assert path.name == LORA_FILE and (path.parent / TRANSFORMER_2_LORA_FILE).read_bytes() == second.read_bytes()
+    fake_hub.add_repo("alice/one-expert", {LORA_FILE: b"x"})
+    with pytest.raises(UserError, match=f"the repo has no {TRANSFORMER_2_LORA_FILE}"):
+        resolve_lora("alice/one-expert", files=adapter_filenames("both"))
 
 
 def test_cli_pushes_a_checkpoint_with_the_env_token(fake_hub, run_dir, monkeypatch, capsys):
