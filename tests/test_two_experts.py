@@ -4,6 +4,9 @@ boundary; the LoRA trains one of them (``model.expert``), only at its steps, or 
 
 from __future__ import annotations
 
+from dataclasses import replace
+from types import SimpleNamespace
+
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
@@ -322,3 +325,16 @@ def test_an_adapter_of_both_experts_is_saved_loaded_and_compared_as_its_two_file
     with pytest.raises(UserError, match=rf"^{tmp_path / 'one'} has no {TRANSFORMER_2_LORA_FILE}: an adapter of both "
                                         rf"experts \(model.expert: both\) is two files, {LORA_FILE} and "):
         fresh.load_lora(tmp_path / "one")
+
+
+@pytest.mark.parametrize("algorithm", ["nft", "awm"])
+def test_a_forward_process_run_of_both_experts_under_sharding_is_refused(algorithm, tmp_path, offline):
+    """Each process draws its rows' steps apart: sharded experts called by one process and not by another would
+    hang; GRPO's steps are the same everywhere (the FSDP launch in test_sharding.py)."""
+    trainer = Trainer(expert_config("both", algorithm), tmp_path)
+    trainer.setup()
+    sharded = replace(trainer.algorithm.ctx, sharding=SimpleNamespace(enabled=True))
+    with pytest.raises(UserError, match=rf"^train.algorithm {algorithm} draws each process's steps apart, so under "
+                                        r"FSDP the two sharded experts' calls would not match across processes; "
+                                        r"with model.expert both and sharding train with grpo, or train one expert"):
+        type(trainer.algorithm)(sharded)

@@ -27,6 +27,7 @@ from typing import Callable, ClassVar
 import torch
 
 from .. import metrics
+from ..errors import UserError
 from ..config import RunConfig
 from ..models.base import Conditioning
 from ..sampler import initial_noise, ode_sample
@@ -76,6 +77,12 @@ class ForwardProcessAlgorithm(Algorithm):
 
     def __init__(self, ctx):
         super().__init__(ctx)
+        if ctx.sharding.enabled and len(ctx.model.trained_transformers) > 1:
+            # each process draws its rows' steps apart (its own seed), so a micro-batch of rows of both experts on
+            # one process and of one expert on another would make sharded calls that do not match: a hang
+            raise UserError(f"train.algorithm {self.name} draws each process's steps apart, so under FSDP the two "
+                            "sharded experts' calls would not match across processes; with model.expert both and "
+                            "sharding train with grpo, or train one expert (model.expert)")
         self.lag = self.lagging_policy()
 
     @abstractmethod
