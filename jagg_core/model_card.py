@@ -285,8 +285,8 @@ def _recipe(config: dict, snap: RunSnapshot, editing: bool) -> str:
 - **Compute:** {compute}
 {_algorithm_lines(config, snap)}
 - **LoRA:** rank {lora.get('rank')}, alpha {lora.get('alpha')}{init}
-- **Sampling:** {sampling.get('resolution')} px, {sampling.get('num_steps')} steps{_sampler_words(config)}; \
-model dtype {model.get('dtype')}
+- **Sampling:** {sampling.get('resolution')} px, {sampling.get('num_steps')} steps{_sampler_words(config)}\
+{_guidance_words(model, sampling)}; model dtype {model.get('dtype')}
 {_input_words(config) if editing else ""}{_text_words(snap.run_info.get("text_windows") or [])}
 The full resolved configuration is in [config.yaml](config.yaml).
 """
@@ -364,6 +364,23 @@ def _sampler_words(config: dict) -> str:
     sampling = config.get("sampling") or {}
     sde = {"dance_grpo": "DanceGRPO ", "cps": "CPS "}.get(sampling.get("sde_type"), "")
     return f", {sde}SDE noise level {sampling.get('noise_level')}"
+
+
+def _guidance_words(model: dict, sampling: dict) -> str:
+    """What else the samples were made with, to sample the adapter as it was trained and judged: the evals' steps
+    when they differ, the CFG scale (a two-expert model's low-noise one) and negative prompt, the schedule shift."""
+    defaults = ModelConfig()
+    words = []
+    if sampling.get("eval_num_steps"):
+        words.append(f"evals {sampling['eval_num_steps']} steps")
+    scale = model.get("guidance_scale", defaults.guidance_scale)
+    if scale > 1:
+        low_noise = f" ({model['guidance_scale_2']} at the low-noise steps)" if model.get("guidance_scale_2") else ""
+        negative = f', negative prompt "{model["negative_prompt"]}"' if model.get("negative_prompt") else ""
+        words.append(f"CFG {scale}{low_noise}{negative}")
+    if model.get("flow_shift") is not None:
+        words.append(f"schedule shift {model['flow_shift']}")
+    return "".join(f", {word}" for word in words)
 
 
 def _results_table(first: dict, last: dict) -> str:

@@ -252,6 +252,20 @@ def test_model_card_preview_of_a_bare_run(tmp_path, capsys):
     assert "images/" not in card.text and 'pipe.load_lora_weights("alice/bare")' in card.text
 
 
+def test_the_card_says_how_the_samples_were_made_beyond_the_defaults(tmp_path):
+    """The evals' steps, the CFG scale and its negative prompt, the schedule shift: what sampling the adapter as it
+    was trained and judged takes; none of it for a run at the defaults (the bare run above)."""
+    run = tmp_path / "run"
+    (run / "lora").mkdir(parents=True)
+    config = RunConfig(model={"guidance_scale": 4.5, "negative_prompt": "blurry", "flow_shift": 2.0},
+                       sampling={"num_steps": 10, "eval_num_steps": 30})
+    (run / "config.yaml").write_text(config.to_yaml())
+    (run / "lora/pytorch_lora_weights.safetensors").write_bytes(b"x")
+    card = str(write_model_card(run, "alice/cfg"))
+    assert ('10 steps, SDE noise level 0.7, evals 30 steps, CFG 4.5, negative prompt "blurry", schedule shift 2.0; '
+            "model dtype float32") in card
+
+
 # --- judges, the best adapter, the hacking alarm ---------------------------------------------------------------------
 
 def _judged(run_dir):

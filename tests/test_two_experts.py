@@ -200,7 +200,7 @@ def test_a_run_of_either_expert_through_the_cli_loads_into_its_expert_of_the_pip
     if expert == "both":
         assert ('pipe.load_lora_weights("alice/wan-a14b-lora")\npipe.load_lora_weights("alice/wan-a14b-lora", '
                 f'weight_name="{TRANSFORMER_2_LORA_FILE}", load_into_transformer_2=True)') in card
-        assert "this adapter trains both, together at every step" in card
+        assert "this adapter trains both, together at every step" in card and ", schedule shift 4.0; model dtype" in card
         assert "\npipe.scheduler = pipe.scheduler.from_config(pipe.scheduler.config, flow_shift=4.0)  # as trained\n" in card
     else:
         assert f"this adapter is its {expert.replace('_', '-')} expert's (`pipe.transformer{'_2' if low else ''}`)" in card
