@@ -26,7 +26,9 @@ geneval, options: {strict: true}}"``, repeated). For each, over the ``n = N K`` 
 ``--against RUN2`` compares the adapter with another adapter of the same base model instead of the base model (an A/B
 test of two runs, say GRPO's and DiffusionNFT's, or with ``RUN2 = RUN`` of two checkpoints): RUN2's latest adapter, or
 its ``--against-checkpoint``, loaded beside the run's with its own rank and targets, samples the other side of each
-pair, with the run's sampler and sizes. ``--against`` may also name a LoRA that is no run's (a
+pair, with the run's sampler and sizes. Of a two-expert model (Wan 2.2 A14B) RUN2 may have trained other experts
+(``model.expert``: say both against the low-noise one alone): each side adapts the experts its run trained, the
+others sampling with their base weights. ``--against`` may also name a LoRA that is no run's (a
 ``pytorch_lora_weights.safetensors`` file, its folder or a Hub id, e.g. a published adapter of the same base model).
 
 When every prompt reads as the ``geneval`` reward reads prompts (the ``geneval`` and ``compositional`` sets), each
@@ -65,6 +67,8 @@ GRID_FILE = "evaluation.png"
 GRID_PROMPTS = 8
 #: the peft name of the adapter an evaluation compares the run's with (``--against``)
 OTHER_ADAPTER = "against"
+#: ``model.expert`` in words: which experts of a two-expert model the other adapter adapts, where the run's differ
+EXPERT_WORDS = {"high_noise": "the high-noise expert", "low_noise": "the low-noise expert", "both": "both experts"}
 
 
 @dataclass
@@ -158,7 +162,8 @@ def other_adapter(config, against: str, checkpoint: str | None) -> tuple[Adapter
     """What the run's adapter is compared with: the adapter of the run folder ``against`` (its latest, ``best`` or
     ``iter_N``; a one-line :class:`UserError` when that run trained another base model), or the LoRA ``against``
     names (a file, a folder or a Hub id: :func:`~jagg_core.hubclient.resolve_lora`); and how the evaluation records
-    it (``source``, ``name``, ``adapter``, ``adapter_sha256``)."""
+    it (``source``, ``name``, ``adapter``, ``adapter_sha256``, and ``expert``, that run's ``model.expert``, where it
+    differs from this run's)."""
     from .adapters import Adapter, choose_adapter
     from .config import validate_config
     from .hubclient import resolve_lora
@@ -170,9 +175,7 @@ def other_adapter(config, against: str, checkpoint: str | None) -> tuple[Adapter
         if (other.name, other.revision) != (config.model.name, config.model.revision):
             raise UserError(f"--against {against}: its adapter is of {other.name}, the run's of "
                             f"{config.model.name}; compare adapters of the same base model")
-        if other.expert != config.model.expert:
-            raise UserError(f"--against {against}: its adapter is of the {other.expert} expert, the run's of the "
-                            f"{config.model.expert} expert; compare adapters of the same expert")
+        expert = other.expert if other.expert != config.model.expert else None  # a two-expert model's other expert(s)
         adapter = choose_adapter(against, checkpoint)
         name, label = run.path.resolve().name, adapter.label
     else:
@@ -187,8 +190,9 @@ def other_adapter(config, against: str, checkpoint: str | None) -> tuple[Adapter
             name = local.resolve().parent.name  # its folder's
         else:
             name = local.resolve().name
-        label = LORA_LABEL
-    return adapter, {"source": str(against), "name": name, "adapter": label, "adapter_sha256": adapter.digest()}
+        label, expert = LORA_LABEL, None
+    return adapter, {"source": str(against), "name": name, "adapter": label, "adapter_sha256": adapter.digest(),
+                     **({"expert": expert} if expert else {})}
 
 
 def baseline_name(settings: dict) -> str:
@@ -236,7 +240,7 @@ def evaluate(run_dir: Path, *, source: str | None = None, limit: int | None = No
 
     model, sigmas = adapter_model(config, prompts, adapter.file, scoring=not given_rewards)  # the run's scorers
     if other is not None:
-        model.load_other_lora(other.file, OTHER_ADAPTER)
+        model.load_other_lora(other.file, OTHER_ADAPTER, against_record.get("expert"))
     baseline = OTHER_ADAPTER if other is not None else None
     scorer = CombinedReward([build_reward(spec, model.device) for _, spec in specs], [1.0] * len(specs),
                             term_names([spec.name for _, spec in specs]), config.sampling.reward_frames)
@@ -315,9 +319,10 @@ def table(settings: dict, scored: list[Scored]) -> str:
     pairs, prompts = settings["distinct_prompts"] * settings["images_per_prompt"], settings["distinct_prompts"]
     units = f"over the {prompts} prompts' means" if prompts > 1 else f"over the {pairs} pairs"
     other, baseline = settings.get("against"), baseline_name(settings)
+    expert = f"of {EXPERT_WORDS[other['expert']]}; " if other and other.get("expert") else ""
     versus = (f"its base model {settings['model']}" if not other else f"the LoRA `{other['source']}`"
               if other["adapter"] == LORA_LABEL else
-              f"the {other['adapter']} of `{other['name']}` (the same base model {settings['model']})")
+              f"the {other['adapter']} of `{other['name']}` ({expert}the same base model {settings['model']})")
     lines = [f"**{settings['adapter']}** of `{Path(settings['run']).name}` against {versus}: "
              f"{settings['distinct_prompts']} prompts ({settings['prompts']}) x {settings['images_per_prompt']} "
              f"noises, {settings['steps']} steps at {settings['resolution']} px ({pairs} pairs); mean ± standard "

@@ -338,3 +338,44 @@ def test_a_forward_process_run_of_both_experts_under_sharding_is_refused(algorit
                                         r"FSDP the two sharded experts' calls would not match across processes; "
                                         r"with model.expert both and sharding train with grpo, or train one expert"):
         type(trainer.algorithm)(sharded)
+
+
+def test_an_adapter_of_both_experts_is_compared_with_a_runs_of_the_low_noise_expert_alone(tmp_path):
+    """``evaluate --against`` a run that trained other experts: each side adapts its own run's experts, the others
+    sample with their base weights (the high-noise rows of the low-noise adapter's side are the base model's)."""
+    import yaml
+    from conftest import add_moved_lora
+    from jagg_core.evaluate import evaluate, table
+    result = run_cli("--preset", "tiny-sd3", "--output-dir", str(tmp_path / "both"), "--set", "model.name=tiny-wan-a14b",
+                     "--set", "model.expert=both", "--set", "sampling.num_frames=5", "--set", "sampling.resolution=32",
+                     "--set", "sampling.num_steps=6", "--set", "train.iterations=1", "--set", "grpo.num_generations=2",
+                     "--set", "prompts.eval_count=2", "--set", "model.max_sequence_length=16",
+                     "--set", "rewards=[{name: jpeg_compressibility}]")
+    assert result.returncode == 0, result.stderr[-2000:]
+    low = load(expert="low_noise")
+    add_moved_lora(low)
+    other = RunDirectory(tmp_path / "low")  # a run of the low-noise expert alone: its config and adapter
+    config = yaml.safe_load((tmp_path / "both" / "config.yaml").read_text())
+    config["model"]["expert"] = "low_noise"
+    other.write_config(yaml.safe_dump(config))
+    low.save_lora(other.lora_dir)
+
+    settings, scored, _ = evaluate(tmp_path / "both", images_per_prompt=1, batch=2, against=other.path)
+    assert settings["against"]["expert"] == "low_noise"
+    assert "against the latest adapter of `low` (of the low-noise expert; the same base model tiny-wan-a14b)" in \
+        table(settings, scored)
+
+    model = load(expert="both")
+    add_moved_lora(model)
+    model.load_other_lora(other.lora_file, "against", "low_noise")
+    assert "against" not in model.pipe.transformer.peft_config and "against" in model.pipe.transformer_2.peft_config
+    z, cond, sigma = noise(model, 2), model.conditioning(PROMPTS), torch.tensor([0.9, 0.3])  # a row of each expert
+    with torch.no_grad():
+        velocities = {}
+        for name in (None, "against", "default"):
+            model.use_adapter(name)
+            velocities[name] = model.velocity(z, sigma, cond)
+        alone = low.velocity(z, sigma, cond)
+    torch.testing.assert_close(velocities["against"][0], velocities[None][0])  # the high-noise expert: base weights
+    torch.testing.assert_close(velocities["against"][1], alone[1])
+    assert not torch.allclose(velocities["default"][0], velocities[None][0], atol=1e-4)

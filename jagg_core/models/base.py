@@ -48,6 +48,13 @@ ENCODE_BATCH = 16
 DEFAULT_ADAPTER = "default"
 
 
+def expert_files(expert: str) -> dict[str, str]:
+    """The pipeline components a run of ``model.expert`` trains -> its adapter's file of each:
+    :data:`~jagg_core.rundir.LORA_FILE` (the trained expert's), and with both experts
+    :data:`~jagg_core.rundir.TRANSFORMER_2_LORA_FILE` for the low-noise one."""
+    return dict(zip(TRAINED_COMPONENTS[expert], adapter_filenames(expert)))
+
+
 def calculate_shift(image_seq_len: int, scheduler_config) -> float:
     """Resolution-dependent shift ``mu``, linear in the image token count (as diffusers' pipelines):
     mu = base_shift + (max_shift - base_shift) * (L - base_len) / (max_len - base_len)."""
@@ -194,9 +201,8 @@ class FlowModel(ABC):
 
     @property
     def lora_files(self) -> dict[str, str]:
-        """Each trained component's adapter file: :data:`~jagg_core.rundir.LORA_FILE` (the trained expert's), and
-        with both experts :data:`~jagg_core.rundir.TRANSFORMER_2_LORA_FILE` for the low-noise one."""
-        return dict(zip(self.trained_components, adapter_filenames(self.config.expert)))
+        """Each trained component's adapter file (:func:`expert_files` of ``model.expert``)."""
+        return expert_files(self.config.expert)
 
     @property
     def denoisers(self) -> list[torch.nn.Module]:
@@ -254,19 +260,20 @@ class FlowModel(ABC):
             sort_safetensors_header(paths[-1])
         return paths[0]
 
-    def adapter_sources(self, path: str | Path) -> dict[str, Path]:
-        """Each trained component's file of the adapter ``path`` (a diffusers LoRA file, or its folder): the file
-        (the folder's :data:`~jagg_core.rundir.LORA_FILE`), and with both experts the low-noise one's beside it; a
-        one-line :class:`UserError` when that one is missing."""
-        path = Path(path)
+    def adapter_sources(self, path: str | Path, expert: str | None = None) -> dict[str, Path]:
+        """Each component's file of the adapter ``path`` (a diffusers LoRA file, or its folder) of a run of
+        ``expert`` (None: this run's ``model.expert``; :func:`expert_files`): the file (the folder's
+        :data:`~jagg_core.rundir.LORA_FILE`), and with both experts the low-noise one's beside it; a one-line
+        :class:`UserError` when that one is missing."""
+        path, files = Path(path), expert_files(expert or self.config.expert)
         first = path / LORA_FILE if path.is_dir() else path
-        (component, _), *others = self.lora_files.items()
+        (component, _), *others = files.items()
         sources = {component: first}
         for component, filename in others:
             sources[component] = first.parent / filename
             if not sources[component].is_file():
                 raise UserError(f"{first.parent} has no {filename}: an adapter of both experts (model.expert: both) "
-                                f"is two files, {' and '.join(self.lora_files.values())}")
+                                f"is two files, {' and '.join(files.values())}")
         return sources
 
     def load_lora(self, path: str | Path) -> None:
@@ -296,12 +303,12 @@ class FlowModel(ABC):
             raise UserError(f"the LoRA in {path} has weights for modules this adapter lacks, e.g. {unexpected[0]}; "
                             "set lora.target_modules to match it")
 
-    def load_other_lora(self, path: str | Path, name: str) -> None:
+    def load_other_lora(self, path: str | Path, name: str, expert: str | None = None) -> None:
         """Load another diffusers-format LoRA beside the run's, as the adapter ``name``, with its own rank, alpha and
-        targets (``pipe.load_lora_weights``), into the trained transformers (each file of :meth:`adapter_sources`; a
-        two-expert model's low-noise expert's: ``load_into_transformer_2``); :meth:`use_adapter` picks which one
-        samples."""
-        for component, source in self.adapter_sources(path).items():
+        targets (``pipe.load_lora_weights``), into the transformers a run of ``expert`` trains (None: the ones this
+        run trains; each file of :meth:`adapter_sources`; a two-expert model's low-noise expert's:
+        ``load_into_transformer_2``); :meth:`use_adapter` picks which one samples."""
+        for component, source in self.adapter_sources(path, expert).items():
             into = {"load_into_transformer_2": True} if component == DENOISER_COMPONENTS[1] else {}
             try:
                 with warnings.catch_warnings():  # peft warns of a second adapter: here that is the point
@@ -314,13 +321,15 @@ class FlowModel(ABC):
 
     def use_adapter(self, name: str | None) -> None:
         """Sample with the adapter ``name`` (the run's is ``default``; another loaded by :meth:`load_other_lora`), or
-        with None the base model."""
-        for transformer in self.trained_transformers:
-            if name is None:
-                transformer.disable_adapters()
-            else:
+        with None the base model: each transformer that holds ``name`` takes it, the others their base weights (a
+        two-expert model's expert that only the other adapter, or only the run's, adapts)."""
+        for transformer in self.denoisers:
+            adapters = getattr(transformer, "peft_config", None) or {}
+            if name in adapters:
                 transformer.enable_adapters()
                 transformer.set_adapter(name)
+            elif adapters:
+                transformer.disable_adapters()
 
     @contextmanager
     def adapters_disabled(self):
