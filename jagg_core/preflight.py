@@ -9,6 +9,7 @@ Hugging Face cache's disk (:mod:`jagg_core.download`).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from .config import ModelConfig, RunConfig
@@ -29,6 +30,7 @@ def check_references(config: RunConfig, disk: bool = True) -> DownloadPlan | Non
     from .rewards.catalog import check_prompts_readable, check_reward_packages, check_reward_specs, check_video_rewards
     from .tracking import check_trackers
     plan = check_model(config.model, disk)
+    check_flow_shift(config.model)
     check_reward_specs(config.rewards)
     check_judges(config)
     check_video_rewards(config)
@@ -39,6 +41,30 @@ def check_references(config: RunConfig, disk: bool = True) -> DownloadPlan | Non
     check_prompt_kind(model_family(config.model), [*train, *held_out], config.model.input_images)
     check_prompts_readable(config, train, held_out)
     return plan
+
+
+def dynamic_shift_refusal(name: str) -> str:
+    """The one line refusing ``model.flow_shift`` for the model ``name``, whose schedule shifts with the image size."""
+    return (f"model.flow_shift sets a fixed schedule shift, but '{name}' shifts its schedule with the image size (its "
+            "scheduler's use_dynamic_shifting): unset model.flow_shift")
+
+
+def check_flow_shift(model: ModelConfig) -> None:
+    """``model.flow_shift`` is refused before launch for a model whose scheduler shifts the schedule with the image
+    size (``use_dynamic_shifting``: FLUX.1-dev, FLUX.2, Qwen-Image), where its scheduler config is at hand: a real
+    arch's (a preset's Hub id, ``random:<arch>``) or a folder's; loading the model refuses the others."""
+    from .archs import arch_folder, arch_for_model
+    from .model_index import model_source
+    if model.flow_shift is None:
+        return
+    arch = arch_for_model(model.name)
+    folder = arch_folder(arch) if arch is not None else Path(model_source(model.name)).expanduser()
+    try:
+        scheduler = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(scheduler, dict) and scheduler.get("use_dynamic_shifting"):
+        raise UserError(dynamic_shift_refusal(model.name))
 
 
 def model_family(model: ModelConfig) -> DeclaredFamily | None:

@@ -253,6 +253,8 @@ def test_a_run_held_by_a_live_trainer_is_refused_and_shown_running(tmp_path):
      "generates from text alone; choose a text prompt set, or an image-editing model.name (FLUX.1 Kontext, "
      "Qwen-Image-Edit, Qwen-Image-Edit-2509/2511; or FLUX.2 [klein] or FLUX.2 [dev] or Wan 2.2 TI2V-5B with "
      "model.input_images=1), or an image-to-video one (Wan 2.1 / Wan 2.2 A14B image-to-video)"),
+    (None, ["--set", "model.name=random:flux-dev@1", "--set", "model.flow_shift=3", "--output-dir", "{d}/run"],
+     "model.flow_shift sets a fixed schedule shift, but 'random:flux-dev@1' shifts its schedule with the image size"),
     (None, ["--set", "model.name=tiny-flux-kontext", "--output-dir", "{d}/run"],  # before the model loads
      "the FLUX.1 Kontext model edits images, but the prompt 'a gouache painting"),
 ])

@@ -28,6 +28,7 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from ..config import LoraConfig, ModelConfig
 from ..errors import UserError
 from ..image_size import ImageSize
+from ..preflight import dynamic_shift_refusal
 from ..rundir import LORA_FILE, adapter_filenames
 from .quantize import DENOISER_COMPONENTS, is_quantized
 from .text_windows import TextWindow, WindowReading, read_windows
@@ -128,8 +129,7 @@ class FlowModel(ABC):
             raise UserError(f"model.guidance_scale_2 is the CFG scale of a two-expert model's low-noise steps (Wan 2.2 "
                             f"A14B); '{config.name}' has one transformer: unset it")
         if config.flow_shift is not None and pipe.scheduler.config.get("use_dynamic_shifting", False):
-            raise UserError(f"model.flow_shift sets a fixed schedule shift, but '{config.name}' shifts its schedule with "
-                            "the image size (its scheduler's use_dynamic_shifting): unset model.flow_shift")
+            raise UserError(dynamic_shift_refusal(config.name))
         if num_frames != 1 and not self.is_video:
             raise UserError(f"sampling.num_frames is {num_frames}, but {self.family} makes images: set it to 1")
         self.num_frames = num_frames
