@@ -6,7 +6,9 @@ so a read never sees half a file. Missing files mean "not yet" and give empty va
 
 from __future__ import annotations
 
+import hashlib
 import html
+import os
 import tempfile
 import time
 import zipfile
@@ -358,14 +360,22 @@ def chosen_adapter(run_dir: Path, choice: str | None) -> Adapter | None:
 
 def download_file(adapter: Adapter | None) -> Path | None:
     """What the download button gives: the adapter's file, or, for an adapter of two files (both experts of a
-    two-expert model), a zip of them (``latest_adapter.zip``, ``best_adapter.zip``, ``iter_000120.zip``) written to a
-    fresh temporary folder."""
+    two-expert model), a zip of them (``latest_adapter.zip``, ``best_adapter.zip``, ``iter_000120.zip``). The zip has
+    one place per adapter folder in the temporary directory, replaced atomically, and is written again only when the
+    adapter is newer: the pages refresh it at every checkpoint, and an adapter is up to hundreds of MB."""
     if adapter is None or len(files := adapter.files) == 1:
         return adapter.file if adapter else None
-    archive = Path(tempfile.mkdtemp(prefix="jagg-adapter-")) / f"{adapter.label.replace(' ', '_')}.zip"
-    with zipfile.ZipFile(archive, "w") as bundle:  # stored: safetensors' weights do not compress
+    folder = Path(tempfile.gettempdir()) / "jagg-adapters" / hashlib.sha256(
+        str(adapter.file.parent.resolve()).encode()).hexdigest()[:16]
+    archive = folder / f"{adapter.label.replace(' ', '_')}.zip"
+    if archive.is_file() and archive.stat().st_mtime >= max(file.stat().st_mtime for file in files):
+        return archive
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{archive.name}.{os.getpid()}.tmp"
+    with zipfile.ZipFile(tmp, "w") as bundle:  # stored: safetensors' weights do not compress
         for file in files:
             bundle.write(file, file.name)
+    os.replace(tmp, archive)
     return archive
 
 

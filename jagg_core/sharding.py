@@ -162,7 +162,8 @@ class Sharding:
 
     def describe_line(self) -> str:
         r = self.record
-        return (f"{' and '.join(r['components'])} sharded with FSDP2 over {r['shards']} processes in {r['units']} units: each holds "
+        return (f"{' and '.join(r['components'])} sharded with FSDP2 over {r['shards']} processes in {r['units']} "
+                f"units: each holds "
                 f"{', '.join(f'{100 * f:.1f}%' for f in r['held_fraction'])} of its {r['frozen_parameters']:,} "
                 f"frozen weights; the LoRA ({r['lora_parameters']:,} weights) is whole on every process")
 

@@ -406,6 +406,13 @@ def test_the_live_view_reads_the_judges_the_alarm_the_first_iteration_check_and_
         assert archive.name == "best_adapter.zip"
         assert {name: bundle.read(name) for name in bundle.namelist()} == {
             LORA_FILE: b"best", TRANSFORMER_2_LORA_FILE: b"best, low-noise expert"}
+    written = archive.stat().st_mtime_ns
+    assert live.download_file(live.chosen_adapter(run.path, "best")) == archive  # up to date: not written again
+    assert archive.stat().st_mtime_ns == written
+    (run.best_dir / TRANSFORMER_2_LORA_FILE).write_bytes(b"newer")  # a newer adapter (whatever the clock's grain)
+    os.utime(run.best_dir / TRANSFORMER_2_LORA_FILE, ns=(written + 10**9, written + 10**9))
+    with zipfile.ZipFile(live.download_file(live.chosen_adapter(run.path, "best"))) as bundle:
+        assert bundle.read(TRANSFORMER_2_LORA_FILE) == b"newer"
     assert [live.adapter_name(v) for v in ("latest adapter", None, "best", "iter_000002")] == [
         None, None, "best", "iter_000002"]
 

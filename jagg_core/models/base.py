@@ -200,11 +200,6 @@ class FlowModel(ABC):
         return self.trained_transformers[0]
 
     @property
-    def lora_files(self) -> dict[str, str]:
-        """Each trained component's adapter file (:func:`expert_files` of ``model.expert``)."""
-        return expert_files(self.config.expert)
-
-    @property
     def denoisers(self) -> list[torch.nn.Module]:
         """The pipeline's transformers: one, or a two-expert model's two (Wan 2.2 A14B's ``transformer`` and
         ``transformer_2``), placed, quantized and metered alike (under sharding FSDP places the trained one's
@@ -243,13 +238,13 @@ class FlowModel(ABC):
 
     def save_lora(self, directory: str | Path) -> Path:
         """Write each trained transformer's adapter in diffusers format (``pipe.load_lora_weights``) into
-        ``directory``, as :attr:`lora_files` names them; return the first.
+        ``directory``, as :func:`expert_files` names them; return the first.
 
         The adapter's peft config (rank, alpha, targets) goes into the file's metadata: without it,
         ``load_lora_weights`` assumes ``alpha = rank``, a wrong scale whenever ``lora.alpha != lora.rank``. Its sets
         (``target_modules``) are written sorted, so equal weights give an equal file."""
         paths = []
-        for component, filename in self.lora_files.items():
+        for component, filename in expert_files(self.config.expert).items():
             transformer = getattr(self.pipe, component)
             state = {k: v.detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(transformer).items()}
             metadata = {key: sorted(value) if isinstance(value, set) else value

@@ -153,8 +153,8 @@ class WanModel(FlowModel):
         trained = range(0, high) if self.config.expert == "high_noise" else range(high, len(steps))
         if not trained:
             raise UserError(f"none of the {len(steps)} steps is the {self.config.expert} expert's (the experts switch "
-                            f"at sigma {self.boundary_timestep / 1000:g}): train the other expert (model.expert) or take more "
-                            "sampling.num_steps")
+                            f"at sigma {self.boundary_timestep / 1000:g}): train the other expert (model.expert) or "
+                            "take more sampling.num_steps")
         return trained
 
     def cfg_scale(self, sigma: torch.Tensor, dims: int) -> float | torch.Tensor:
