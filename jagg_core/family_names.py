@@ -13,8 +13,12 @@ import ast
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import UserError
+
+if TYPE_CHECKING:
+    from .config import ModelConfig
 
 MODELS_DIR = Path(__file__).resolve().parent / "models"
 #: the name a family file binds its declaration to
@@ -24,6 +28,12 @@ DEFAULT_DEPTH_KEY = "num_layers"
 #: what a run with input images does with them, as messages say it (:attr:`DeclaredFamily.does_with_images`)
 EDITS_IMAGES = "edits images"
 MAKES_VIDEOS_FROM_IMAGES = "makes videos from an input image"
+#: the declaration's fields that say how its pipeline samples as the run did (the model card's snippet)
+SAMPLING_FIELDS = ("cfg_argument", "cfg_offset", "guidance_argument", "negative_prompt_argument", "scheduler_shift_key")
+#: the pipelines' argument of CFG's negative prompt text
+TEXT_NEGATIVE_PROMPT = "negative_prompt"
+#: the scheduler config's key of the shift of the flow-matching Euler scheduler, whose steps the sampler takes
+EULER_SHIFT_KEY = "shift"
 
 
 @dataclass(frozen=True)
@@ -43,6 +53,11 @@ class DeclaredFamily:
     edit_pipeline: str  # the pipeline class of its runs with input images, where it is not ``pipeline``
     image_to_video: bool  # its runs with input images make videos that start from them
     edit_label: str  # which of its models take input images, where not all of them do ("": the whole family)
+    cfg_argument: str = "guidance_scale"  # the pipeline's argument of the CFG scale ("": it has no CFG)
+    cfg_offset: float = 0.0  # that argument's value is model.guidance_scale + cfg_offset
+    guidance_argument: str = ""  # the pipeline's argument of the guidance embedding's value ("": none)
+    negative_prompt_argument: str = "negative_prompt"  # or negative_prompt_embeds: it takes only those
+    scheduler_shift_key: str = EULER_SHIFT_KEY  # the key of the shift in its scheduler's config: shift = the Euler one's
 
     @property
     def does_with_images(self) -> str:
@@ -64,6 +79,34 @@ class DeclaredFamily:
                             "image(s) a prompt row")
         return count
 
+    def pipeline_arguments(self, model: ModelConfig) -> dict[str, object]:
+        """The arguments of the family's pipeline ``__call__`` (beyond the prompt, size and steps) that sample as the
+        sampler does with ``model``, a run's model config, where the pipelines' defaults differ from it (CFG scales
+        of 3.5 to 7, text windows of 256 or 512 tokens): the text window ``max_sequence_length``, the guidance
+        embedding's value, the CFG scale (``guidance_scale + cfg_offset``; the low-noise one, ``guidance_scale_2``,
+        where set), and, when a step is guided, the negative prompt: its text, or where the pipeline takes only
+        its embeddings, a :class:`PromptEmbeddings` of it (none for "", the pipeline's own)."""
+        arguments: dict[str, object] = {"max_sequence_length": model.max_sequence_length}
+        if self.guidance_argument:
+            arguments[self.guidance_argument] = model.flux_guidance
+        if self.cfg_argument:
+            arguments[self.cfg_argument] = model.guidance_scale + self.cfg_offset
+        if model.guidance_scale_2 is not None:
+            arguments["guidance_scale_2"] = model.guidance_scale_2
+        if model.uses_cfg and self.negative_prompt_argument == TEXT_NEGATIVE_PROMPT:
+            arguments[TEXT_NEGATIVE_PROMPT] = model.negative_prompt
+        elif model.uses_cfg and model.negative_prompt:
+            arguments[self.negative_prompt_argument] = PromptEmbeddings(model.negative_prompt)
+        return arguments
+
+
+@dataclass(frozen=True)
+class PromptEmbeddings:
+    """A pipeline argument that is a prompt's embeddings, ``pipe.encode_prompt(text, max_sequence_length=...)[0]``
+    (FLUX.2 [klein]'s negative prompt: the pipeline encodes "" unless it is given them)."""
+
+    text: str
+
 
 def _declaration(path: Path) -> ast.Call | None:
     """The ``Family(...)`` call bound to ``FAMILY`` at the top level of ``path``, if any."""
@@ -78,7 +121,8 @@ def _read(path: Path, call: ast.Call) -> DeclaredFamily:
     fields = {keyword.arg: keyword.value for keyword in call.keywords}
     literal = {name: ast.literal_eval(fields[name]) for name in ("label", "pipeline", "archs", "depth_key",
                                                                  "edits_images", "max_input_images", "requires",
-                                                                 "edit_pipeline", "image_to_video", "edit_label")
+                                                                 "edit_pipeline", "image_to_video", "edit_label",
+                                                                 *SAMPLING_FIELDS)
                if name in fields}
     return DeclaredFamily(module=path.stem, label=literal["label"], pipeline=literal["pipeline"],
                           tiny_models=tuple(ast.literal_eval(key) for key in fields["tiny_builders"].keys),
@@ -87,7 +131,8 @@ def _read(path: Path, call: ast.Call) -> DeclaredFamily:
                           max_input_images=literal.get("max_input_images", 1), requires=literal.get("requires", ()),
                           edit_pipeline=literal.get("edit_pipeline", ""),
                           image_to_video=literal.get("image_to_video", False),
-                          edit_label=literal.get("edit_label", ""))
+                          edit_label=literal.get("edit_label", ""),
+                          **{name: literal[name] for name in SAMPLING_FIELDS if name in literal})
 
 
 @cache

@@ -41,6 +41,7 @@ from .adapters import BEST, Adapter, choose_adapter
 from .config import AwmConfig, ModelConfig, SamplingConfig
 from .edit_prompts import instruction_of
 from .errors import UserError
+from .family_names import EULER_SHIFT_KEY, DeclaredFamily, PromptEmbeddings
 from .image_size import parse_resolution
 from .rundir import GRID_FILE as GRID_NAME
 from .rundir import LORA_FILE, TRANSFORMER_2_LORA_FILE, ImageSet, RunDirectory, iteration_dirname
@@ -229,13 +230,17 @@ def _load_lines(repo_id: str, expert: str | None) -> str:
     return f'pipe.load_lora_weights("{repo_id}"{", load_into_transformer_2=True" if expert == "low_noise" else ""})'
 
 
-def _schedule_line(flow_shift: float | None, family: str) -> str:
-    """The snippet's scheduler line when the run set ``model.flow_shift``: the pipeline's own scheduler at that
-    shift (Wan's UniPC calls it ``flow_shift``, the flow-matching Euler scheduler ``shift``); nothing otherwise."""
+def _schedule_line(flow_shift: float | None, family: DeclaredFamily | None) -> str:
+    """The snippet's scheduler line, so that it steps as the sampler did: the pipeline's flow-matching Euler scheduler
+    at the run's ``model.flow_shift`` (nothing when unset); a family of another scheduler (Wan's UniPC) gets the
+    Euler one, at the shift its config has (the family's ``scheduler_shift_key``) unless the run set one."""
+    key = family.scheduler_shift_key if family is not None else EULER_SHIFT_KEY
+    if key != EULER_SHIFT_KEY:
+        shift = flow_shift if flow_shift is not None else f"pipe.scheduler.config.{key}"
+        return f"pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift={shift})  # the Euler steps it was trained with\n"
     if flow_shift is None:
         return ""
-    key = "flow_shift" if family.startswith("wan") else "shift"
-    return f"pipe.scheduler = pipe.scheduler.from_config(pipe.scheduler.config, {key}={flow_shift})  # as trained\n"
+    return f"pipe.scheduler = pipe.scheduler.from_config(pipe.scheduler.config, shift={flow_shift})  # as trained\n"
 
 
 def _expert_words(expert: str | None) -> str:
@@ -441,39 +446,79 @@ def _audit_words(rows: list[dict]) -> str:
             f"**{cosine:.3f}**, mean relative error {rel_err:.3f}")
 
 
-def _input_images(config: dict) -> tuple[int, str]:
+def _run_family(config: dict) -> tuple[ModelConfig | None, DeclaredFamily | None]:
+    """The run's model config and its base model's declared family (:func:`~jagg_core.preflight.model_family`);
+    None for what cannot be read or looked up."""
+    from .preflight import model_family
+    try:
+        model = ModelConfig.model_validate(config.get("model") or {})
+        return model, model_family(model)
+    except (ValueError, UserError):
+        return None, None
+
+
+def _input_images(model: ModelConfig | None, family: DeclaredFamily | None) -> tuple[int, str]:
     """The input images of a prompt row of the run's base model (:func:`~jagg_core.preflight.input_images_a_row`):
     ``model.input_images`` when it takes them, 0 when it does not or cannot be looked up; and the diffusers pipeline
     class that runs the adapter: the family's ``edit_pipeline`` for a run with input images (Wan's image-to-video),
     else ``DiffusionPipeline`` (which loads the class the base model names)."""
-    from .preflight import model_family
     try:
-        model = ModelConfig.model_validate(config.get("model") or {})
-        family = model_family(model)
-        count = family.input_images(model.input_images) if family is not None else 0
-    except (ValueError, UserError):
+        count = family.input_images(model.input_images) if family is not None and model is not None else 0
+    except UserError:
         return 0, AUTO_PIPELINE
     return count, (family.edit_pipeline if count and family.edit_pipeline else AUTO_PIPELINE)
 
 
-def _sample_call(prompt: str, sampling: dict, videos: bool, input_images: int) -> tuple[str, str]:
-    """The usage snippet's utility imports and sampling lines, at the size the adapter was trained at: an image (an
-    edit of ``input_images`` input images, 0 for a text-to-image model), or a video written as an MP4 at the run's
-    fps (of an input image: image-to-video)."""
+#: the width the snippet's pipeline call is wrapped at
+SNIPPET_WIDTH = 100
+
+
+def _python_call(head: str, arguments: list[str], tail: str) -> str:
+    """``head(arguments)tail`` as Python lines of about :data:`SNIPPET_WIDTH` characters, whole arguments to a line,
+    the lines after the first indented under the parenthesis."""
+    lines = [f"{head}("]
+    for k, argument in enumerate(arguments):
+        piece = argument + ("," if k < len(arguments) - 1 else f"){tail}")
+        if k and len(lines[-1]) + 1 + len(piece) > SNIPPET_WIDTH:
+            lines.append(" " * (len(head) + 1) + piece)
+        else:
+            lines[-1] += f" {piece}" if k else piece
+    return "\n".join(lines)
+
+
+def _sample_call(prompt: str, sampling: dict, videos: bool, input_images: int,
+                 arguments: dict[str, object]) -> tuple[str, str]:
+    """The usage snippet's utility imports and sampling lines, at the size the adapter was trained at, with the
+    evals' steps and ``arguments`` (the family's :meth:`~jagg_core.family_names.DeclaredFamily.pipeline_arguments`,
+    so that the snippet samples as the evals did): an image (an edit of ``input_images`` input images, 0 for a
+    text-to-image model), or a video written as an MP4 at the run's fps (of an input image: image-to-video)."""
     size = parse_resolution(sampling.get("resolution", SamplingConfig().resolution))
-    at_size = f"height={size.height}, width={size.width}"
     images = 'load_image("input.png")' if input_images == 1 else \
         "[" + ", ".join(f'load_image("picture{k}.png")' for k in range(1, input_images + 1)) + "]"
     text = json.dumps(instruction_of(prompt) if input_images else prompt)
-    inputs = f"image={images}, prompt=" if input_images else ""
+    steps = sampling.get("eval_num_steps") or sampling.get("num_steps", SamplingConfig().num_steps)
+    embeddings = "".join(
+        f"# the pipeline takes this prompt as its embeddings only\n{name} = pipe.encode_prompt("
+        f"{json.dumps(value.text)}, max_sequence_length={arguments['max_sequence_length']})[0]\n"
+        for name, value in arguments.items() if isinstance(value, PromptEmbeddings))
+    call = [*([f"image={images}"] if input_images else []), f"prompt={text}", f"height={size.height}",
+            f"width={size.width}", *([f"num_frames={sampling.get('num_frames')}"] if videos else []),
+            f"num_inference_steps={steps}",
+            *(f"{name}={name if isinstance(value, PromptEmbeddings) else _python_value(value)}"
+              for name, value in arguments.items())]
     if not videos:
         return ("from diffusers.utils import load_image" if input_images else "",
-                f"image = pipe({inputs}{text}, {at_size}).images[0]")
+                embeddings + _python_call("image = pipe", call, ".images[0]"))
     utilities = ("export_to_video, load_image  # image-to-video cleans prompts with ftfy: pip install ftfy"
                  if input_images else "export_to_video")
     return (f"from diffusers.utils import {utilities}",
-            f"frames = pipe({inputs}{text}, {at_size}, num_frames={sampling.get('num_frames')}).frames[0]\n"
-            f"export_to_video(frames, \"sample.mp4\", fps={sampling.get('fps')})")
+            embeddings + _python_call("frames = pipe", call, ".frames[0]")
+            + f"\nexport_to_video(frames, \"sample.mp4\", fps={sampling.get('fps')})")
+
+
+def _python_value(value: object) -> str:
+    """``value`` (a string or a number) as a Python literal."""
+    return json.dumps(value) if isinstance(value, str) else repr(value)
 
 
 #: a check's mark by its status, in the fonts every browser has (emoji may not be)
@@ -506,7 +551,8 @@ def build_model_card(snap: RunSnapshot, repo_id: str) -> ModelCard:
     algorithm = run_algorithm(snap.config)
     tags = ["lora", "diffusers", algorithm, *(["jagg"] if algorithm == "grpo" else []), *([family] if family else []),
             *reward_names]
-    input_images, pipeline_class = _input_images(snap.config)
+    model, declared = _run_family(snap.config)
+    input_images, pipeline_class = _input_images(model, declared)
     editing = input_images > 0
     widget = [{"text": prompt, "output": {"url": f"{SAMPLES_DIR}/{i:03d}.png"}}  # an edit needs its input: none
               for i, prompt in enumerate(snap.after.prompts[:WIDGET_SAMPLES])] if snap.after and not editing else None
@@ -545,8 +591,11 @@ def build_model_card(snap: RunSnapshot, repo_id: str) -> ModelCard:
             f'<video src="{SAMPLES_DIR}/{i:03d}.mp4" controls loop muted></video>\n\n*{text}*'
             for i, text in enumerate(snap.after.prompts[:len(snap.after.videos)])) + "\n")
     expert = snap.run_info.get("expert")
-    utilities, call = _sample_call(prompt, snap.config.get("sampling") or {}, videos, input_images)
-    imports = f"from diffusers import {pipeline_class}" + (f"\n{utilities}" if utilities else "")
+    arguments = declared.pipeline_arguments(model) if declared is not None else {}
+    utilities, call = _sample_call(prompt, snap.config.get("sampling") or {}, videos, input_images, arguments)
+    schedule = _schedule_line(model.flow_shift if model is not None else None, declared)
+    euler = ", FlowMatchEulerDiscreteScheduler" if "FlowMatchEulerDiscreteScheduler(" in schedule else ""
+    imports = f"from diffusers import {pipeline_class}{euler}" + (f"\n{utilities}" if utilities else "")
     parts.append(f"""## Use it
 
 ```python
@@ -555,7 +604,7 @@ import torch
 
 pipe = {pipeline_class}.from_pretrained("{base}", torch_dtype=torch.bfloat16).to("cuda")
 {_load_lines(repo_id, expert)}
-{_schedule_line((snap.config.get("model") or {}).get("flow_shift"), snap.run_info.get("family", ""))}{call}
+{schedule}{call}
 ```
 {_expert_words(expert)}""")
     first, last = _eval_reward(snap.metrics)

@@ -16,7 +16,7 @@ import yaml
 from peft import get_peft_model_state_dict
 
 from conftest import (adapter_and_base_velocity, add_moved_lora, euler_ode, loop_latents, noise, pipeline_latents,
-                      pipeline_with_final_latents, run_cli, tiny_config)
+                      pipeline_with_final_latents, run_cli, snippet_arguments, tiny_config)
 from jagg_core import metrics
 from jagg_core.archs import transformer_config, transformer_depth
 from jagg_core.config import LoraConfig, ModelConfig
@@ -46,19 +46,10 @@ def load(name: str, **overrides):
 
 
 def pipeline_kwargs(model, batch: int, size: ImageSize = SIZE) -> dict:
-    """The pipeline ``__call__`` arguments that mean what ``model.config`` (and the sampler's ``size``) mean to the
-    adapter."""
-    config = model.config
-    kwargs = {"height": size.height, "width": size.width, "max_sequence_length": config.max_sequence_length}
-    if model.family == "flux2-dev":  # guidance-distilled: the pipeline's guidance_scale is the embedding's
-        return kwargs | {"guidance_scale": config.flux_guidance}
-    if model.family == "flux2":  # the pipeline's negative prompt is "" unless its embeddings are given
-        kwargs["guidance_scale"] = config.guidance_scale
-        if model.use_cfg:
-            kwargs["negative_prompt_embeds"] = model.encode_without_cfg([config.negative_prompt] * batch)[
-                "prompt_embeds"]
-        return kwargs
-    return kwargs | {"guidance_scale": config.guidance_scale - 1, "negative_prompt": [config.negative_prompt] * batch}
+    """The pipeline ``__call__`` arguments that mean what ``model.config`` means to the sampler, the model card's
+    (:func:`conftest.snippet_arguments`: FLUX.2 [klein]'s negative prompt as embeddings, FLUX.2 [dev]'s guidance as
+    its embedding's, Z-Image's CFG scale ``g - 1``), at the sampler's ``size``."""
+    return {"height": size.height, "width": size.width, **snippet_arguments(model, batch)}
 
 
 class StopAfterOneStep(Exception):

@@ -22,7 +22,7 @@ from jagg_core.models.base import NEGATIVE
 from jagg_core.models.flux import FluxModel
 
 from conftest import (adapter_and_base_velocity, add_moved_lora, euler_ode, loop_latents, noise, pipeline_latents,
-                      pipeline_with_final_latents)
+                      pipeline_with_final_latents, snippet_arguments)
 
 FAMILY = {"tiny-sd3": "sd3", "tiny-flux": "flux", "tiny-qwen": "qwen-image"}
 NAMES = list(FAMILY)
@@ -44,17 +44,10 @@ def schnell(config: ModelConfig) -> FluxModel:
     return FluxModel(pipe, config)
 
 
-def pipeline_kwargs(model, size: ImageSize = SIZE) -> dict:
-    """The pipeline ``__call__`` arguments that mean what ``model.config`` (and the sampler's ``size``) mean to the
-    adapter."""
-    config, cfg = model.config, model.use_cfg
-    kwargs = {"height": size.height, "width": size.width, "max_sequence_length": config.max_sequence_length}
-    if model.family == "sd3":
-        return kwargs | {"guidance_scale": config.guidance_scale, "negative_prompt": config.negative_prompt}
-    kwargs |= {"true_cfg_scale": config.guidance_scale, "negative_prompt": config.negative_prompt if cfg else None}
-    if model.family == "flux":
-        kwargs["guidance_scale"] = config.flux_guidance
-    return kwargs
+def pipeline_kwargs(model, size: ImageSize = SIZE, batch: int = 1) -> dict:
+    """The pipeline ``__call__`` arguments that mean what ``model.config`` means to the sampler, the model card's
+    (:func:`conftest.snippet_arguments`), at the sampler's ``size``."""
+    return {"height": size.height, "width": size.width, **snippet_arguments(model, batch)}
 
 
 class _Stop(Exception):
@@ -221,7 +214,7 @@ def test_euler_ode_reproduces_pipeline(variant, guidance_scale, size):
     z, images = euler_ode(model, z0, sigmas, model.conditioning(PROMPTS))
     output, latents = pipeline_with_final_latents(model.pipe, prompt=PROMPTS, num_inference_steps=STEPS,
                                                   latents=pipeline_latents(model, z0), output_type="pt",
-                                                  **pipeline_kwargs(model, size))
+                                                  **pipeline_kwargs(model, size, len(PROMPTS)))
     torch.testing.assert_close(model.pipe.scheduler.sigmas, sigmas, atol=1e-6, rtol=0)
     torch.testing.assert_close(loop_latents(model, z), latents, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(images, output.images.float(), atol=1e-4, rtol=1e-4)

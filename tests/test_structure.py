@@ -169,7 +169,7 @@ def test_a_family_is_declared_once_in_its_file():
 def test_the_derived_tables_agree_with_the_declarations():
     from jagg_core.archs import ARCHS_DIR, HUB_IDS, transformer_config
     from jagg_core.config import ModelConfig
-    from jagg_core.family_names import DeclaredFamily, declared_families
+    from jagg_core.family_names import SAMPLING_FIELDS, DeclaredFamily, declared_families
     from jagg_core.model_index import tiny_models
     from jagg_core.models import FAMILIES, TINY_BUILDERS
     from jagg_core.models.editing import EditingFlowModel
@@ -184,7 +184,8 @@ def test_the_derived_tables_agree_with_the_declarations():
                                           tuple(family.tiny_builders), family.archs, family.depth_key,
                                           family.edits_images, family.edit_model is not None,
                                           family.max_input_images, family.requires, family.edit_pipeline,
-                                          family.image_to_video, family.edit_label)
+                                          family.image_to_video, family.edit_label,
+                                          *(getattr(family, name) for name in SAMPLING_FIELDS))
         assert not family.edit_label or family.edit_model is not None
         # prompted by rows with input images: an image editor, or Wan 2.1's image-to-video (a video from the image)
         assert family.edits_images == issubclass(family.model, (EditingFlowModel, FirstFrameModel))

@@ -26,7 +26,8 @@ from jagg_core.placement import trained_steps
 from jagg_core.rundir import LORA_FILE, TRANSFORMER_2_LORA_FILE, RunDirectory
 from jagg_core.trainer import Trainer
 
-from conftest import adapter_and_base_velocity, euler_ode, noise, pipeline_with_final_latents, run_cli, tiny_config
+from conftest import (adapter_and_base_velocity, euler_ode, noise, pipeline_with_final_latents, run_cli,
+                      snippet_arguments, tiny_config)
 
 FRAMES, SIZE, STEPS = 5, ImageSize.square(32), 6
 PROMPTS = ["a red ball rolling", "two blue cubes spinning on a green floor"]
@@ -56,9 +57,8 @@ def test_the_euler_ode_switches_experts_where_the_pipeline_does(guidance_scale, 
     z, frames = euler_ode(model, z0, sigmas, model.conditioning(PROMPTS))
     model.pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=model.pipe.scheduler.config.flow_shift)
     output, latents = pipeline_with_final_latents(
-        model.pipe, prompt=PROMPTS, negative_prompt=["ugly"] * len(PROMPTS), guidance_scale=guidance_scale,
-        guidance_scale_2=guidance_scale_2, height=32, width=32, num_frames=FRAMES, num_inference_steps=3,
-        latents=z0.clone(), max_sequence_length=16, output_type="pt")
+        model.pipe, prompt=PROMPTS, height=32, width=32, num_frames=FRAMES, num_inference_steps=3,
+        latents=z0.clone(), output_type="pt", **snippet_arguments(model, len(PROMPTS)))  # the model card's
     torch.testing.assert_close(z, latents, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(frames, output.frames.float(), atol=1e-4, rtol=1e-4)
 
@@ -98,9 +98,8 @@ def test_image_to_video_a14b_switches_experts_where_its_pipeline_does_with_no_im
     model.pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
     for i, row in enumerate(rows):
         output, final = pipeline_with_final_latents(
-            model.pipe, image=row.image(SIZE), prompt=row.instruction, negative_prompt="ugly", guidance_scale=5.0,
-            height=32, width=32, num_frames=I2V_FRAMES, num_inference_steps=3, latents=z0[i:i + 1].clone(),
-            max_sequence_length=16, output_type="pt")
+            model.pipe, image=row.image(SIZE), prompt=row.instruction, height=32, width=32, num_frames=I2V_FRAMES,
+            num_inference_steps=3, latents=z0[i:i + 1].clone(), output_type="pt", **snippet_arguments(model))
         torch.testing.assert_close(final, z[i:i + 1], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(frames[i:i + 1], output.frames.float(), atol=1e-4, rtol=1e-4)
 
@@ -201,7 +200,8 @@ def test_a_run_of_either_expert_through_the_cli_loads_into_its_expert_of_the_pip
         assert ('pipe.load_lora_weights("alice/wan-a14b-lora")\npipe.load_lora_weights("alice/wan-a14b-lora", '
                 f'weight_name="{TRANSFORMER_2_LORA_FILE}", load_into_transformer_2=True)') in card
         assert "this adapter trains both, together at every step" in card and ", schedule shift 4.0; model dtype" in card
-        assert "\npipe.scheduler = pipe.scheduler.from_config(pipe.scheduler.config, flow_shift=4.0)  # as trained\n" in card
+        assert "\npipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=4.0)  # the Euler steps it was trained with\n" \
+            in card
     else:
         assert f"this adapter is its {expert.replace('_', '-')} expert's (`pipe.transformer{'_2' if low else ''}`)" in card
 

@@ -37,7 +37,7 @@ from jagg_core.rundir import RunDirectory
 from jagg_core.video import frame_indices
 
 from conftest import (adapter_and_base_velocity, add_moved_lora, euler_ode, noise, pipeline_with_final_latents, run_cli,
-                      tiny_config)
+                      snippet_arguments, tiny_config)
 
 RES, FRAMES, STEPS = 32, 5, 3
 SIZE = ImageSize.square(RES)
@@ -106,9 +106,8 @@ def test_euler_ode_reproduces_pipeline(name, guidance_scale, size):
 
     model.pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=model.pipe.scheduler.config.flow_shift)
     output, latents = pipeline_with_final_latents(
-        model.pipe, prompt=PROMPTS, negative_prompt=["ugly"] * len(PROMPTS), guidance_scale=guidance_scale,
-        height=size.height, width=size.width, num_frames=FRAMES, num_inference_steps=STEPS, latents=z0.clone(),
-        max_sequence_length=16, output_type="pt")
+        model.pipe, prompt=PROMPTS, height=size.height, width=size.width, num_frames=FRAMES, num_inference_steps=STEPS,
+        latents=z0.clone(), output_type="pt", **snippet_arguments(model, len(PROMPTS)))  # the model card's
     torch.testing.assert_close(model.pipe.scheduler.sigmas, sigmas, atol=1e-6, rtol=0)
     torch.testing.assert_close(z, latents, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(frames, output.frames.float(), atol=1e-4, rtol=1e-4)
@@ -223,9 +222,9 @@ def test_image_to_video_euler_ode_reproduces_the_i2v_pipeline(guidance_scale, si
     for i, row in enumerate(rows):  # the pipeline's first latent frame is overwritten by the image's: any noise
         latents = torch.cat([torch.randn((1, 8, 1, rows_, cols)), z0[i:i + 1]], dim=2)
         output, final = pipeline_with_final_latents(
-            pipe, image=row.image(size), prompt=row.instruction, negative_prompt="ugly", guidance_scale=guidance_scale,
-            height=size.height, width=size.width, num_frames=I2V_FRAMES, num_inference_steps=STEPS, latents=latents,
-            max_sequence_length=16, output_type="pt")
+            pipe, image=row.image(size), prompt=row.instruction, height=size.height, width=size.width,
+            num_frames=I2V_FRAMES, num_inference_steps=STEPS, latents=latents, output_type="pt",
+            **snippet_arguments(model))
         torch.testing.assert_close(final[:, :, 1:], z[i:i + 1], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(frames[i:i + 1], output.frames.float(), atol=1e-4, rtol=1e-4)
     assert frames.shape == (2, I2V_FRAMES, 3, *size)
@@ -340,9 +339,9 @@ def test_wan21_image_to_video_euler_ode_reproduces_the_i2v_pipeline(guidance_sca
     pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
     for i, row in enumerate(rows):
         output, final = pipeline_with_final_latents(
-            pipe, image=row.image(size), prompt=row.instruction, negative_prompt="ugly", guidance_scale=guidance_scale,
-            height=size.height, width=size.width, num_frames=I2V_FRAMES, num_inference_steps=STEPS,
-            latents=z0[i:i + 1].clone(), max_sequence_length=16, output_type="pt")
+            pipe, image=row.image(size), prompt=row.instruction, height=size.height, width=size.width,
+            num_frames=I2V_FRAMES, num_inference_steps=STEPS, latents=z0[i:i + 1].clone(), output_type="pt",
+            **snippet_arguments(model))
         torch.testing.assert_close(final, z[i:i + 1], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(frames[i:i + 1], output.frames.float(), atol=1e-4, rtol=1e-4)
     assert frames.shape == (2, I2V_FRAMES, 3, *size)

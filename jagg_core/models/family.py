@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..family_names import DEFAULT_DEPTH_KEY
+from ..family_names import DEFAULT_DEPTH_KEY, EULER_SHIFT_KEY
 from .base import FlowModel
 
 
@@ -48,3 +48,17 @@ class Family:
     edit_label: str = ""
     #: packages beyond requirements.txt that loading the real pipeline needs (its processor's), checked before launch
     requires: tuple[str, ...] = ()
+    #: how the pipeline's ``__call__`` is told to sample as the run did (the model card's snippet,
+    #: :meth:`jagg_core.family_names.DeclaredFamily.pipeline_arguments`): the argument of the CFG scale ("": the
+    #: pipeline has no CFG), whose value is ``model.guidance_scale + cfg_offset`` (Z-Image's ``s = g - 1``)
+    cfg_argument: str = "guidance_scale"
+    cfg_offset: float = 0.0
+    #: the argument of the guidance embedding's value, ``model.flux_guidance`` (guidance-distilled FLUX); "": none
+    guidance_argument: str = ""
+    #: the argument of CFG's negative prompt: ``negative_prompt`` (its text), or ``negative_prompt_embeds`` where the
+    #: pipeline takes it only as its ``encode_prompt`` embeddings (FLUX.2 [klein]: "" unless they are given)
+    negative_prompt_argument: str = "negative_prompt"
+    #: the key of the schedule's shift (``model.flow_shift``) in the config of the family's pipelines' scheduler:
+    #: ``shift``, the flow-matching Euler scheduler's, whose steps are the sampler's; or another scheduler's (Wan's
+    #: UniPC: ``flow_shift``), for which the snippet swaps in the Euler scheduler at that shift
+    scheduler_shift_key: str = EULER_SHIFT_KEY

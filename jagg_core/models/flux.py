@@ -98,4 +98,5 @@ def build_tiny_flux() -> FluxPipeline:
 
 FAMILY = Family(label="FLUX.1", pipeline="FluxPipeline", model=FluxModel, tiny_builders={"tiny-flux": build_tiny_flux},
                 archs={"flux-dev": "black-forest-labs/FLUX.1-dev",
-                       "flux-schnell": "black-forest-labs/FLUX.1-schnell"})
+                       "flux-schnell": "black-forest-labs/FLUX.1-schnell"},
+                cfg_argument="true_cfg_scale", guidance_argument="guidance_scale")

@@ -162,4 +162,5 @@ def build_tiny_flux2() -> Flux2KleinPipeline:
 
 FAMILY = Family(label="FLUX.2 [klein]", pipeline="Flux2KleinPipeline", model=Flux2KleinModel,
                 edit_model=Flux2KleinEditModel, max_input_images=3, tiny_builders={"tiny-flux2": build_tiny_flux2},
-                archs={"flux2-klein-4b": "black-forest-labs/FLUX.2-klein-4B"})
+                archs={"flux2-klein-4b": "black-forest-labs/FLUX.2-klein-4B"},
+                negative_prompt_argument="negative_prompt_embeds")

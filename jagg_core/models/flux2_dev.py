@@ -74,4 +74,5 @@ def build_tiny_flux2_dev() -> Flux2Pipeline:
 
 FAMILY = Family(label="FLUX.2 [dev]", pipeline="Flux2Pipeline", model=Flux2DevModel, edit_model=Flux2DevEditModel,
                 max_input_images=3, tiny_builders={"tiny-flux2-dev": build_tiny_flux2_dev},
-                archs={"flux2-dev": "black-forest-labs/FLUX.2-dev"}, requires=("torchvision",))
+                archs={"flux2-dev": "black-forest-labs/FLUX.2-dev"}, requires=("torchvision",),
+                cfg_argument="", guidance_argument="guidance_scale")

@@ -130,4 +130,5 @@ def build_tiny_qwen() -> QwenImagePipeline:
 
 FAMILY = Family(label="Qwen-Image", pipeline="QwenImagePipeline", model=QwenImageModel,
                 tiny_builders={"tiny-qwen": build_tiny_qwen},
-                archs={"qwen-image": "Qwen/Qwen-Image", "qwen-image-2512": "Qwen/Qwen-Image-2512"})
+                archs={"qwen-image": "Qwen/Qwen-Image", "qwen-image-2512": "Qwen/Qwen-Image-2512"},
+                cfg_argument="true_cfg_scale")

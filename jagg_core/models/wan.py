@@ -370,4 +370,4 @@ FAMILY = Family(label="Wan 2.1 / Wan 2.2 video", pipeline="WanPipeline", model=W
                 archs={"wan21-t2v-1.3b": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
                        "wan21-t2v-14b": "Wan-AI/Wan2.1-T2V-14B-Diffusers",
                        "wan22-ti2v-5b": "Wan-AI/Wan2.2-TI2V-5B-Diffusers",
-                       "wan22-t2v-a14b": "Wan-AI/Wan2.2-T2V-A14B-Diffusers"})
+                       "wan22-t2v-a14b": "Wan-AI/Wan2.2-T2V-A14B-Diffusers"}, scheduler_shift_key="flow_shift")

@@ -135,4 +135,4 @@ FAMILY = Family(label="Wan 2.1 / Wan 2.2 A14B image-to-video", pipeline="WanImag
                 model=Wan21ImageToVideoModel, edits_images=True, image_to_video=True,
                 tiny_builders={"tiny-wan-i2v": build_tiny_wan_i2v, "tiny-wan-i2v-a14b": build_tiny_wan_i2v_a14b},
                 archs={"wan21-i2v-14b-480p": "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers",
-                       "wan22-i2v-a14b": "Wan-AI/Wan2.2-I2V-A14B-Diffusers"})
+                       "wan22-i2v-a14b": "Wan-AI/Wan2.2-I2V-A14B-Diffusers"}, scheduler_shift_key="flow_shift")

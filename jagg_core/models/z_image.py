@@ -115,4 +115,4 @@ def build_tiny_zimage() -> ZImagePipeline:
 
 FAMILY = Family(label="Z-Image", pipeline="ZImagePipeline", model=ZImageModel,
                 tiny_builders={"tiny-zimage": build_tiny_zimage},
-                archs={"z-image-turbo": "Tongyi-MAI/Z-Image-Turbo"}, depth_key="n_layers")
+                archs={"z-image-turbo": "Tongyi-MAI/Z-Image-Turbo"}, depth_key="n_layers", cfg_offset=-1.0)

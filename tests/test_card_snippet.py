@@ -1,0 +1,91 @@
+"""The model card's "Use it" snippet, run as written (on the CPU, in float32), samples what the run's sampler samples.
+
+For each text-to-image and text-to-video family: an adapter of a tiny model, trained with CFG, a negative prompt,
+a text window and (where the family allows it) a schedule shift, gets a card; its snippet is executed with the tiny
+pipeline in place of the Hub download and the adapter's folder in place of the Hub repo, the pipeline's own
+starting noise replaced by the sampler's. The snippet's image (or video) equals the Euler ODE's of the adapter at the
+run's eval steps: the pipelines' defaults (CFG 3.5 to 7, 256 to 512 text tokens, 28 to 50 steps, Wan's UniPC
+solver) would not."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import diffusers
+import diffusers.utils
+import pytest
+import torch
+
+from conftest import add_moved_lora, euler_ode, noise, pipeline_latents
+from jagg_core.adapters import choose_adapter
+from jagg_core.config import RunConfig
+from jagg_core.model_card import RunSnapshot, build_model_card
+from jagg_core.models import build_tiny_pipeline, load_flow_model
+from jagg_core.rundir import ImageSet
+
+PROMPT = "a red circle on a blue square"
+REPO = "alice/card-lora"
+EVAL_STEPS, FRAMES = 3, 5
+#: tiny model -> the run's model settings the snippet must carry into the pipeline call
+RUNS = {
+    "tiny-sd3": {"guidance_scale": 3.0, "negative_prompt": "ugly", "flow_shift": 2.0},
+    "tiny-flux": {"guidance_scale": 3.0, "negative_prompt": "ugly", "flux_guidance": 2.5},
+    "tiny-qwen": {"guidance_scale": 1.0},  # the pipeline's default is true CFG at 4
+    "tiny-flux2": {"guidance_scale": 3.0, "negative_prompt": "ugly"},  # the negative prompt as embeddings
+    "tiny-flux2-dev": {"flux_guidance": 2.5},
+    "tiny-zimage": {"guidance_scale": 3.0, "negative_prompt": "ugly"},  # the pipeline's scale is g - 1
+    "tiny-wan": {"guidance_scale": 5.0, "negative_prompt": "ugly"},  # Euler steps in place of UniPC
+    "tiny-wan-a14b": {"expert": "both", "guidance_scale": 4.0, "guidance_scale_2": 2.0, "negative_prompt": "ugly",
+                      "flow_shift": 4.0},
+}
+
+
+def snippet(card: str) -> str:
+    """The card's Python block."""
+    return re.search(r"```python\n(.*?)```", card, re.S)[1]
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_the_cards_snippet_samples_as_the_run_did(name, tmp_path, monkeypatch):
+    video = name.startswith("tiny-wan")
+    config = RunConfig(model={"name": name, "max_sequence_length": 16, **RUNS[name]},
+                       sampling={"resolution": 32, "num_steps": 6, "eval_num_steps": EVAL_STEPS,
+                                 "num_frames": FRAMES if video else 1},
+                       rewards=[{"name": "jpeg_compressibility"}])
+    model = load_flow_model(config.model, num_frames=config.sampling.num_frames)
+    add_moved_lora(model)
+    run = tmp_path / "run"
+    model.save_lora(run / "lora")
+    samples = ImageSet(tmp_path, 1, [], [PROMPT], videos=[tmp_path / "000.mp4"] if video else [])
+    expert = config.model.expert if len(model.denoisers) > 1 else None  # as the trainer records it
+    snap = RunSnapshot(config.model_dump(mode="json"), {"family": model.family, "expert": expert},
+                       [], choose_adapter(run, None), 1, None, samples, None, {})
+    code = snippet(str(build_model_card(snap, REPO)))
+
+    size = config.sampling.size
+    z0 = noise(model, 1, seed=7, size=size)
+    _, expected = euler_ode(model, z0, model.sigmas(EVAL_STEPS, size), model.conditioning([PROMPT]))
+    base = tmp_path / "base"
+    build_tiny_pipeline(name).save_pretrained(base)  # the run's base model (drawn from the same seed), as a folder
+    pipeline_class = type(model.pipe)
+    call = pipeline_class.__call__
+    made = {}
+
+    def sampled_from_the_same_noise(self, *args, **kwargs):
+        made["pipe"], made["output"] = self, call(self, *args, latents=pipeline_latents(model, z0), output_type="pt",
+                                                  **kwargs)
+        return made["output"]
+
+    monkeypatch.setattr(pipeline_class, "__call__", sampled_from_the_same_noise)
+    monkeypatch.setattr(diffusers.utils, "export_to_video", lambda frames, path, fps: made.update(fps=fps))
+    no_t5 = ", text_encoder_3=None, tokenizer_3=None" if name == "tiny-sd3" else ""  # the tiny SD3 has none
+    code = code.replace('"cuda"', '"cpu"').replace("torch.bfloat16", "torch.float32" + no_t5)
+    code = code.replace(f'from_pretrained("{name}"', f"from_pretrained({str(base)!r}").replace(
+        f'"{REPO}"', repr(str(run / "lora")))
+    exec(compile(code, "snippet", "exec"), {})
+
+    output = made["output"].frames if video else made["output"].images
+    torch.testing.assert_close(output.float(), expected, atol=1e-4, rtol=1e-4)
+    assert made["pipe"].scheduler.sigmas[:-1].tolist() == pytest.approx(model.sigmas(EVAL_STEPS, size)[:-1].tolist(), abs=1e-6)
+    assert made.get("fps") == (config.sampling.fps if video else None)
