@@ -19,6 +19,7 @@ from .errors import UserError
 
 if TYPE_CHECKING:
     from .config import ModelConfig
+    from .image_size import ImageSize
 
 MODELS_DIR = Path(__file__).resolve().parent / "models"
 #: the name a family file binds its declaration to
@@ -29,7 +30,8 @@ DEFAULT_DEPTH_KEY = "num_layers"
 EDITS_IMAGES = "edits images"
 MAKES_VIDEOS_FROM_IMAGES = "makes videos from an input image"
 #: the declaration's fields that say how its pipeline samples as the run did (the model card's snippet)
-SAMPLING_FIELDS = ("cfg_argument", "cfg_offset", "guidance_argument", "negative_prompt_argument", "scheduler_shift_key")
+SAMPLING_FIELDS = ("cfg_argument", "cfg_offset", "guidance_argument", "negative_prompt_argument", "scheduler_shift_key",
+                   "resizes_to_its_area")
 #: the pipelines' argument of CFG's negative prompt text
 TEXT_NEGATIVE_PROMPT = "negative_prompt"
 #: the scheduler config's key of the shift of the flow-matching Euler scheduler, whose steps the sampler takes
@@ -58,6 +60,7 @@ class DeclaredFamily:
     guidance_argument: str = ""  # the pipeline's argument of the guidance embedding's value ("": none)
     negative_prompt_argument: str = "negative_prompt"  # or negative_prompt_embeds: it takes only those
     scheduler_shift_key: str = EULER_SHIFT_KEY  # the key of the shift in its scheduler's config: shift = the Euler one's
+    resizes_to_its_area: bool = False  # its pipeline scales the output to max_area, the input unless told
 
     @property
     def does_with_images(self) -> str:
@@ -79,14 +82,17 @@ class DeclaredFamily:
                             "image(s) a prompt row")
         return count
 
-    def pipeline_arguments(self, model: ModelConfig) -> dict[str, object]:
+    def pipeline_arguments(self, model: ModelConfig, size: ImageSize) -> dict[str, object]:
         """The arguments of the family's pipeline ``__call__`` (beyond the prompt, size and steps) that sample as the
-        sampler does with ``model``, a run's model config, where the pipelines' defaults differ from it (CFG scales
-        of 3.5 to 7, text windows of 256 or 512 tokens): the text window ``max_sequence_length``, the guidance
-        embedding's value, the CFG scale (``guidance_scale + cfg_offset``; the low-noise one, ``guidance_scale_2``,
-        where set), and, when a step is guided, the negative prompt: its text, or where the pipeline takes only
-        its embeddings, a :class:`PromptEmbeddings` of it (none for "", the pipeline's own)."""
+        sampler does with ``model``, a run's model config, at ``size``, where the pipelines' defaults differ from it
+        (CFG scales of 3.5 to 7, text windows of 256 or 512 tokens): the text window ``max_sequence_length``, the
+        guidance embedding's value, the CFG scale (``guidance_scale + cfg_offset``; the low-noise one,
+        ``guidance_scale_2``, where set), when a step is guided the negative prompt (its text, or where the pipeline
+        takes only its embeddings a :class:`PromptEmbeddings` of it; none for "", the pipeline's own), and where the
+        pipeline would resize the output and the input images, ``max_area`` (``size``'s) and ``_auto_resize``."""
         arguments: dict[str, object] = {"max_sequence_length": model.max_sequence_length}
+        if self.resizes_to_its_area:
+            arguments |= {"max_area": size.height * size.width, "_auto_resize": False}
         if self.guidance_argument:
             arguments[self.guidance_argument] = model.flux_guidance
         if self.cfg_argument:

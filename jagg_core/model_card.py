@@ -42,7 +42,7 @@ from .config import AwmConfig, ModelConfig, SamplingConfig
 from .edit_prompts import instruction_of
 from .errors import UserError
 from .family_names import EULER_SHIFT_KEY, DeclaredFamily, PromptEmbeddings
-from .image_size import parse_resolution
+from .image_size import ImageSize, parse_resolution
 from .rundir import GRID_FILE as GRID_NAME
 from .rundir import LORA_FILE, TRANSFORMER_2_LORA_FILE, ImageSet, RunDirectory, iteration_dirname
 
@@ -486,13 +486,12 @@ def _python_call(head: str, arguments: list[str], tail: str) -> str:
     return "\n".join(lines)
 
 
-def _sample_call(prompt: str, sampling: dict, videos: bool, input_images: int,
+def _sample_call(prompt: str, sampling: dict, size: ImageSize, videos: bool, input_images: int,
                  arguments: dict[str, object]) -> tuple[str, str]:
-    """The usage snippet's utility imports and sampling lines, at the size the adapter was trained at, with the
+    """The usage snippet's utility imports and sampling lines, at ``size``, the size the adapter was trained at, with the
     evals' steps and ``arguments`` (the family's :meth:`~jagg_core.family_names.DeclaredFamily.pipeline_arguments`,
     so that the snippet samples as the evals did): an image (an edit of ``input_images`` input images, 0 for a
     text-to-image model), or a video written as an MP4 at the run's fps (of an input image: image-to-video)."""
-    size = parse_resolution(sampling.get("resolution", SamplingConfig().resolution))
     images = 'load_image("input.png")' if input_images == 1 else \
         "[" + ", ".join(f'load_image("picture{k}.png")' for k in range(1, input_images + 1)) + "]"
     text = json.dumps(instruction_of(prompt) if input_images else prompt)
@@ -591,8 +590,10 @@ def build_model_card(snap: RunSnapshot, repo_id: str) -> ModelCard:
             f'<video src="{SAMPLES_DIR}/{i:03d}.mp4" controls loop muted></video>\n\n*{text}*'
             for i, text in enumerate(snap.after.prompts[:len(snap.after.videos)])) + "\n")
     expert = snap.run_info.get("expert")
-    arguments = declared.pipeline_arguments(model) if declared is not None else {}
-    utilities, call = _sample_call(prompt, snap.config.get("sampling") or {}, videos, input_images, arguments)
+    sampling = snap.config.get("sampling") or {}
+    size = parse_resolution(sampling.get("resolution", SamplingConfig().resolution))
+    arguments = declared.pipeline_arguments(model, size) if declared is not None else {}
+    utilities, call = _sample_call(prompt, sampling, size, videos, input_images, arguments)
     schedule = _schedule_line(model.flow_shift if model is not None else None, declared)
     euler = ", FlowMatchEulerDiscreteScheduler" if "FlowMatchEulerDiscreteScheduler(" in schedule else ""
     imports = f"from diffusers import {pipeline_class}{euler}" + (f"\n{utilities}" if utilities else "")

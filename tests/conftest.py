@@ -96,14 +96,14 @@ def pipeline_with_final_latents(pipe, **call):
     return output, final["latents"].float()
 
 
-def snippet_arguments(model, batch: int = 1) -> dict:
-    """The pipeline ``__call__`` arguments the model card's snippet gives for ``model``'s config (its family's
-    ``pipeline_arguments``), for ``batch`` prompts: a negative prompt's text one a prompt, its embeddings (where the
-    pipeline takes only those) from the pipeline's ``encode_prompt``, as the snippet computes them."""
+def snippet_arguments(model, size, batch: int = 1) -> dict:
+    """The pipeline ``__call__`` arguments the model card's snippet gives for ``model``'s config at ``size`` (its
+    family's ``pipeline_arguments``), for ``batch`` prompts: a negative prompt's text one a prompt, its embeddings
+    (where the pipeline takes only those) from the pipeline's ``encode_prompt``, as the snippet computes them."""
     from jagg_core.family_names import TEXT_NEGATIVE_PROMPT, PromptEmbeddings
     from jagg_core.preflight import model_family
 
-    arguments = model_family(model.config).pipeline_arguments(model.config)
+    arguments = model_family(model.config).pipeline_arguments(model.config, size)
     for name, value in arguments.items():
         if isinstance(value, PromptEmbeddings):
             embeddings = model.pipe.encode_prompt(value.text, max_sequence_length=arguments["max_sequence_length"])[0]

@@ -1,16 +1,15 @@
 """The model card's "Use it" snippet, run as written (on the CPU, in float32), samples what the run's sampler samples.
 
-For each text-to-image and text-to-video family: an adapter of a tiny model, trained with CFG, a negative prompt,
-a text window and (where the family allows it) a schedule shift, gets a card; its snippet is executed with the tiny
-pipeline in place of the Hub download and the adapter's folder in place of the Hub repo, the pipeline's own
-starting noise replaced by the sampler's. The snippet's image (or video) equals the Euler ODE's of the adapter at the
-run's eval steps: the pipelines' defaults (CFG 3.5 to 7, 256 to 512 text tokens, 28 to 50 steps, Wan's UniPC
-solver) would not."""
+For each text-to-image and text-to-video family, and FLUX.1 Kontext's editing: an adapter of a tiny model, trained
+with CFG, a negative prompt, a text window and (where the family allows it) a schedule shift, gets a card; its
+snippet is executed with the tiny pipeline's folder in place of the Hub's, the adapter's folder in place of the Hub
+repo and the row's input image as ``input.png``, the pipeline's own starting noise replaced by the sampler's. The
+snippet's image (or video) equals the Euler ODE's of the adapter at the run's eval steps: the pipelines' defaults
+(CFG 3.5 to 7, 256 to 512 text tokens, 28 to 50 steps, Wan's UniPC solver, Kontext's 1024² output) would not."""
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import diffusers
 import diffusers.utils
@@ -18,8 +17,10 @@ import pytest
 import torch
 
 from conftest import add_moved_lora, euler_ode, noise, pipeline_latents
+from test_editing import EDIT_SET
 from jagg_core.adapters import choose_adapter
 from jagg_core.config import RunConfig
+from jagg_core.prompts import load_prompts
 from jagg_core.model_card import RunSnapshot, build_model_card
 from jagg_core.models import build_tiny_pipeline, load_flow_model
 from jagg_core.rundir import ImageSet
@@ -36,6 +37,8 @@ RUNS = {
     "tiny-flux2-dev": {"flux_guidance": 2.5},
     "tiny-zimage": {"guidance_scale": 3.0, "negative_prompt": "ugly"},  # the pipeline's scale is g - 1
     "tiny-wan": {"guidance_scale": 5.0, "negative_prompt": "ugly"},  # Euler steps in place of UniPC
+    "tiny-flux-kontext": {"guidance_scale": 3.0, "negative_prompt": "ugly", "flux_guidance": 2.5,
+                          "condition_resolution": 32},  # an edit, at the size it was trained at
     "tiny-wan-a14b": {"expert": "both", "guidance_scale": 4.0, "guidance_scale_2": 2.0, "negative_prompt": "ugly",
                       "flow_shift": 4.0},
 }
@@ -48,7 +51,8 @@ def snippet(card: str) -> str:
 
 @pytest.mark.parametrize("name", RUNS)
 def test_the_cards_snippet_samples_as_the_run_did(name, tmp_path, monkeypatch):
-    video = name.startswith("tiny-wan")
+    video, editing = name.startswith("tiny-wan"), name == "tiny-flux-kontext"
+    prompt = load_prompts(EDIT_SET)[0] if editing else PROMPT
     config = RunConfig(model={"name": name, "max_sequence_length": 16, **RUNS[name]},
                        sampling={"resolution": 32, "num_steps": 6, "eval_num_steps": EVAL_STEPS,
                                  "num_frames": FRAMES if video else 1},
@@ -57,7 +61,7 @@ def test_the_cards_snippet_samples_as_the_run_did(name, tmp_path, monkeypatch):
     add_moved_lora(model)
     run = tmp_path / "run"
     model.save_lora(run / "lora")
-    samples = ImageSet(tmp_path, 1, [], [PROMPT], videos=[tmp_path / "000.mp4"] if video else [])
+    samples = ImageSet(tmp_path, 1, [], [prompt], videos=[tmp_path / "000.mp4"] if video else [])
     expert = config.model.expert if len(model.denoisers) > 1 else None  # as the trainer records it
     snap = RunSnapshot(config.model_dump(mode="json"), {"family": model.family, "expert": expert},
                        [], choose_adapter(run, None), 1, None, samples, None, {})
@@ -65,7 +69,7 @@ def test_the_cards_snippet_samples_as_the_run_did(name, tmp_path, monkeypatch):
 
     size = config.sampling.size
     z0 = noise(model, 1, seed=7, size=size)
-    _, expected = euler_ode(model, z0, model.sigmas(EVAL_STEPS, size), model.conditioning([PROMPT]))
+    _, expected = euler_ode(model, z0, model.sigmas(EVAL_STEPS, size), model.conditioning([prompt]))
     base = tmp_path / "base"
     build_tiny_pipeline(name).save_pretrained(base)  # the run's base model (drawn from the same seed), as a folder
     pipeline_class = type(model.pipe)
@@ -79,6 +83,8 @@ def test_the_cards_snippet_samples_as_the_run_did(name, tmp_path, monkeypatch):
 
     monkeypatch.setattr(pipeline_class, "__call__", sampled_from_the_same_noise)
     monkeypatch.setattr(diffusers.utils, "export_to_video", lambda frames, path, fps: made.update(fps=fps))
+    if editing:
+        monkeypatch.setattr(diffusers.utils, "load_image", lambda path: prompt.image(config.model.condition_size))
     no_t5 = ", text_encoder_3=None, tokenizer_3=None" if name == "tiny-sd3" else ""  # the tiny SD3 has none
     code = code.replace('"cuda"', '"cpu"').replace("torch.bfloat16", "torch.float32" + no_t5)
     code = code.replace(f'from_pretrained("{name}"', f"from_pretrained({str(base)!r}").replace(

@@ -49,7 +49,7 @@ def pipeline_kwargs(model, batch: int, size: ImageSize = SIZE) -> dict:
     """The pipeline ``__call__`` arguments that mean what ``model.config`` means to the sampler, the model card's
     (:func:`conftest.snippet_arguments`: FLUX.2 [klein]'s negative prompt as embeddings, FLUX.2 [dev]'s guidance as
     its embedding's, Z-Image's CFG scale ``g - 1``), at the sampler's ``size``."""
-    return {"height": size.height, "width": size.width, **snippet_arguments(model, batch)}
+    return {"height": size.height, "width": size.width, **snippet_arguments(model, size, batch)}
 
 
 class StopAfterOneStep(Exception):

@@ -47,7 +47,7 @@ def schnell(config: ModelConfig) -> FluxModel:
 def pipeline_kwargs(model, size: ImageSize = SIZE, batch: int = 1) -> dict:
     """The pipeline ``__call__`` arguments that mean what ``model.config`` means to the sampler, the model card's
     (:func:`conftest.snippet_arguments`), at the sampler's ``size``."""
-    return {"height": size.height, "width": size.width, **snippet_arguments(model, batch)}
+    return {"height": size.height, "width": size.width, **snippet_arguments(model, size, batch)}
 
 
 class _Stop(Exception):

@@ -58,7 +58,7 @@ def test_the_euler_ode_switches_experts_where_the_pipeline_does(guidance_scale, 
     model.pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=model.pipe.scheduler.config.flow_shift)
     output, latents = pipeline_with_final_latents(
         model.pipe, prompt=PROMPTS, height=32, width=32, num_frames=FRAMES, num_inference_steps=3,
-        latents=z0.clone(), output_type="pt", **snippet_arguments(model, len(PROMPTS)))  # the model card's
+        latents=z0.clone(), output_type="pt", **snippet_arguments(model, SIZE, len(PROMPTS)))  # the model card's
     torch.testing.assert_close(z, latents, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(frames, output.frames.float(), atol=1e-4, rtol=1e-4)
 
@@ -99,7 +99,7 @@ def test_image_to_video_a14b_switches_experts_where_its_pipeline_does_with_no_im
     for i, row in enumerate(rows):
         output, final = pipeline_with_final_latents(
             model.pipe, image=row.image(SIZE), prompt=row.instruction, height=32, width=32, num_frames=I2V_FRAMES,
-            num_inference_steps=3, latents=z0[i:i + 1].clone(), output_type="pt", **snippet_arguments(model))
+            num_inference_steps=3, latents=z0[i:i + 1].clone(), output_type="pt", **snippet_arguments(model, SIZE))
         torch.testing.assert_close(final, z[i:i + 1], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(frames[i:i + 1], output.frames.float(), atol=1e-4, rtol=1e-4)
 

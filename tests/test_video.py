@@ -107,7 +107,7 @@ def test_euler_ode_reproduces_pipeline(name, guidance_scale, size):
     model.pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=model.pipe.scheduler.config.flow_shift)
     output, latents = pipeline_with_final_latents(
         model.pipe, prompt=PROMPTS, height=size.height, width=size.width, num_frames=FRAMES, num_inference_steps=STEPS,
-        latents=z0.clone(), output_type="pt", **snippet_arguments(model, len(PROMPTS)))  # the model card's
+        latents=z0.clone(), output_type="pt", **snippet_arguments(model, size, len(PROMPTS)))  # the model card's
     torch.testing.assert_close(model.pipe.scheduler.sigmas, sigmas, atol=1e-6, rtol=0)
     torch.testing.assert_close(z, latents, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(frames, output.frames.float(), atol=1e-4, rtol=1e-4)
@@ -224,7 +224,7 @@ def test_image_to_video_euler_ode_reproduces_the_i2v_pipeline(guidance_scale, si
         output, final = pipeline_with_final_latents(
             pipe, image=row.image(size), prompt=row.instruction, height=size.height, width=size.width,
             num_frames=I2V_FRAMES, num_inference_steps=STEPS, latents=latents, output_type="pt",
-            **snippet_arguments(model))
+            **snippet_arguments(model, size))
         torch.testing.assert_close(final[:, :, 1:], z[i:i + 1], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(frames[i:i + 1], output.frames.float(), atol=1e-4, rtol=1e-4)
     assert frames.shape == (2, I2V_FRAMES, 3, *size)
@@ -341,7 +341,7 @@ def test_wan21_image_to_video_euler_ode_reproduces_the_i2v_pipeline(guidance_sca
         output, final = pipeline_with_final_latents(
             pipe, image=row.image(size), prompt=row.instruction, height=size.height, width=size.width,
             num_frames=I2V_FRAMES, num_inference_steps=STEPS, latents=z0[i:i + 1].clone(), output_type="pt",
-            **snippet_arguments(model))
+            **snippet_arguments(model, size))
         torch.testing.assert_close(final, z[i:i + 1], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(frames[i:i + 1], output.frames.float(), atol=1e-4, rtol=1e-4)
     assert frames.shape == (2, I2V_FRAMES, 3, *size)

@@ -62,3 +62,7 @@ class Family:
     #: ``shift``, the flow-matching Euler scheduler's, whose steps are the sampler's; or another scheduler's (Wan's
     #: UniPC: ``flow_shift``), for which the snippet swaps in the Euler scheduler at that shift
     scheduler_shift_key: str = EULER_SHIFT_KEY
+    #: its pipeline scales the output to an area of its own (``max_area``, 1024²) and each input image to a
+    #: preferred resolution unless told not to (FLUX.1 Kontext): the snippet passes the trained size's area and
+    #: ``_auto_resize=False``, as the sampler keeps both sizes
+    resizes_to_its_area: bool = False

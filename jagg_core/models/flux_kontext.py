@@ -42,4 +42,5 @@ def build_tiny_flux_kontext() -> FluxKontextPipeline:
 FAMILY = Family(label="FLUX.1 Kontext", pipeline="FluxKontextPipeline", model=FluxKontextModel,
                 tiny_builders={"tiny-flux-kontext": build_tiny_flux_kontext},
                 archs={"flux-kontext": "black-forest-labs/FLUX.1-Kontext-dev"}, edits_images=True,
-                cfg_argument="true_cfg_scale", guidance_argument="guidance_scale")
+                cfg_argument="true_cfg_scale", guidance_argument="guidance_scale",
+                resizes_to_its_area=True)
