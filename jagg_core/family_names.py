@@ -59,7 +59,7 @@ class DeclaredFamily:
     cfg_offset: float = 0.0  # that argument's value is model.guidance_scale + cfg_offset
     guidance_argument: str = ""  # the pipeline's argument of the guidance embedding's value ("": none)
     negative_prompt_argument: str = "negative_prompt"  # or negative_prompt_embeds: it takes only those
-    scheduler_shift_key: str = EULER_SHIFT_KEY  # the key of the shift in its scheduler's config: shift = the Euler one's
+    scheduler_shift_key: str = EULER_SHIFT_KEY  # the shift's key in its scheduler's config (shift: the Euler one)
     resizes_to_its_area: bool = False  # its pipeline scales the output to max_area, the input unless told
 
     @property

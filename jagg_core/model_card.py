@@ -237,7 +237,7 @@ def _schedule_line(flow_shift: float | None, family: DeclaredFamily | None) -> s
     key = family.scheduler_shift_key if family is not None else EULER_SHIFT_KEY
     if key != EULER_SHIFT_KEY:
         shift = flow_shift if flow_shift is not None else f"pipe.scheduler.config.{key}"
-        return f"pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift={shift})  # the Euler steps it was trained with\n"
+        return f"pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift={shift})  # the steps it was trained with\n"
     if flow_shift is None:
         return ""
     return f"pipe.scheduler = pipe.scheduler.from_config(pipe.scheduler.config, shift={flow_shift})  # as trained\n"
@@ -488,7 +488,7 @@ def _python_call(head: str, arguments: list[str], tail: str) -> str:
 
 def _sample_call(prompt: str, sampling: dict, size: ImageSize, videos: bool, input_images: int,
                  arguments: dict[str, object]) -> tuple[str, str]:
-    """The usage snippet's utility imports and sampling lines, at ``size``, the size the adapter was trained at, with the
+    """The usage snippet's utility imports and sampling lines, at ``size`` (the adapter's trained size), with the
     evals' steps and ``arguments`` (the family's :meth:`~jagg_core.family_names.DeclaredFamily.pipeline_arguments`,
     so that the snippet samples as the evals did): an image (an edit of ``input_images`` input images, 0 for a
     text-to-image model), or a video written as an MP4 at the run's fps (of an input image: image-to-video)."""

@@ -28,7 +28,7 @@ from jagg_core.models import build_tiny_pipeline
 from jagg_core.rundir import LORA_FILE, TRANSFORMER_2_LORA_FILE, RunDirectory
 from jagg_core.sharding import Sharding
 
-from conftest import ROOT
+from conftest import ROOT, tiny_config
 
 FSDP_CONFIG = ROOT / "presets" / "accelerate" / "fsdp.yaml"
 # Training runs are waited on until they end; this cap only keeps a hung run from blocking CI for ever.
@@ -40,10 +40,12 @@ SMALL = ["--preset", "tiny-sd3", "--set", "train.iterations=2", "--set", "sampli
          "--set", "train.sample_every=1", "--set", "train.checkpoint_every=1"]
 
 
-def launch(run_dir, *launcher_args: str, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+def launch(run_dir, *launcher_args: str, extra: tuple[str, ...] = (), source: tuple[str, ...] | list[str] = SMALL
+           ) -> subprocess.CompletedProcess:
+    """``python -m jagg_core.run SOURCE EXTRA`` in 2 processes (``source``: :data:`SMALL`, or ``--config FILE``)."""
     return subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", *launcher_args, "--num_processes", "2",
-         "--main_process_port", "0", "-m", "jagg_core.run", *SMALL, *extra, "--output-dir", str(run_dir)],
+         "--main_process_port", "0", "-m", "jagg_core.run", *source, *extra, "--output-dir", str(run_dir)],
         cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=SAFETY_CAP_S)
 
 
@@ -117,6 +119,23 @@ def test_fsdp_shards_each_expert_of_a_two_expert_model_that_trains_both(tmp_path
     assert status["state"] == "finished" and status["adapters_identical"] is True
     assert status["sharding"]["components"] == ["transformer", "transformer_2"] and status["sharding"]["shards"] == 2
     assert "transformer and transformer_2 sharded with FSDP2 over 2 processes" in run.log_file.read_text()
+    assert sorted(file.name for file in run.lora_dir.iterdir()) == [LORA_FILE, TRANSFORMER_2_LORA_FILE]
+
+
+def test_fsdp_trains_both_experts_with_a_forward_process_algorithm(tmp_path):
+    """DiffusionNFT with both experts sharded: every process draws its rows' steps alike (its noise its own), so the
+    processes call the sharded experts alike, each call a collective (steps drawn apart would hang); both LoRAs stay
+    whole and identical on every process."""
+    config = tiny_config("tiny-wan-a14b", sampling__num_frames=5, train__iterations=1, model__max_sequence_length=16,
+                         model__expert="both", rewards="[{name: jpeg_compressibility}]").for_algorithm("nft")
+    (tmp_path / "config.yaml").write_text(config.to_yaml())
+    result = launch(tmp_path / "run", "--config_file", str(FSDP_CONFIG),
+                    source=("--config", str(tmp_path / "config.yaml")))
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = RunDirectory(tmp_path / "run")
+    status = run.read_status()
+    assert status["state"] == "finished" and status["adapters_identical"] is True
+    assert status["sharding"]["components"] == ["transformer", "transformer_2"]
     assert sorted(file.name for file in run.lora_dir.iterdir()) == [LORA_FILE, TRANSFORMER_2_LORA_FILE]
 
 

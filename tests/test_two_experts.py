@@ -200,7 +200,7 @@ def test_a_run_of_either_expert_through_the_cli_loads_into_its_expert_of_the_pip
         assert ('pipe.load_lora_weights("alice/wan-a14b-lora")\npipe.load_lora_weights("alice/wan-a14b-lora", '
                 f'weight_name="{TRANSFORMER_2_LORA_FILE}", load_into_transformer_2=True)') in card
         assert "this adapter trains both, together at every step" in card and ", schedule shift 4.0; model dtype" in card
-        assert "\npipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=4.0)  # the Euler steps it was trained with\n" \
+        assert "\npipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=4.0)  # the steps it was trained with\n" \
             in card
     else:
         assert f"this adapter is its {expert.replace('_', '-')} expert's (`pipe.transformer{'_2' if low else ''}`)" in card
@@ -328,16 +328,19 @@ def test_an_adapter_of_both_experts_is_saved_loaded_and_compared_as_its_two_file
 
 
 @pytest.mark.parametrize("algorithm", ["nft", "awm"])
-def test_a_forward_process_run_of_both_experts_under_sharding_is_refused(algorithm, tmp_path, offline):
-    """Each process draws its rows' steps apart: sharded experts called by one process and not by another would
-    hang; GRPO's steps are the same everywhere (the FSDP launch in test_sharding.py)."""
+def test_under_sharding_every_process_draws_the_same_steps_for_both_experts_and_its_own_noise(algorithm, tmp_path,
+                                                                                              offline):
+    """NFT and AWM draw each row's step: with both experts sharded, every process draws the same steps (its sharded
+    experts' calls then match, each a collective), its noise its own; otherwise each process draws its own steps."""
     trainer = Trainer(expert_config("both", algorithm), tmp_path)
     trainer.setup()
-    sharded = replace(trainer.algorithm.ctx, sharding=SimpleNamespace(enabled=True))
-    with pytest.raises(UserError, match=rf"^train.algorithm {algorithm} draws each process's steps apart, so under "
-                                        r"FSDP the two sharded experts' calls would not match across processes; "
-                                        r"with model.expert both and sharding train with grpo, or train one expert"):
-        type(trainer.algorithm)(sharded)
+    rollout = SimpleNamespace(sampled=SimpleNamespace(latents=torch.zeros(8, 2, 3, 4, 4)))
+    for sharded, alike in ((True, True), (False, False)):
+        plans = [type(trainer.algorithm)(replace(trainer.algorithm.ctx, rank=rank, sharding=SimpleNamespace(
+            enabled=sharded))).plan(rollout, torch.zeros(8), iteration=1) for rank in (0, 1)]
+        assert torch.equal(plans[0].steps, plans[1].steps) == alike
+        assert not torch.equal(plans[0].noise, plans[1].noise)
+    assert len(set(plans[0].steps.tolist())) > 1  # rows of both experts' steps
 
 
 def test_an_adapter_of_both_experts_is_compared_with_a_runs_of_the_low_noise_expert_alone(tmp_path):

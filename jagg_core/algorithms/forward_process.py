@@ -27,7 +27,6 @@ from typing import Callable, ClassVar
 import torch
 
 from .. import metrics
-from ..errors import UserError
 from ..config import RunConfig
 from ..models.base import Conditioning
 from ..sampler import initial_noise, ode_sample
@@ -77,12 +76,10 @@ class ForwardProcessAlgorithm(Algorithm):
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        if ctx.sharding.enabled and len(ctx.model.trained_transformers) > 1:
-            # each process draws its rows' steps apart (its own seed), so a micro-batch of rows of both experts on
-            # one process and of one expert on another would make sharded calls that do not match: a hang
-            raise UserError(f"train.algorithm {self.name} draws each process's steps apart, so under FSDP the two "
-                            "sharded experts' calls would not match across processes; with model.expert both and "
-                            "sharding train with grpo, or train one expert (model.expert)")
+        #: every process draws the same steps for its rows (its noise stays its own): two sharded experts
+        #: (``model.expert: both`` under FSDP) are then called alike on every process, each call a collective; steps
+        #: drawn apart would call one expert on one process where another calls the other
+        self.steps_alike = ctx.sharding.enabled and len(ctx.model.trained_transformers) > 1
         self.lag = self.lagging_policy()
 
     @abstractmethod
@@ -141,10 +138,12 @@ class ForwardProcessAlgorithm(Algorithm):
         return Sampled(latents)
 
     def plan(self, rollout: Rollout, advantages: torch.Tensor, iteration: int) -> Rows:
-        """Every sample's steps and noise, drawn once per iteration."""
+        """Every sample's steps and noise, drawn once per iteration from the process's seed (the steps from the first
+        process's where they are drawn alike, :attr:`steps_alike`)."""
         generator = torch.Generator().manual_seed(iteration_seed(self.ctx.seed, iteration, self.ctx.rank, ROWS_STREAM))
         latents = rollout.sampled.latents
-        steps = self.draw_steps(latents.shape[0], generator)
+        steps = self.draw_steps(latents.shape[0], torch.Generator().manual_seed(
+            iteration_seed(self.ctx.seed, iteration, 0, ROWS_STREAM)) if self.steps_alike else generator)
         per_sample = steps.shape[1]
         samples = torch.arange(latents.shape[0]).repeat_interleave(per_sample)
         update_of_column = torch.cat([torch.full((len(part),), update) for update, part in
