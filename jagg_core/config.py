@@ -69,7 +69,9 @@ class ModelConfig(_Section):
     guidance_scale_2: float | None = Field(None, ge=0.0, description="the CFG scale at a two-expert model's "
                                            "low-noise steps (Wan 2.2 A14B's transformer_2: the pipeline's "
                                            "guidance_scale_2; the official settings are 3.0 for text-to-video "
-                                           "beside 4.0 at the high-noise steps); null = model.guidance_scale")
+                                           "beside 4.0 at the high-noise steps; above 1 only beside a "
+                                           "model.guidance_scale above 1, as the pipelines guide no step "
+                                           "otherwise); null = model.guidance_scale")
     flow_shift: float | None = Field(None, gt=0.0, description="the schedule's shift s: sigma = s t / (1 + (s - 1) "
                                      "t) for t evenly spaced from 1 (the pipeline scheduler's shift, Wan's "
                                      "flow_shift), in rollouts, training and eval; larger s spends more steps at "
@@ -615,6 +617,12 @@ class RunConfig(_Section):
                      else f"sampling.num_steps {self.sampling.num_steps}")
             raise ValueError(f"grpo.trained_start {self.grpo.trained_start} + {count} trained steps exceeds {steps}")
         self._algorithm_consistent()
+        scale, scale_2 = self.model.guidance_scale, self.model.guidance_scale_2
+        if scale_2 is not None and scale <= 1.0 < scale_2:
+            raise ValueError(f"model.guidance_scale_2 {scale_2} guides the low-noise steps alone, which diffusers' Wan "
+                             f"pipelines cannot sample (they guide no step at guidance_scale {scale}), so no one "
+                             "could sample the adapter as trained: set model.guidance_scale above 1 too (Wan 2.2's "
+                             "own 4.0 beside 3.0), or unset model.guidance_scale_2")
         judges = term_names([judge.name for judge in self.eval.judges])
         if self.eval.best_by not in ("reward", *judges):
             raise ValueError(f"eval.best_by '{self.eval.best_by}' must be reward or one of the judges "

@@ -246,7 +246,11 @@ def test_a_model_of_one_transformer_and_a_schedule_without_the_experts_steps_are
         load_flow_model(ModelConfig(name="tiny-wan", guidance_scale_2=3.0), num_frames=FRAMES)
     with pytest.raises(UserError, match=r"train.algorithm nft trains without classifier-free guidance \(as its "
                                         r"paper\); set model.guidance_scale 1 and unset model.guidance_scale_2"):
-        expert_config("low_noise", "nft", model__guidance_scale_2=3.0)
+        expert_config("low_noise", "nft", model__guidance_scale=4.0, model__guidance_scale_2=3.0)
+    with pytest.raises(UserError, match=r"model.guidance_scale_2 3.0 guides the low-noise steps alone, which "
+                                        r"diffusers' Wan pipelines cannot sample \(they guide no step at "
+                                        r"guidance_scale 1.0\)"):  # the model card's snippet could not sample it
+        expert_config("low_noise", model__guidance_scale_2=3.0)
     pipe = build_tiny_pipeline("tiny-wan")
     pipe.register_modules(transformer_2=build_tiny_pipeline("tiny-wan").transformer)
     with pytest.raises(UserError, match="has a transformer_2 but not both experts and a boundary_ratio"):
