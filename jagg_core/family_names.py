@@ -31,7 +31,7 @@ EDITS_IMAGES = "edits images"
 MAKES_VIDEOS_FROM_IMAGES = "makes videos from an input image"
 #: the declaration's fields that say how its pipeline samples as the run did (the model card's snippet)
 SAMPLING_FIELDS = ("cfg_argument", "cfg_offset", "guidance_argument", "negative_prompt_argument", "scheduler_shift_key",
-                   "resizes_to_its_area")
+                   "resizes_to_its_area", "pipeline_input_area")
 #: the pipelines' argument of CFG's negative prompt text
 TEXT_NEGATIVE_PROMPT = "negative_prompt"
 #: the scheduler config's key of the shift of the flow-matching Euler scheduler, whose steps the sampler takes
@@ -61,6 +61,7 @@ class DeclaredFamily:
     negative_prompt_argument: str = "negative_prompt"  # or negative_prompt_embeds: it takes only those
     scheduler_shift_key: str = EULER_SHIFT_KEY  # the shift's key in its scheduler's config (shift: the Euler one)
     resizes_to_its_area: bool = False  # its pipeline scales the output to max_area, the input unless told
+    pipeline_input_area: int = 0  # the area its pipeline resizes every input image to, whatever its size (0: none)
 
     @property
     def does_with_images(self) -> str:

@@ -258,9 +258,9 @@ def _expert_words(expert: str | None) -> str:
             f"`load_into_transformer_2={expert != 'low_noise'}`.\n")
 
 
-def _recipe(config: dict, snap: RunSnapshot, editing: bool) -> str:
+def _recipe(config: dict, snap: RunSnapshot, editing: bool, family: DeclaredFamily | None) -> str:
     """The training recipe section: rewards, prompts, iterations and the algorithm's settings (``editing``: the
-    base model edits images, and the section says the size of their inputs)."""
+    base model, of ``family``, edits images, and the section says the size of their inputs)."""
     model, lora, sampling, train, prompts = (
         config.get(name) or {} for name in ["model", "lora", "sampling", "train", "prompts"])
     rewards = "\n".join(
@@ -292,17 +292,22 @@ def _recipe(config: dict, snap: RunSnapshot, editing: bool) -> str:
 - **LoRA:** rank {lora.get('rank')}, alpha {lora.get('alpha')}{init}
 - **Sampling:** {sampling.get('resolution')} px, {sampling.get('num_steps')} steps{_sampler_words(config)}\
 {_guidance_words(model, sampling)}; model dtype {model.get('dtype')}
-{_input_words(config) if editing else ""}{_text_words(snap.run_info.get("text_windows") or [])}
+{_input_words(config, family) if editing else ""}{_text_words(snap.run_info.get("text_windows") or [])}
 The full resolved configuration is in [config.yaml](config.yaml).
 """
 
 
-def _input_words(config: dict) -> str:
+def _input_words(config: dict, family: DeclaredFamily | None) -> str:
     """An editing run's line on the size its input images were trained at (``model.condition_resolution``), which
-    the pipelines would otherwise choose from each input's shape."""
+    the pipelines would otherwise choose from each input's shape, or (``family.pipeline_input_area``) which its
+    pipeline changes whatever the input's size."""
     size = (config.get("model") or {}).get("condition_resolution", ModelConfig().condition_resolution)
-    return (f"- **Input images:** centre-cropped to {size} px (`model.condition_resolution`); give the pipeline "
-            "inputs of that shape\n")
+    trained = f"- **Input images:** centre-cropped to {size} px (`model.condition_resolution`); "
+    if family is not None and family.pipeline_input_area:
+        side = round(math.sqrt(family.pipeline_input_area))
+        return (trained + f"the pipeline resizes every input to about {side} x {side} pixels in its own shape, so its "
+                f"edits read inputs at another size than training did unless it was {side} px\n")
+    return trained + "give the pipeline inputs of that shape\n"
 
 
 def _text_words(windows: list[dict]) -> str:
@@ -622,7 +627,7 @@ pipe = {pipeline_class}.from_pretrained("{base}", torch_dtype=torch.bfloat16).to
         image = f"\n![First samples of the evaluation, the adapter's on the right]({EVALUATION_IMAGE})\n" \
             if snap.evaluation.grid else ""
         parts.append(f"## Evaluation\n\n{snap.evaluation.tables}{image}")
-    parts.append(_recipe(snap.config, snap, editing))
+    parts.append(_recipe(snap.config, snap, editing, declared))
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(parts))
 
 

@@ -437,7 +437,8 @@ def test_a_two_image_run_trains_and_its_plan_counts_the_second_image(two_image_f
     assert [r["iteration"] for r in RunDirectory(tmp_path / "run").read_metrics()] == [0, 1, 2]
     card = write_model_card(tmp_path / "run", "alice/pairs").text  # the snippet passes both pictures
     assert 'pipe(image=[load_image("picture1.png"), load_image("picture2.png")], prompt="swap colours",\n' in card
-    assert "- **Input images:** centre-cropped to 16 px (`model.condition_resolution`)" in card
+    assert ("- **Input images:** centre-cropped to 16 px (`model.condition_resolution`); the pipeline resizes every "
+            "input to about 1024 x 1024 pixels in its own shape") in card  # which no argument changes
     from jagg_core.generate import generate
     tried = generate(tmp_path / "run", "swap colours", images=[two_image_folder / "red.png",
                                                                two_image_folder / "blue.png"])

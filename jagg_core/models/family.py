@@ -66,3 +66,7 @@ class Family:
     #: preferred resolution unless told not to (FLUX.1 Kontext): the snippet passes the trained size's area and
     #: ``_auto_resize=False``, as the sampler keeps both sizes
     resizes_to_its_area: bool = False
+    #: the area (pixels) its pipeline resizes every input image to, in the input's shape, whatever its size
+    #: (Qwen-Image-Edit's ``calculate_dimensions(1024 * 1024, ratio)``; no argument changes it): the model card says
+    #: so beside the size the run read them at; 0: the pipeline keeps the input's size, or is told to
+    pipeline_input_area: int = 0

@@ -105,4 +105,5 @@ def build_tiny_qwen_edit() -> QwenImageEditPipeline:
 FAMILY = Family(label="Qwen-Image-Edit", pipeline="QwenImageEditPipeline", model=QwenImageEditModel,
                 tiny_builders={"tiny-qwen-edit": build_tiny_qwen_edit},
                 archs={"qwen-image-edit": "Qwen/Qwen-Image-Edit"}, edits_images=True,
-                requires=("torchvision",), cfg_argument="true_cfg_scale")
+                requires=("torchvision",), cfg_argument="true_cfg_scale",
+                pipeline_input_area=1_048_576)  # 1024²

@@ -72,4 +72,5 @@ FAMILY = Family(label="Qwen-Image-Edit-2509/2511", pipeline="QwenImageEditPlusPi
                 tiny_builders={"tiny-qwen-edit-plus": build_tiny_qwen_edit_plus},
                 archs={"qwen-image-edit-2509": "Qwen/Qwen-Image-Edit-2509",
                        "qwen-image-edit-2511": "Qwen/Qwen-Image-Edit-2511"}, edits_images=True,
-                max_input_images=3, requires=("torchvision",), cfg_argument="true_cfg_scale")
+                max_input_images=3, requires=("torchvision",), cfg_argument="true_cfg_scale",
+                pipeline_input_area=1_048_576)  # 1024²
