@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import html
 import os
+import re
 import tempfile
 import time
 import zipfile
@@ -383,3 +384,20 @@ def download_label(adapter: Adapter | None) -> str:
     """The download button's words: ``Download adapter`` (the latest), ``Download best adapter``, ``Download
     iter_000120``."""
     return "Download adapter" if adapter is None or adapter.choice is None else f"Download {adapter.label}"
+
+
+#: a Markdown image of the model card, ``![alt](path)``, and an HTML video, ``<video src="path" ...></video>``
+CARD_IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
+CARD_VIDEO = re.compile(r'<video src="([^"]+)"[^>]*></video>')
+
+
+def card_preview(card) -> str:
+    """A model card (``huggingface_hub.ModelCard``) as the page shows it before a push: its Hub metadata in a line,
+    then its Markdown, each image and video named by its path in the repo (files the push uploads beside it: the
+    page shows them in Watch)."""
+    data = card.data
+    tags = ", ".join(f"`{tag}`" for tag in data.tags or [])
+    base = f"base model `{data.base_model}` · " if data.base_model else ""
+    body = CARD_IMAGE.sub(lambda match: f"*[image: `{match[1]}`]*", card.text)
+    body = CARD_VIDEO.sub(lambda match: f"*[video: `{match[1]}`]*", body)
+    return f"**Hub metadata:** {base}`{data.pipeline_tag}` · tags {tags}\n\n---\n{body}".rstrip()

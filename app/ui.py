@@ -764,6 +764,20 @@ class Studio:
         return f"Iteration {iteration}" + (f" ({what})" if what else "")
 
     # ----- push ------------------------------------------------------------------------------
+    def card(self, run: str, checkpoint: str, repo_id: str) -> str:
+        """The model card a push of the run's adapter chosen (with the page's evaluation of it, if any) would
+        upload to ``repo_id`` (empty: ``your-name/RUN``), as :func:`~app.live.card_preview` shows it."""
+        run_dir = self._run_dir(run)
+        if run_dir is None:
+            return "**No model card:** choose a run first."
+        repo = (repo_id or "").strip() or f"your-name/{run_dir.name}"
+        try:
+            card = hub.write_model_card(run_dir, repo, live.adapter_name(checkpoint),
+                                        self.evaluation_of(run_dir, checkpoint))
+        except UserError as err:
+            return f"**No model card:** {err}"
+        return live.card_preview(card)
+
     def push(self, run: str, checkpoint: str, repo_id: str, visibility: str, token: str,
              oauth_token: gr.OAuthToken | None = None, profile: gr.OAuthProfile | None = None) -> str:
         """Push the run's adapter (or a checkpoint) to the Hub, with the page's evaluation of it if there is one
@@ -939,7 +953,9 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                     if _oauth_available():
                         gr.LoginButton()
                     push = gr.Button("Push to the Hub", variant="primary", elem_id="push-btn")
+                    preview = gr.Button("Preview the model card", elem_id="card-btn")
                 push_result = gr.Markdown(elem_id="push-result")
+                card_view = gr.Markdown(elem_id="card-view", max_height=600, container=True)
 
                 gr.Markdown("## 4 · Try it\nA prompt of your own, with the adapter chosen above, beside the base model "
                             "(same seed, the run's sampler and size); for an image-editing model, an instruction and "
@@ -1005,6 +1021,7 @@ def build_app(root: Path | None = None) -> gr.Blocks:
         stop.click(studio.stop, None, form_message, api_name="stop")
         resume.click(studio.resume, [run_select, processes], [form_message, run_select], api_name="resume")
         push.click(studio.push, [run_select, checkpoint, repo_id, visibility, token], push_result, api_name="push")
+        preview.click(studio.card, [run_select, checkpoint, repo_id], card_view, api_name="card")
         generate.click(studio.generate, [run_select, checkpoint, try_prompt, try_seed, *try_inputs, try_whole],
                        [try_image, try_message],
                        api_name="generate")

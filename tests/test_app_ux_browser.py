@@ -218,6 +218,11 @@ def test_a_prompt_of_ones_own_is_generated_with_the_adapter_and_an_input_image_i
     expect(result.locator("table")).to_contain_text("reward shapes")
     expect(result.locator("table")).to_contain_text("judge shapes_fidelity")
     expect(page.locator("#evaluate-image img")).to_be_visible()
+    page.locator("#card-btn").click()  # the model card a push would upload, with the evaluation just made
+    card = page.locator("#card-view")
+    expect(card).to_contain_text("Hub metadata:")
+    expect(card.locator("code").filter(has_text="pipe.load_lora_weights(")).to_be_visible()
+    expect(card.locator("h2").filter(has_text="Evaluation")).to_be_visible()
     page.wait_for_timeout(2000)  # let the plots draw
     page.screenshot(path=str(REPO / "docs" / "screenshot-finished.png"), full_page=True)  # the README's second
 
