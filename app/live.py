@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
+from huggingface_hub import ModelCard
 
 from jagg_core import metrics
 from jagg_core.adapters import BEST, LATEST_LABEL, Adapter, best_words, choose_adapter
@@ -391,8 +392,8 @@ CARD_IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
 CARD_VIDEO = re.compile(r'<video src="([^"]+)"[^>]*></video>')
 
 
-def card_preview(card) -> str:
-    """A model card (``huggingface_hub.ModelCard``) as the page shows it before a push: its Hub metadata in a line,
+def card_preview(card: ModelCard) -> str:
+    """A model card as the page shows it before a push: its Hub metadata in a line,
     then its Markdown, each image and video named by its path in the repo (files the push uploads beside it: the
     page shows them in Watch)."""
     data = card.data
