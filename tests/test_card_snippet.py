@@ -1,11 +1,12 @@
 """The model card's "Use it" snippet, run as written (on the CPU, in float32), samples what the run's sampler samples.
 
-For each text-to-image and text-to-video family, and FLUX.1 Kontext's editing: an adapter of a tiny model, trained
-with CFG, a negative prompt, a text window and (where the family allows it) a schedule shift, gets a card; its
-snippet is executed with the tiny pipeline's folder in place of the Hub's, the adapter's folder in place of the Hub
-repo and the row's input image as ``input.png``, the pipeline's own starting noise replaced by the sampler's. The
-snippet's image (or video) equals the Euler ODE's of the adapter at the run's eval steps: the pipelines' defaults
-(CFG 3.5 to 7, 256 to 512 text tokens, 28 to 50 steps, Wan's UniPC solver, Kontext's 1024² output) would not."""
+For each text-to-image and text-to-video family, FLUX.1 Kontext's editing and Wan 2.1's image-to-video: an adapter
+of a tiny model, trained with CFG, a negative prompt, a text window and (where the family allows it) a schedule
+shift, gets a card; its snippet is executed with the tiny pipeline's folder in place of the Hub's, the adapter's
+folder in place of the Hub repo and the row's input image as ``input.png``, the pipeline's own starting noise
+replaced by the sampler's. The snippet's image (or video) equals the Euler ODE's of the adapter at the run's eval
+steps: the pipelines' defaults (CFG 3.5 to 7, 256 to 512 text tokens, 28 to 50 steps, Wan's UniPC solver,
+Kontext's 1024² output) would not."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ RUNS = {
     "tiny-wan": {"guidance_scale": 5.0, "negative_prompt": "ugly"},  # Euler steps in place of UniPC
     "tiny-flux-kontext": {"guidance_scale": 3.0, "negative_prompt": "ugly", "flux_guidance": 2.5,
                           "condition_resolution": 32},  # an edit, at the size it was trained at
+    "tiny-wan-i2v": {"guidance_scale": 5.0, "negative_prompt": "ugly", "condition_resolution": 32},  # its first frame
     "tiny-wan-a14b": {"expert": "both", "guidance_scale": 4.0, "guidance_scale_2": 2.0, "negative_prompt": "ugly",
                       "flow_shift": 4.0},
 }
@@ -51,7 +53,7 @@ def snippet(card: str) -> str:
 
 @pytest.mark.parametrize("name", RUNS)
 def test_the_cards_snippet_samples_as_the_run_did(name, tmp_path, monkeypatch):
-    video, editing = name.startswith("tiny-wan"), name == "tiny-flux-kontext"
+    video, editing = name.startswith("tiny-wan"), name in ("tiny-flux-kontext", "tiny-wan-i2v")
     prompt = load_prompts(EDIT_SET)[0] if editing else PROMPT
     config = RunConfig(model={"name": name, "max_sequence_length": 16, **RUNS[name]},
                        sampling={"resolution": 32, "num_steps": 6, "eval_num_steps": EVAL_STEPS,
