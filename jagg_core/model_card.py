@@ -43,6 +43,7 @@ from .edit_prompts import instruction_of
 from .errors import UserError
 from .family_names import EULER_SHIFT_KEY, DeclaredFamily, PromptEmbeddings
 from .image_size import ImageSize, parse_resolution
+from .model_index import ASSETS_DIR, embedded_models, model_source, read_model_index
 from .rundir import GRID_FILE as GRID_NAME
 from .rundir import LORA_FILE, TRANSFORMER_2_LORA_FILE, ImageSet, RunDirectory, iteration_dirname
 
@@ -241,6 +242,28 @@ def _schedule_line(flow_shift: float | None, family: DeclaredFamily | None) -> s
     if flow_shift is None:
         return ""
     return f"pipe.scheduler = pipe.scheduler.from_config(pipe.scheduler.config, shift={flow_shift})  # as trained\n"
+
+
+def _base_line(base: str, pipeline_class: str, model: ModelConfig | None) -> str:
+    """The snippet's line loading the base model: its Hub id (at the run's revision) or folder, an embedded model's
+    folder in a clone of the JAGG Studio repository (its name alone is no Hub id); a folder's text encoders that its
+    ``model_index.json`` lists as ``[null, null]`` (an SD3 saved without T5) passed as None, as diffusers asks."""
+    source, note = base, ""
+    if base in embedded_models():
+        source = (ASSETS_DIR.relative_to(ASSETS_DIR.parents[1]) / base).as_posix()
+        note = f"# {base} is JAGG Studio's embedded model: run this in a clone of its repository\n"
+    arguments = [f'"{source}"']
+    if model is not None and model.revision:
+        arguments.append(f'revision="{model.revision}"')
+    folder = Path(model_source(base)).expanduser()
+    try:  # a folder's only: the Hub's would be a download
+        index = read_model_index(str(folder), None) if folder.is_dir() else {}
+    except UserError:
+        index = {}
+    arguments += [f"{name}=None" for name, value in index.items()
+                  if value == [None, None] and name.startswith(("text_encoder", "tokenizer"))]
+    return note + _python_call(f"pipe = {pipeline_class}.from_pretrained",
+                               [*arguments, "torch_dtype=torch.bfloat16"], '.to("cuda")')
 
 
 def _expert_words(expert: str | None) -> str:
@@ -608,7 +631,7 @@ def build_model_card(snap: RunSnapshot, repo_id: str) -> ModelCard:
 import torch
 {imports}
 
-pipe = {pipeline_class}.from_pretrained("{base}", torch_dtype=torch.bfloat16).to("cuda")
+{_base_line(base, pipeline_class, model)}
 {_load_lines(repo_id, expert)}
 {schedule}{call}
 ```

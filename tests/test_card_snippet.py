@@ -1,10 +1,10 @@
 """The model card's "Use it" snippet, run as written (on the CPU, in float32), samples what the run's sampler samples.
 
-For each text-to-image and text-to-video family, FLUX.1 Kontext's editing and Wan 2.1's image-to-video: an adapter
-of a tiny model, trained with CFG, a negative prompt, a text window and (where the family allows it) a schedule
-shift, gets a card; its snippet is executed with the tiny pipeline's folder in place of the Hub's, the adapter's
-folder in place of the Hub repo and the row's input image as ``input.png``, the pipeline's own starting noise
-replaced by the sampler's. The snippet's image (or video) equals the Euler ODE's of the adapter at the run's eval
+For the embedded model, each text-to-image and text-to-video family, FLUX.1 Kontext's editing and Wan 2.1's
+image-to-video: an adapter of a tiny model saved as a folder (the run's base model), trained with CFG, a negative
+prompt, a text window and (where the family allows it) a schedule shift, gets a card; its snippet is executed with
+the adapter's folder in place of the Hub repo and the row's input image as ``input.png``, the pipeline's own
+starting noise replaced by the sampler's. The snippet's image (or video) equals the Euler ODE's of the adapter at the run's eval
 steps: the pipelines' defaults (CFG 3.5 to 7, 256 to 512 text tokens, 28 to 50 steps, Wan's UniPC solver,
 Kontext's 1024² output) would not."""
 
@@ -17,12 +17,13 @@ import diffusers.utils
 import pytest
 import torch
 
-from conftest import add_moved_lora, euler_ode, noise, pipeline_latents
+from conftest import ROOT, add_moved_lora, euler_ode, noise, pipeline_latents
 from test_editing import EDIT_SET
 from jagg_core.adapters import choose_adapter
 from jagg_core.config import RunConfig
 from jagg_core.prompts import load_prompts
 from jagg_core.model_card import RunSnapshot, build_model_card
+from jagg_core.model_index import embedded_models
 from jagg_core.models import build_tiny_pipeline, load_flow_model
 from jagg_core.rundir import ImageSet
 
@@ -31,6 +32,7 @@ REPO = "alice/card-lora"
 EVAL_STEPS, FRAMES = 3, 5
 #: tiny model -> the run's model settings the snippet must carry into the pipeline call
 RUNS = {
+    "jagg-shapes": {},  # the embedded model: an SD3 without T5
     "tiny-sd3": {"guidance_scale": 3.0, "negative_prompt": "ugly", "flow_shift": 2.0},
     "tiny-flux": {"guidance_scale": 3.0, "negative_prompt": "ugly", "flux_guidance": 2.5},
     "tiny-qwen": {"guidance_scale": 1.0},  # the pipeline's default is true CFG at 4
@@ -55,7 +57,13 @@ def snippet(card: str) -> str:
 def test_the_cards_snippet_samples_as_the_run_did(name, tmp_path, monkeypatch):
     video, editing = name.startswith("tiny-wan"), name in ("tiny-flux-kontext", "tiny-wan-i2v")
     prompt = load_prompts(EDIT_SET)[0] if editing else PROMPT
-    config = RunConfig(model={"name": name, "max_sequence_length": 16, **RUNS[name]},
+    if name in embedded_models():  # the snippet names its folder in a clone of the repository
+        monkeypatch.chdir(ROOT)
+        base = name
+    else:  # a tiny model saved as a folder is the run's base model
+        base = str(tmp_path / "base")
+        build_tiny_pipeline(name).save_pretrained(base)
+    config = RunConfig(model={"name": base, "max_sequence_length": 16, **RUNS[name]},
                        sampling={"resolution": 32, "num_steps": 6, "eval_num_steps": EVAL_STEPS,
                                  "num_frames": FRAMES if video else 1},
                        rewards=[{"name": "jpeg_compressibility"}])
@@ -72,8 +80,6 @@ def test_the_cards_snippet_samples_as_the_run_did(name, tmp_path, monkeypatch):
     size = config.sampling.size
     z0 = noise(model, 1, seed=7, size=size)
     _, expected = euler_ode(model, z0, model.sigmas(EVAL_STEPS, size), model.conditioning([prompt]))
-    base = tmp_path / "base"
-    build_tiny_pipeline(name).save_pretrained(base)  # the run's base model (drawn from the same seed), as a folder
     pipeline_class = type(model.pipe)
     call = pipeline_class.__call__
     made = {}
@@ -87,9 +93,7 @@ def test_the_cards_snippet_samples_as_the_run_did(name, tmp_path, monkeypatch):
     monkeypatch.setattr(diffusers.utils, "export_to_video", lambda frames, path, fps: made.update(fps=fps))
     if editing:
         monkeypatch.setattr(diffusers.utils, "load_image", lambda path: prompt.image(config.model.condition_size))
-    no_t5 = ", text_encoder_3=None, tokenizer_3=None" if name == "tiny-sd3" else ""  # the tiny SD3 has none
-    code = code.replace('"cuda"', '"cpu"').replace("torch.bfloat16", "torch.float32" + no_t5)
-    code = code.replace(f'from_pretrained("{name}"', f"from_pretrained({str(base)!r}").replace(
+    code = code.replace('"cuda"', '"cpu"').replace("torch.bfloat16", "torch.float32").replace(
         f'"{REPO}"', repr(str(run / "lora")))
     exec(compile(code, "snippet", "exec"), {})
 
