@@ -113,6 +113,12 @@ def snippet_arguments(model, size, batch: int = 1) -> dict:
     return arguments
 
 
+def pipeline_kwargs(model, size, batch: int = 1) -> dict:
+    """The pipeline ``__call__`` arguments that mean what ``model.config`` means to the sampler at ``size`` (the
+    model card's, :func:`snippet_arguments`, and the size), for ``batch`` prompts."""
+    return {"height": size.height, "width": size.width, **snippet_arguments(model, size, batch)}
+
+
 def noise(model, batch: int, seed: int = 0, size=None):
     """Seeded standard normal latents of ``batch`` samples of ``model`` at ``size`` (default 32 x 32 px, the tiny
     models' tests' size)."""

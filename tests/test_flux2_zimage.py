@@ -15,8 +15,8 @@ import torch
 import yaml
 from peft import get_peft_model_state_dict
 
-from conftest import (adapter_and_base_velocity, add_moved_lora, euler_ode, loop_latents, noise, pipeline_latents,
-                      pipeline_with_final_latents, run_cli, snippet_arguments, tiny_config)
+from conftest import (adapter_and_base_velocity, add_moved_lora, euler_ode, loop_latents, noise, pipeline_kwargs,
+                      pipeline_latents, pipeline_with_final_latents, run_cli, tiny_config)
 from jagg_core import metrics
 from jagg_core.archs import transformer_config, transformer_depth
 from jagg_core.config import LoraConfig, ModelConfig
@@ -45,13 +45,6 @@ def load(name: str, **overrides):
     return load_flow_model(ModelConfig(**{"name": name, "max_sequence_length": TEXT.get(name, 32), **overrides}))
 
 
-def pipeline_kwargs(model, batch: int, size: ImageSize = SIZE) -> dict:
-    """The pipeline ``__call__`` arguments that mean what ``model.config`` means to the sampler, the model card's
-    (:func:`conftest.snippet_arguments`: FLUX.2 [klein]'s negative prompt as embeddings, FLUX.2 [dev]'s guidance as
-    its embedding's, Z-Image's CFG scale ``g - 1``), at the sampler's ``size``."""
-    return {"height": size.height, "width": size.width, **snippet_arguments(model, size, batch)}
-
-
 class StopAfterOneStep(Exception):
     pass
 
@@ -65,7 +58,7 @@ def run_pipeline(model, pipe, z0: torch.Tensor, prompts: list[str],
     """The pipeline's own sampling loop from ``z0``: its final latents (as its loop holds them) and images."""
     output, latents = pipeline_with_final_latents(pipe, prompt=list(prompts), num_inference_steps=STEPS,
                                                   latents=pipeline_latents(model, z0), output_type="pt",
-                                                  **pipeline_kwargs(model, len(prompts), size))
+                                                  **pipeline_kwargs(model, size, len(prompts)))
     return latents, output.images.float()
 
 
@@ -87,7 +80,7 @@ def test_sigmas_are_the_pipelines_schedule(name, num_steps, size):
     model = load(name)
     sigmas = model.sigmas(num_steps, size)
     assert sigmas.shape == (num_steps + 1,) and sigmas[-1] == 0 and bool((sigmas[1:] < sigmas[:-1]).all())
-    kwargs = pipeline_kwargs(model, 1, size)
+    kwargs = pipeline_kwargs(model, size)
     with pytest.raises(StopAfterOneStep):  # the schedule is set: one transformer call is enough
         model.pipe(prompt=PROMPTS[:1], num_inference_steps=num_steps, callback_on_step_end=stop, **kwargs)
     torch.testing.assert_close(sigmas, model.pipe.scheduler.sigmas, atol=1e-6, rtol=0)
@@ -128,7 +121,7 @@ def test_reference_images_edit_as_the_pipeline_does(name, references, size):
     for i, row in enumerate(rows):
         output, latents = pipeline_with_final_latents(
             model.pipe, image=row.images(ImageSize.square(64)), prompt=row.instruction, num_inference_steps=STEPS,
-            latents=pipeline_latents(model, z0[i:i + 1]), output_type="pt", **pipeline_kwargs(model, 1, size))
+            latents=pipeline_latents(model, z0[i:i + 1]), output_type="pt", **pipeline_kwargs(model, size))
         torch.testing.assert_close(loop_latents(model, z[i:i + 1]), latents, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(images[i:i + 1], output.images.float(), atol=1e-4, rtol=1e-4)
 

@@ -21,8 +21,8 @@ from jagg_core.models import FAMILIES, build_tiny_pipeline, load_flow_model
 from jagg_core.models.base import NEGATIVE
 from jagg_core.models.flux import FluxModel
 
-from conftest import (adapter_and_base_velocity, add_moved_lora, euler_ode, loop_latents, noise, pipeline_latents,
-                      pipeline_with_final_latents, snippet_arguments)
+from conftest import (adapter_and_base_velocity, add_moved_lora, euler_ode, loop_latents, noise, pipeline_kwargs,
+                      pipeline_latents, pipeline_with_final_latents)
 
 FAMILY = {"tiny-sd3": "sd3", "tiny-flux": "flux", "tiny-qwen": "qwen-image"}
 NAMES = list(FAMILY)
@@ -42,12 +42,6 @@ def schnell(config: ModelConfig) -> FluxModel:
     pipe.transformer = FluxTransformer2DModel.from_config({**pipe.transformer.config, "guidance_embeds": False})
     pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=1.0)
     return FluxModel(pipe, config)
-
-
-def pipeline_kwargs(model, size: ImageSize = SIZE, batch: int = 1) -> dict:
-    """The pipeline ``__call__`` arguments that mean what ``model.config`` means to the sampler, the model card's
-    (:func:`conftest.snippet_arguments`), at the sampler's ``size``."""
-    return {"height": size.height, "width": size.width, **snippet_arguments(model, size, batch)}
 
 
 class _Stop(Exception):
