@@ -584,7 +584,8 @@ def build_model_card(snap: RunSnapshot, repo_id: str) -> ModelCard:
     widget = [{"text": prompt, "output": {"url": f"{SAMPLES_DIR}/{i:03d}.png"}}  # an edit needs its input: none
               for i, prompt in enumerate(snap.after.prompts[:WIDGET_SAMPLES])] if snap.after and not editing else None
     on_hub = bool(HUB_REPO_ID.match(base)) and not Path(base).exists()
-    videos = bool(snap.after and snap.after.videos)
+    # a video model's samples are videos; before its first eval, its frames say so
+    videos = bool(snap.after.videos) if snap.after else (snap.config.get("sampling") or {}).get("num_frames", 1) > 1
     data = ModelCardData(
         base_model=base if on_hub else None,
         library_name="diffusers",
@@ -613,7 +614,7 @@ def build_model_card(snap: RunSnapshot, repo_id: str) -> ModelCard:
     if grids:
         parts.append("## Eval samples\n\nEvery held-out prompt (fixed seeds) with its reward, the base model first:\n\n"
                      + "\n\n".join(f"![Captioned eval samples]({path})" for path in grids) + "\n")
-    if videos:
+    if videos and snap.after:
         parts.append("## Eval videos\n\nThe adapter's held-out eval samples (fixed seeds):\n\n" + "\n\n".join(
             f'<video src="{SAMPLES_DIR}/{i:03d}.mp4" controls loop muted></video>\n\n*{text}*'
             for i, text in enumerate(snap.after.prompts[:len(snap.after.videos)])) + "\n")

@@ -11,6 +11,7 @@ Kontext's 1024² output) would not."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import diffusers
 import diffusers.utils
@@ -76,6 +77,8 @@ def test_the_cards_snippet_samples_as_the_run_did(name, tmp_path, monkeypatch):
     snap = RunSnapshot(config.model_dump(mode="json"), {"family": model.family, "expert": expert},
                        [], choose_adapter(run, None), 1, None, samples, None, {})
     code = snippet(str(build_model_card(snap, REPO)))
+    unsampled = snippet(str(build_model_card(replace(snap, after=None), REPO)))  # pushed before its first eval
+    assert (".frames[0]" in unsampled) == (".frames[0]" in code) == video
 
     size = config.sampling.size
     z0 = noise(model, 1, seed=7, size=size)
