@@ -104,3 +104,15 @@ def test_the_cards_snippet_samples_as_the_run_did(name, tmp_path, monkeypatch):
     torch.testing.assert_close(output.float(), expected, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(made["pipe"].scheduler.sigmas, model.sigmas(EVAL_STEPS, size), atol=1e-6, rtol=0)
     assert made.get("fps") == (config.sampling.fps if video else None)
+
+
+def test_a_hub_base_model_is_loaded_at_the_runs_revision(tmp_path, offline):
+    """A Hub id's snippet names it (no folder to read) at ``model.revision``, the adapter's base weights."""
+    config = RunConfig(model={"name": "stabilityai/stable-diffusion-3.5-medium", "revision": "a1b2c3d"},
+                       rewards=[{"name": "jpeg_compressibility"}])
+    (tmp_path / "lora").mkdir()
+    (tmp_path / "lora" / "pytorch_lora_weights.safetensors").write_bytes(b"weights")
+    snap = RunSnapshot(config.model_dump(mode="json"), {"family": "sd3"}, [], choose_adapter(tmp_path, None), 1,
+                       None, None, None, {})
+    assert re.search(r'pipe = DiffusionPipeline.from_pretrained\("stabilityai/stable-diffusion-3.5-medium",\s+'
+                     r'revision="a1b2c3d", torch_dtype', snippet(str(build_model_card(snap, REPO))))
