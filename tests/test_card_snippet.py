@@ -4,9 +4,9 @@ For the embedded model, each text-to-image and text-to-video family, FLUX.1 Kont
 image-to-video: an adapter of a tiny model saved as a folder (the run's base model), trained with CFG, a negative
 prompt, a text window and (where the family allows it) a schedule shift, gets a card; its snippet is executed with
 the adapter's folder in place of the Hub repo and the row's input image as ``input.png``, the pipeline's own
-starting noise replaced by the sampler's. The snippet's image (or video) equals the Euler ODE's of the adapter at the run's eval
-steps: the pipelines' defaults (CFG 3.5 to 7, 256 to 512 text tokens, 28 to 50 steps, Wan's UniPC solver,
-Kontext's 1024² output) would not."""
+starting noise replaced by the sampler's. The snippet's image (or video) equals the Euler ODE's of the adapter at
+the run's eval steps: the pipelines' defaults (CFG 3.5 to 7, 256 to 512 text tokens, 28 to 50 steps, Wan's UniPC
+solver, Kontext's 1024² output) would not."""
 
 from __future__ import annotations
 
