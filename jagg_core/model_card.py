@@ -43,7 +43,7 @@ from .edit_prompts import instruction_of
 from .errors import UserError
 from .family_names import EULER_SHIFT_KEY, DeclaredFamily, PromptEmbeddings
 from .image_size import ImageSize, parse_resolution
-from .model_index import ASSETS_DIR, embedded_models, model_source, read_model_index
+from .model_index import ASSETS_DIR, absent_components, embedded_models, model_source, read_model_index
 from .rundir import GRID_FILE as GRID_NAME
 from .rundir import LORA_FILE, TRANSFORMER_2_LORA_FILE, ImageSet, RunDirectory, iteration_dirname
 
@@ -260,8 +260,7 @@ def _base_line(base: str, pipeline_class: str, model: ModelConfig | None) -> str
         index = read_model_index(str(folder), None) if folder.is_dir() else {}
     except UserError:
         index = {}
-    arguments += [f"{name}=None" for name, value in index.items()
-                  if value == [None, None] and name.startswith(("text_encoder", "tokenizer"))]
+    arguments += [f"{name}=None" for name in absent_components(index) if name.startswith(("text_encoder", "tokenizer"))]
     return note + _python_call(f"pipe = {pipeline_class}.from_pretrained",
                                [*arguments, "torch_dtype=torch.bfloat16"], '.to("cuda")')
 
@@ -584,8 +583,9 @@ def build_model_card(snap: RunSnapshot, repo_id: str) -> ModelCard:
     widget = [{"text": prompt, "output": {"url": f"{SAMPLES_DIR}/{i:03d}.png"}}  # an edit needs its input: none
               for i, prompt in enumerate(snap.after.prompts[:WIDGET_SAMPLES])] if snap.after and not editing else None
     on_hub = bool(HUB_REPO_ID.match(base)) and not Path(base).exists()
+    sampling = snap.config.get("sampling") or {}
     # a video model's samples are videos; before its first eval, its frames say so
-    videos = bool(snap.after.videos) if snap.after else (snap.config.get("sampling") or {}).get("num_frames", 1) > 1
+    videos = bool(snap.after.videos) if snap.after else sampling.get("num_frames", 1) > 1
     data = ModelCardData(
         base_model=base if on_hub else None,
         library_name="diffusers",
@@ -619,7 +619,6 @@ def build_model_card(snap: RunSnapshot, repo_id: str) -> ModelCard:
             f'<video src="{SAMPLES_DIR}/{i:03d}.mp4" controls loop muted></video>\n\n*{text}*'
             for i, text in enumerate(snap.after.prompts[:len(snap.after.videos)])) + "\n")
     expert = snap.run_info.get("expert")
-    sampling = snap.config.get("sampling") or {}
     size = parse_resolution(sampling.get("resolution", SamplingConfig().resolution))
     arguments = declared.pipeline_arguments(model, size) if declared is not None else {}
     utilities, call = _sample_call(prompt, sampling, size, videos, input_images, arguments)

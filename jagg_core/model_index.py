@@ -22,6 +22,12 @@ def embedded_models() -> list[str]:
     return sorted(p.name for p in ASSETS_DIR.glob("*") if (p / "model_index.json").is_file())
 
 
+def absent_components(index: dict) -> list[str]:
+    """The components a ``model_index.json`` lists as ``[null, null]`` (an SD3 saved without T5): diffusers'
+    ``from_pretrained`` of its folder must be given each as None."""
+    return [name for name, value in index.items() if value == [None, None]]
+
+
 def tiny_models() -> list[str]:
     """The names of the tiny models built in memory (as their families declare them; no torch)."""
     return tiny_model_names()

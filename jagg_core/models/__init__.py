@@ -17,7 +17,8 @@ from ..archs import is_random_model
 from ..config import ModelConfig
 from ..errors import UserError
 from ..hubclient import hub_offline
-from ..model_index import embedded_models, model_source, read_model_index  # noqa: F401 (embedded_models re-exported)
+from ..model_index import (absent_components, embedded_models,  # noqa: F401 (embedded_models re-exported)
+                           model_source, read_model_index)
 from .base import PROMPT_ENCODERS, FlowModel, drop_text_encoders
 from ..kernels import apply_kernel_settings, settle_cpu_math
 from .quantize import (DENOISER_COMPONENTS, check_quantization, pipeline_quantization, quantize_in_memory,
@@ -72,10 +73,9 @@ def _load_pipeline(config: ModelConfig, source: str, index: dict, dtype: torch.d
     check_pipeline(index.get("_class_name", "unknown"), config.name)
     import diffusers
     pipeline_class = getattr(diffusers, index["_class_name"])
-    # components saved as [null, null] (e.g. an SD3 without T5) must be passed as None explicitly
-    absent = {key: None for key, value in index.items()
-              if value == [None, None] or (not text_encoders and key in PROMPT_ENCODERS)
-              or (not transformer and key in DENOISER_COMPONENTS)}
+    saved_without = absent_components(index)
+    absent = {key: None for key in index if key in saved_without
+              or (not text_encoders and key in PROMPT_ENCODERS) or (not transformer and key in DENOISER_COMPONENTS)}
     dtypes = {**dict.fromkeys(DENOISER_COMPONENTS, transformer_dtype(config.quantize, dtype)), "default": dtype}
     quantization = pipeline_quantization(config.quantize) if transformer else None
     with _loading_errors(config.name):
