@@ -65,6 +65,7 @@ from .system import gpu_free_gb, gpu_rows, hardware_words, placement_for, proces
 
 REFRESH_S = 1.5
 HARDWARE_REFRESH_S = 5.0
+LIVE_EVENTS = "live"  # the concurrency group of the events that refresh what the page shows
 SERIES_COLORS = ("#2563eb", "#f97316", "#16a34a", "#dc2626", "#9333ea", "#0891b2", "#ca8a04", "#db2777")
 PRIVATE, PUBLIC = "private", "public"
 FORM_FIELDS = ("preset", "name", "model", "rewards", "weights", "prompt_mode", "prompt_set", "prompt_file",
@@ -1048,11 +1049,14 @@ def build_app(root: Path | None = None) -> gr.Blocks:
                         judge_plot, spread_plot, reward_plot, loss_plot, fidelity_plot, base_samples, latest_samples,
                         latest_video, eval_grids, rollouts, log, download, checkpoint, start, stop, resume, queue_list,
                         queue_select, seen]
+        # What reads and writes `seen` runs one event at a time (LIVE_EVENTS): two at once would each read it, and the
+        # later to finish would put back what the page no longer shows (a plot emptied, but marked drawn).
+        live_events = {"concurrency_id": LIVE_EVENTS, "concurrency_limit": 1, "api_visibility": "private"}
         timer = gr.Timer(REFRESH_S)
         for trigger in (timer.tick, demo.load, checkpoint.input):  # the download follows the chosen adapter
-            trigger(studio.refresh, live_inputs, live_outputs, show_progress="hidden", api_visibility="private")
-        run_select.input(_forget_shown, seen, seen, api_visibility="private").then(
-            studio.refresh, live_inputs, live_outputs, show_progress="hidden", api_visibility="private")
+            trigger(studio.refresh, live_inputs, live_outputs, show_progress="hidden", **live_events)
+        run_select.input(_forget_shown, seen, seen, **live_events).then(
+            studio.refresh, live_inputs, live_outputs, show_progress="hidden", **live_events)
         run_select.input(studio.run_processes, run_select, processes, api_visibility="private")
         for trigger in (run_select.change, demo.load):  # a run chosen, started or resumed, and the page's first run
             trigger(studio.try_inputs, run_select, [*try_inputs, try_whole], api_visibility="private")

@@ -524,6 +524,18 @@ def test_start_while_a_run_trains_queues_the_run_and_the_queue_block_reorders_an
     assert any(thread.name == "run-queue" for thread in threading.enumerate())
 
 
+def test_the_events_that_share_what_the_page_shows_run_one_at_a_time(tmp_path):
+    """The timer's refresh, the page's load, a picked run and a picked adapter all read and write the page's record of
+    what it shows. Were two to run at once, the later to finish would put back a record the other had changed: a plot
+    emptied to be drawn anew, but marked drawn, stays empty."""
+    from app.ui import build_app
+
+    demo = build_app(tmp_path)
+    shared = [fn for fn in demo.fns.values() if any(isinstance(block, gr.State) for block in (*fn.inputs, *fn.outputs))]
+    assert {target[1] for fn in shared for target in fn.targets} == {"tick", "load", "input", "then"}
+    assert len(shared) == 5 and {(fn.concurrency_id, fn.concurrency_limit) for fn in shared} == {("live", 1)}
+
+
 def test_a_refresh_answered_after_the_user_picks_another_run_does_not_put_the_old_pick_back(tmp_path, studio):
     old, new = (RunDirectory(tmp_path / name) for name in ("old-20250101-000000", "new-20250102-000000"))
     old.write_config("name: old\n")
