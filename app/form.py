@@ -151,6 +151,8 @@ ADVANCED_KNOBS = (
     Knob("model.max_sequence_length", "Text tokens", "int"),  # what the doctor's prompt-window fix names
     Knob("grpo.prompts_per_iteration", "Prompts per iteration", "int"),
     Knob("lora.alpha", "LoRA alpha", "float"),
+    Knob("lora.use_dora", "DoRA", "bool"),
+    Knob("lora.use_rslora", "rsLoRA scale", "bool"),
     Knob("train.mixed_precision", "Mixed precision", "choice",
          choices=(("no", "no"), ("fp16", "fp16"), ("bf16", "bf16"))),
     Knob("model.dtype", "Base model dtype", "choice",

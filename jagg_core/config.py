@@ -172,8 +172,14 @@ class LoraConfig(_Section):
                            "(peft lora_dropout)")
     target_modules: list[str] | None = Field(None, description="module names to adapt; null = the family's attention "
                                              "projections (FLUX: also its feed-forward layers)")
+    use_dora: bool = Field(False, description="DoRA (weight-decomposed LoRA, peft use_dora): each adapted layer's "
+                           "weight becomes m (W + s B A) / ||W + s B A||, the norm per output row, with the magnitude "
+                           "m trained beside A and B (m starts at ||W||, so the adapter starts as the base model); "
+                           "costs that norm, a weight-sized temporary, in each layer's every call")
+    use_rslora: bool = Field(False, description="rank-stabilized LoRA (peft use_rslora): the scale s is "
+                             "alpha / sqrt(rank) in place of alpha / rank, so a higher rank does not shrink the update")
     init_lora: str | None = Field(None, description="start from this diffusers LoRA (Hub repo or local folder); "
-                                  "it must match rank and target_modules")
+                                  "it must match rank, target_modules and use_dora")
 
 
 class SamplingConfig(_Section):

@@ -292,6 +292,8 @@ def _recipe(config: dict, snap: RunSnapshot, editing: bool, family: DeclaredFami
         rewards += "\n\nEach reward's own group advantage, their mean weighted by the weights (`grpo.multi_reward`)."
     done = f"{snap.iteration} of {train.get('iterations')}" if snap.iteration is not None else train.get("iterations")
     init = f", started from `{lora['init_lora']}`" if lora.get("init_lora") else ""
+    kind = ", DoRA (`lora.use_dora`)" * bool(lora.get("use_dora")) + \
+        ", rsLoRA scale alpha / sqrt(rank) (`lora.use_rslora`)" * bool(lora.get("use_rslora"))
     schedule = f"`{train.get('lr_scheduler', 'constant')}` learning-rate schedule"
     if train.get("lr_warmup_steps"):
         schedule += f" with {train['lr_warmup_steps']} warm-up steps"
@@ -311,7 +313,7 @@ def _recipe(config: dict, snap: RunSnapshot, editing: bool, family: DeclaredFami
 - **Iterations:** {done}, learning rate {train.get('learning_rate')}, {schedule}
 - **Compute:** {compute}
 {_algorithm_lines(config, snap)}
-- **LoRA:** rank {lora.get('rank')}, alpha {lora.get('alpha')}{init}
+- **LoRA:** rank {lora.get('rank')}, alpha {lora.get('alpha')}{kind}{init}
 - **Sampling:** {sampling.get('resolution')} px, {sampling.get('num_steps')} steps{_sampler_words(config)}\
 {_guidance_words(model, sampling)}; model dtype {model.get('dtype')}
 {_input_words(config, family) if editing else ""}{_text_words(snap.run_info.get("text_windows") or [])}

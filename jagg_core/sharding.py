@@ -54,8 +54,9 @@ from .errors import UserError
 from .jagg import BackwardPlan
 from .models.base import FlowModel
 
-#: peft's LoRA modules (``...to_q.lora_A`` and ``...to_q.lora_A.default``), kept out of the sharding
-LORA_MODULES = r".*\.lora_(A|B)(\..+)?"
+#: peft's LoRA modules (``...to_q.lora_A``, ``...to_q.lora_A.default``; a DoRA's ``...to_q.lora_magnitude_vector``),
+#: kept out of the sharding
+LORA_MODULES = r".*\.lora_(A|B|magnitude_vector)(\..+)?"
 
 
 def fsdp_requested() -> bool:

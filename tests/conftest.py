@@ -144,14 +144,14 @@ def loop_latents(model, z):
     return z.flatten(1, 2) if isinstance(model, PackedFlowModel) else z
 
 
-def add_moved_lora(model):
-    """Add a rank-4 LoRA (alpha 8) to ``model`` and move all its weights off their initialisation (seeded), so that
-    it changes the velocity; its parameters."""
+def add_moved_lora(model, **kind):
+    """Add a rank-4 LoRA (alpha 8; ``kind``: more :class:`~jagg_core.config.LoraConfig` settings) to ``model`` and
+    move all its weights off their initialisation (seeded), so that it changes the velocity; its parameters."""
     import torch
 
     from jagg_core.config import LoraConfig
 
-    params = model.add_lora(LoraConfig(rank=4, alpha=8.0))
+    params = model.add_lora(LoraConfig(rank=4, alpha=8.0, **kind))
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for param in params:

@@ -50,7 +50,7 @@ def test_every_field_has_a_one_line_description(key):
     assert "\n" not in description
 
 
-def test_all_119_keys_are_covered():
+def test_all_121_keys_are_covered():
     """56 keys; train.lr_scheduler, lr_warmup_steps, lr_num_cycles, ema_decay and report_to; model.quantize (was
     quantize_4bit), cache_text_embeddings, vae_slicing and sampling.rollout_chunk; backward.audit_every and
     audit_samples; grpo.window_placement, trained_start, kl_form, group_by and global_std; backward.min_fidelity and
@@ -59,8 +59,9 @@ def test_all_119_keys_are_covered():
     updates_per_rollout the last) and awm (9) sections; the eval section (judges, best_by, hacking_window,
     hacking_z) with train.on_hacking and doctor; model.cudnn_attention and bf16_reduced_precision_reduction (the
     FLUX crash's suspects); prompts.limit; sampling.sde_type; grpo.policy_loss and kl_mask_threshold; model.input_images;
-    model.vae_tiling; model.expert and guidance_scale_2 (Wan 2.2 A14B); model.flow_shift."""
-    assert len(_keys()) == 119
+    model.vae_tiling; model.expert and guidance_scale_2 (Wan 2.2 A14B); model.flow_shift; lora.use_dora and
+    use_rslora."""
+    assert len(_keys()) == 121
 
 
 def test_the_reference_page_is_the_generated_one_and_the_readme_links_it():

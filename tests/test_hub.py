@@ -264,6 +264,16 @@ def test_the_card_says_how_the_samples_were_made_beyond_the_defaults(tmp_path):
     card = str(write_model_card(run, "alice/cfg"))
     assert ('10 steps, SDE noise level 0.7, evals 30 steps, CFG 4.5, negative prompt "blurry", schedule shift 2.0; '
             "model dtype float32") in card
+    assert "- **LoRA:** rank 8, alpha 8.0\n" in card  # a plain LoRA
+
+
+def test_the_card_says_the_adapter_is_a_dora_of_rslora_scale(tmp_path):
+    run = tmp_path / "run"
+    (run / "lora").mkdir(parents=True)
+    (run / "config.yaml").write_text(RunConfig(lora={"use_dora": True, "use_rslora": True}).to_yaml())
+    (run / "lora/pytorch_lora_weights.safetensors").write_bytes(b"x")
+    assert ("- **LoRA:** rank 8, alpha 8.0, DoRA (`lora.use_dora`), rsLoRA scale alpha / sqrt(rank) "
+            "(`lora.use_rslora`)\n") in str(write_model_card(run, "alice/dora"))
 
 
 # --- judges, the best adapter, the hacking alarm ---------------------------------------------------------------------

@@ -283,15 +283,16 @@ def test_rollouts_in_chunks_sample_the_same_trajectory_as_one_batch(model_name, 
             torch.testing.assert_close(getattr(part, name), getattr(whole, name), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("model", FAMILIES)
-def test_an_int8_base_trains_with_a_float32_lora(model, tmp_path, offline):
+@pytest.mark.parametrize(("model", "dora"), [*((model, False) for model in FAMILIES), ("tiny-flux", True)])
+def test_an_int8_base_trains_with_a_float32_lora(model, dora, tmp_path, offline):
     pytest.importorskip("torchao")
-    trainer = Trainer(tiny_config(model, model__quantize="int8", train__iterations=1), tmp_path)
+    trainer = Trainer(tiny_config(model, model__quantize="int8", train__iterations=1, lora__use_dora=dora), tmp_path)
     trainer.setup()
     trainer.fit()
     linear = trainer.model.transformer.transformer_blocks[0].attn.to_q
     assert "Int8" in type(linear.base_layer.weight).__name__, "the base weight must be int8"
     assert all(p.dtype == torch.float32 for p in trainer.params)
+    assert bool(linear.lora_magnitude_vector) == dora  # a DoRA's magnitudes, on the int8 base
     rows = RunDirectory(tmp_path).read_metrics()
     assert rows[-1]["train/grad_norm"] > 0 and rows[-1]["train/skipped"] is False
 

@@ -216,10 +216,13 @@ def test_euler_ode_reproduces_pipeline(variant, guidance_scale, size):
 
 
 # ----- LoRA ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", [{}, {"use_dora": True}, {"use_rslora": True}], ids=["lora", "dora", "rslora"])
 @pytest.mark.parametrize("name", NAMES)
-def test_saved_lora_reloads_in_a_fresh_pipeline(name, tmp_path):
+def test_saved_lora_reloads_in_a_fresh_pipeline(name, kind, tmp_path):
+    """The adapter, a plain LoRA, a DoRA or one of rsLoRA's scale, loads with ``load_lora_weights`` into a fresh
+    pipeline (which reads its kind from the file) and back into the run's adapter, the same function each time."""
     model = load(name)
-    params = add_moved_lora(model)
+    params = add_moved_lora(model, **kind)
     assert params and all(p.requires_grad for p in params)
     z, sigma, cond = noise(model, 2), torch.tensor([0.8, 0.3]), model.conditioning(PROMPTS)
     trained, base = adapter_and_base_velocity(model, z, sigma, cond)
@@ -234,7 +237,27 @@ def test_saved_lora_reloads_in_a_fresh_pipeline(name, tmp_path):
                                    atol=1e-5, rtol=1e-5)
 
     resumed = load(name)
-    resumed.add_lora(LoraConfig(rank=4, alpha=8.0))
+    resumed.add_lora(LoraConfig(rank=4, alpha=8.0, **kind))
     resumed.load_lora(tmp_path)
     with torch.no_grad():
         torch.testing.assert_close(resumed.velocity(z, sigma, cond), trained, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("saved", "into", "message"), [
+    ({"use_dora": True}, {}, "is a DoRA: set lora.use_dora: true to match it"),
+    ({}, {"use_dora": True}, "is a plain LoRA (no DoRA magnitudes): set lora.use_dora: false to match it"),
+    ({}, {"alpha": 16.0}, "was trained with lora.alpha 8.0, this adapter has 16.0: set lora.alpha: 8.0 to match it"),
+    ({"use_rslora": True}, {}, "was trained with lora.use_rslora true, this adapter has false: set lora.use_rslora: "
+                               "true to match it"),
+], ids=["dora-into-lora", "lora-into-dora", "alpha", "rslora"])
+def test_a_lora_of_another_kind_is_refused_in_one_line(saved, into, message, tmp_path):
+    """Loaded into an adapter of another kind (``lora.init_lora``, a resumed run), a LoRA's weights would compute
+    another function than the one they were trained as: a DoRA's magnitudes, another alpha or another scale rule."""
+    model = load("tiny-sd3")
+    add_moved_lora(model, **saved)
+    model.save_lora(tmp_path)
+    other = load("tiny-sd3")
+    other.add_lora(LoraConfig(**{"rank": 4, "alpha": 8.0, **into}))
+    with pytest.raises(UserError) as refused:
+        other.load_lora(tmp_path)
+    assert str(refused.value) == f"the LoRA in {tmp_path / 'pytorch_lora_weights.safetensors'} {message}"

@@ -106,6 +106,21 @@ def test_sharded_and_data_parallel_runs_train_the_same_adapter(fsdp_run, tmp_pat
     assert evals[0] == evals[1]
 
 
+def test_a_sharded_dora_keeps_its_magnitudes_whole_and_trains_the_data_parallel_adapter(tmp_path):
+    """A DoRA's magnitudes sit in the sharded blocks beside lora_A and lora_B; they stay whole on every process too,
+    and the run trains, bit for bit, the DoRA of plain data parallel."""
+    dora = ("--set", "lora.use_dora=true")
+    sharded = launch(tmp_path / "fsdp", "--config_file", str(FSDP_CONFIG), extra=dora)
+    data_parallel = launch(tmp_path / "ddp", "--multi_gpu", "--num_machines", "1", "--mixed_precision", "no",
+                           "--dynamo_backend", "no", extra=dora)
+    assert sharded.returncode == 0 and data_parallel.returncode == 0, (sharded.stderr + data_parallel.stderr)[-3000:]
+    status = RunDirectory(tmp_path / "fsdp").read_status()
+    assert status["adapters_identical"] is True and status["sharding"]["lora_sharded"] is False
+    a, b = (load_file(RunDirectory(tmp_path / run).lora_file) for run in ("fsdp", "ddp"))
+    assert len(a) == 45 and sum(key.endswith(".lora_magnitude_vector") for key in a) == 15  # and A, B of 15 layers
+    assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
+
+
 def test_fsdp_shards_each_expert_of_a_two_expert_model_that_trains_both(tmp_path):
     """Wan 2.2 A14B with ``model.expert: both``: each expert is sharded on its own, both LoRAs stay whole and
     identical on every process, and the adapter is the two files."""

@@ -36,6 +36,19 @@ def probe_output(transformer_velocity, model, seed=5):
         return transformer_velocity(z, torch.tensor([0.7, 0.3]), {k: v for k, v in cond.items()})
 
 
+def reloaded_output(trainer: Trainer, family_model: str, lora_dir) -> torch.Tensor:
+    """:func:`probe_output` of a fresh tiny pipeline (the trainer's base weights) with the adapter in ``lora_dir``
+    loaded by diffusers' ``load_lora_weights``."""
+    model = trainer.model
+    fresh = build_tiny_pipeline(family_model, seed=trainer.config.train.seed)
+    fresh.load_lora_weights(str(lora_dir))
+    model.pipe, original = fresh, model.pipe
+    try:
+        return probe_output(model.velocity, model)
+    finally:
+        model.pipe = original
+
+
 @pytest.mark.parametrize("family_model", ["tiny-sd3", "tiny-flux", "tiny-qwen"])
 def test_one_iteration_per_family_and_the_adapter_reloads_in_diffusers(family_model, tmp_path, offline):
     trainer = train(tiny_config(family_model, train__iterations=1), tmp_path / "run")
@@ -54,14 +67,7 @@ def test_one_iteration_per_family_and_the_adapter_reloads_in_diffusers(family_mo
         base = probe_output(model.velocity, model)
     assert not torch.allclose(trained, base), "the adapter must have changed the model"
 
-    fresh = build_tiny_pipeline(family_model, seed=trainer.config.train.seed)
-    fresh.load_lora_weights(str(run.lora_dir))
-    model.pipe, original = fresh, model.pipe
-    try:
-        reloaded = probe_output(model.velocity, model)
-    finally:
-        model.pipe = original
-    torch.testing.assert_close(reloaded, trained, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(reloaded_output(trainer, family_model, run.lora_dir), trained, rtol=1e-4, atol=1e-5)
 
 
 def test_resume_continues_at_the_next_iteration_with_the_same_optimizer_state(tmp_path, offline):
@@ -80,6 +86,32 @@ def test_resume_continues_at_the_next_iteration_with_the_same_optimizer_state(tm
         torch.testing.assert_close(a[key], b[key], rtol=1e-6, atol=1e-7)
     state = torch.load(interrupted / "checkpoints" / "iter_000003" / "optimizer.pt", weights_only=True)
     assert all(s["step"] == 3 for s in state["state"].values())
+
+
+def test_a_dora_of_rslora_scale_trains_its_magnitudes_resumes_to_the_same_weights_and_reloads_in_diffusers(
+        tmp_path, offline):
+    kind = {"lora__use_dora": True, "lora__use_rslora": True}
+    straight = train(tiny_config(**kind), tmp_path / "straight")
+    train(tiny_config(train__iterations=1, **kind), tmp_path / "interrupted")
+    train(tiny_config(**kind), tmp_path / "interrupted", resume=True)
+    a = load_file(tmp_path / "straight" / "lora" / "pytorch_lora_weights.safetensors")
+    b = load_file(tmp_path / "interrupted" / "lora" / "pytorch_lora_weights.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-6, atol=1e-7)
+
+    transformer = straight.model.transformer
+    magnitudes = {key.removeprefix("transformer.").removesuffix(".lora_magnitude_vector"): value
+                  for key, value in a.items() if key.endswith(".lora_magnitude_vector")}
+    assert len(magnitudes) == sum(1 for n, _ in transformer.named_modules() if n.endswith(".lora_magnitude_vector"))
+    started = {name: transformer.get_submodule(name).base_layer.weight.norm(dim=1) for name in magnitudes}  # ||W||
+    moved = {name for name in magnitudes if not torch.allclose(magnitudes[name], started[name])}
+    reached = {name for name in magnitudes if a[f"transformer.{name}.lora_B.weight"].any()}  # B starts at 0
+    assert len(reached) > len(magnitudes) // 2 and moved == reached  # m is trained wherever the gradient reaches
+
+    trained = probe_output(straight.model.velocity, straight.model)
+    reloaded = reloaded_output(straight, "tiny-sd3", tmp_path / "straight" / "lora")
+    torch.testing.assert_close(reloaded, trained, rtol=1e-4, atol=1e-5)
 
 
 def lora_snapshot(trainer):

@@ -47,6 +47,8 @@ TRAINED_COMPONENTS = {"high_noise": DENOISER_COMPONENTS[:1], "low_noise": DENOIS
 ENCODE_BATCH = 16
 #: the peft name of the run's own adapter (:meth:`FlowModel.add_lora`)
 DEFAULT_ADAPTER = "default"
+#: peft's LoRA settings that set an adapter's scale, each with the run config's key
+LORA_SCALE_KEYS = {"lora_alpha": "lora.alpha", "use_rslora": "lora.use_rslora"}
 
 
 def expert_files(expert: str) -> dict[str, str]:
@@ -99,6 +101,23 @@ def sort_safetensors_header(path: Path) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_bytes(len(header).to_bytes(8, "little") + header + data[8 + length:])
     os.replace(tmp, path)
+
+
+def _check_lora_kind(path: Path, adapter: PeftLoraConfig, state: dict, metadata: dict) -> None:
+    """Refuse, in one line, a LoRA file of another kind than ``adapter`` (peft's config of the adapter it would load
+    into): a DoRA (its ``lora_magnitude_vector`` weights) into a plain LoRA or the other way round, or, where the file
+    says so in its peft metadata (our adapters and diffusers' training scripts write it), another alpha or another
+    scale rule (rsLoRA). Loaded anyway, its weights would compute another function than the one they were trained as.
+    A file of another rank fails on its weights' shapes."""
+    dora = any("lora_magnitude_vector" in key for key in state)
+    if dora != bool(adapter.use_dora):
+        kind = "a DoRA" if dora else "a plain LoRA (no DoRA magnitudes)"
+        raise UserError(f"the LoRA in {path} is {kind}: set lora.use_dora: {json.dumps(dora)} to match it")
+    for key, setting in LORA_SCALE_KEYS.items():
+        if key in metadata and metadata[key] != getattr(adapter, key):
+            raise UserError(f"the LoRA in {path} was trained with {setting} {json.dumps(metadata[key])}, this adapter "
+                            f"has {json.dumps(getattr(adapter, key))}: set {setting}: {json.dumps(metadata[key])} "
+                            "to match it")
 
 
 class FlowModel(ABC):
@@ -223,6 +242,7 @@ class FlowModel(ABC):
         """Add a trainable LoRA adapter (peft through diffusers); return its parameters (fp32)."""
         targets = lora.target_modules or list(self.default_lora_targets)
         peft_config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                     use_dora=lora.use_dora, use_rslora=lora.use_rslora,
                                      init_lora_weights="gaussian", target_modules=targets)
         params = []
         for transformer in self.trained_transformers:
@@ -280,14 +300,16 @@ class FlowModel(ABC):
     def _load_lora_into(self, transformer: torch.nn.Module, path: Path) -> None:
         """Load one diffusers-format LoRA file into ``transformer``'s (already added) adapter."""
         try:
-            state = type(self.pipe).lora_state_dict(str(path))
+            read = type(self.pipe).lora_state_dict(str(path), return_lora_metadata=True)
         except Exception as err:  # safetensors, torch.load and diffusers raise many kinds for a bad file
             raise UserError(f"{path} is not a readable diffusers LoRA ({type(err).__name__}: "
                             f"{str(err).splitlines()[0][:160] if str(err) else 'unreadable'})") from None
-        state = state[0] if isinstance(state, tuple) else state
+        state, metadata = read[0], read[-1] or {}
         transformer_state = {k.removeprefix("transformer."): v for k, v in state.items() if k.startswith("transformer.")}
         if not transformer_state:
             raise UserError(f"{path} holds no transformer LoRA weights")
+        _check_lora_kind(path, transformer.peft_config[DEFAULT_ADAPTER], transformer_state,
+                         {k.removeprefix("transformer."): v for k, v in metadata.items()})
         transformer_state = convert_unet_state_dict_to_peft(transformer_state)
         try:
             result = set_peft_model_state_dict(transformer, transformer_state, adapter_name=DEFAULT_ADAPTER)
