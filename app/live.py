@@ -6,8 +6,10 @@ so a read never sees half a file. Missing files mean "not yet" and give empty va
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import html
+import io
 import os
 import re
 import tempfile
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import pandas as pd
 from huggingface_hub import ModelCard
+from PIL import Image
 
 from jagg_core import metrics
 from jagg_core.adapters import BEST, LATEST_LABEL, Adapter, best_words, choose_adapter
@@ -388,17 +391,32 @@ def download_label(adapter: Adapter | None) -> str:
 
 
 #: a Markdown image of the model card, ``![alt](path)``, and an HTML video, ``<video src="path" ...></video>``
-CARD_IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
+CARD_IMAGE = re.compile(r"!\[([^\]]*)\]\(([^)\s]+)\)")
 CARD_VIDEO = re.compile(r'<video src="([^"]+)"[^>]*></video>')
+#: the widest a card's image is shown in the page's preview, in pixels
+PREVIEW_WIDTH = 960
 
 
-def card_preview(card: ModelCard) -> str:
-    """A model card as the page shows it before a push: its Hub metadata in a line,
-    then its Markdown, each image and video named by its path in the repo (files the push uploads beside it: the
-    page shows them in Watch)."""
+def preview_image(content: bytes | Path) -> str:
+    """An image of the card (its PNG bytes or file) as a ``data:`` URI the page's Markdown shows: at most
+    :data:`PREVIEW_WIDTH` px wide and JPEG-encoded, so that a card of 512 px grids stays a few hundred kB."""
+    with Image.open(io.BytesIO(content) if isinstance(content, bytes) else content) as image:
+        image = image.convert("RGB")
+    image.thumbnail((PREVIEW_WIDTH, image.height))
+    jpeg = io.BytesIO()
+    image.save(jpeg, "JPEG", quality=85)
+    return "data:image/jpeg;base64," + base64.b64encode(jpeg.getvalue()).decode()
+
+
+def card_preview(files: dict[str, bytes | Path]) -> str:
+    """The model card of a push's ``files`` (:func:`~jagg_core.model_card.publish_files`) as the page shows it
+    before the push: its Hub metadata in a line, then its Markdown with its images (:func:`preview_image`); each
+    video is named by its path in the repo (the page's Watch plays them)."""
+    card = ModelCard(files["README.md"].decode())
     data = card.data
     tags = ", ".join(f"`{tag}`" for tag in data.tags or [])
     base = f"base model `{data.base_model}` · " if data.base_model else ""
-    body = CARD_IMAGE.sub(lambda match: f"*[image: `{match[1]}`]*", card.text)
+    body = CARD_IMAGE.sub(lambda match: f"![{match[1]}]({preview_image(files[match[2]])})" if match[2] in files
+                          else f"*[image: `{match[2]}`]*", card.text)
     body = CARD_VIDEO.sub(lambda match: f"*[video: `{match[1]}`]*", body)
     return f"**Hub metadata:** {base}`{data.pipeline_tag}` · tags {tags}\n\n---\n{body}".rstrip()

@@ -773,11 +773,10 @@ class Studio:
             return "**No model card:** choose a run first."
         repo = (repo_id or "").strip() or f"your-name/{run_dir.name}"
         try:
-            card = hub.write_model_card(run_dir, repo, live.adapter_name(checkpoint),
-                                        self.evaluation_of(run_dir, checkpoint))
+            files = hub.push_files(run_dir, repo, live.adapter_name(checkpoint), self.evaluation_of(run_dir, checkpoint))
         except UserError as err:
             return f"**No model card:** {err}"
-        return live.card_preview(card)
+        return live.card_preview(files)
 
     def push(self, run: str, checkpoint: str, repo_id: str, visibility: str, token: str,
              oauth_token: gr.OAuthToken | None = None, profile: gr.OAuthProfile | None = None) -> str:

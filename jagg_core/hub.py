@@ -59,6 +59,13 @@ def write_model_card(run_dir: str | Path, repo_id: str, checkpoint: str | None =
     return build_model_card(read_run(run_dir, checkpoint, evaluation), repo_id)
 
 
+def push_files(run_dir: str | Path, repo_id: str, checkpoint: str | None = None,
+               evaluation: str | Path | None = None) -> dict[str, bytes | Path]:
+    """The files a push of ``run_dir`` (as :func:`write_model_card`) to ``repo_id`` would upload: path in the repo ->
+    bytes (``README.md`` the model card, its images) or a local file (the adapter's, the samples)."""
+    return publish_files(read_run(run_dir, checkpoint, evaluation), repo_id)
+
+
 def push_run(run_dir: str | Path, repo_id: str, *, private: bool = False, checkpoint: str | None = None,
              token: str | None = None, evaluation: str | Path | None = None) -> str:
     """Upload a run's adapter and model card to ``repo_id`` in one commit; return the repo URL.

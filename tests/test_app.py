@@ -24,7 +24,6 @@ from pathlib import Path
 import gradio as gr
 import pytest
 import yaml
-from huggingface_hub import ModelCard
 
 from app import live
 from app.form import KNOBS, PROMPTS_TEXT, Form, build_config, preset_form, preset_options, weight_rows
@@ -207,15 +206,14 @@ def test_run_lifecycle_start_queue_stop_resume_finish_push(served, fake_hub):
     preview = client.predict(run, "iter_000010", "alice/app-lora", api_name="/card")  # what the push uploads
     assert preview.startswith("**Hub metadata:** `text-to-image` · tags `lora`, `diffusers`, `grpo`, `jagg`")
     assert "This is checkpoint iter_000010." in preview and 'pipe.load_lora_weights("alice/app-lora")' in preview
-    assert "*[image: `images/reward_curve.png`]*" in preview and "![" not in preview
+    assert "![Reward per iteration](data:image/jpeg;base64," in preview  # the card's images, in the preview too
     no_token = client.predict(run, "latest adapter", "alice/app-lora", "private", "", api_name="/push")
     assert no_token.startswith("**Not pushed:** no Hugging Face token")
     pushed = client.predict(run, "iter_000010", "alice/app-lora", "public", TOKEN, api_name="/push")
     assert pushed == f"**Pushed:** [{fake_hub.url}/alice/app-lora]({fake_hub.url}/alice/app-lora)"
     repo = fake_hub.repos["alice/app-lora"]
     assert not repo.private and "pytorch_lora_weights.safetensors" in repo.files
-    pushed_card = ModelCard(repo.files["README.md"].decode())  # the preview showed this card
-    assert live.card_preview(pushed_card) == preview
+    assert live.card_preview(repo.files) == preview  # the preview showed this card, with these images
 
 
 # --- the form ----------------------------------------------------------------------------------------------------

@@ -223,6 +223,9 @@ def test_a_prompt_of_ones_own_is_generated_with_the_adapter_and_an_input_image_i
     expect(card).to_contain_text("Hub metadata:")
     expect(card.locator("code").filter(has_text="pipe.load_lora_weights(")).to_be_visible()
     expect(card.locator("h2").filter(has_text="Evaluation")).to_be_visible()
+    curve = card.locator('img[alt="Reward per iteration"]')  # the card's images, as the push uploads them
+    expect(curve).to_be_visible()
+    assert curve.evaluate("image => image.complete && image.naturalWidth") > 0
     page.wait_for_timeout(2000)  # let the plots draw
     page.screenshot(path=str(REPO / "docs" / "screenshot-finished.png"), full_page=True)  # the README's second
 
