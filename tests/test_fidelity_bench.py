@@ -85,6 +85,10 @@ def test_the_default_task_with_its_tree_rollouts_is_compared_with_flat_rollouts(
     configs = setup_configs(default, ["default", "flat", "guard+flat"])
     assert [configs[name].grpo.branch_factor for name in configs] == [2, 0, 0]
     assert setup_label("guard+flat") == "default, GRPO-Guard, flat rollout"
+    dora = setup_configs(default, ["default", "dora", "dora+flat"])  # a DoRA in place of the LoRA, nothing else
+    assert [config.lora.use_dora for config in dora.values()] == [False, True, True]
+    assert dora["dora"].model_dump(exclude={"lora"}) == dora["default"].model_dump(exclude={"lora"})
+    assert setup_label("dora+flat") == "default, DoRA, flat rollout"
     with pytest.raises(UserError, match="setup tree does not apply to this task .*flat: the config has tree"):
         setup_configs(default, ["tree"])
 

@@ -1,6 +1,6 @@
 """Whole trainings, the default against the exact backward, Flow-GRPO's default iteration, tree or flat rollouts,
 the policy losses, the advantages of several rewards and the forward-process algorithms (``python -m jagg_core.bench
---training [--setups flow_grpo,exact,default,flat,cps,guard,reuse,dppo,per_reward,nft,awm]``).
+--training [--setups flow_grpo,exact,default,flat,cps,guard,reuse,dppo,per_reward,dora,nft,awm]``).
 
 For every seed, the run config (the default task unless told) is trained to its full length under each setup of
 :func:`comparison_setups` named by ``--setups`` (default ``exact,default``): ``flow_grpo`` (Flow-GRPO's default
@@ -97,7 +97,8 @@ def comparison_setups(config: RunConfig) -> dict[str, list[str]]:
     - ``reuse``: the config with two optimizer steps on each rollout batch (``grpo.inner_epochs: 2``, PPO's clip);
     - ``per_reward``: the config with each reward's own group advantage (``grpo.multi_reward: per_reward``,
       DanceGRPO's), where ``default`` takes the advantage of their weighted sum;
-    - ``dppo``: ``reuse`` with DPPO's trust region in place of the clip."""
+    - ``dppo``: ``reuse`` with DPPO's trust region in place of the clip;
+    - ``dora``: the config with a DoRA in place of its LoRA (``lora.use_dora``), its rank, alpha and learning rate."""
     steps = config.sampling.num_steps
     flow_grpo_steps = int(FLOW_GRPO_TIMESTEP_FRACTION * steps)
     setups = {"flow_grpo": [f"sampling.noise_level={FLOW_GRPO_NOISE_LEVEL}", "grpo.ode_after_trained=false",
@@ -110,7 +111,8 @@ def comparison_setups(config: RunConfig) -> dict[str, list[str]]:
               "guard": ["grpo.policy_loss=guard"],
               "reuse": ["grpo.inner_epochs=2"],
               "per_reward": ["grpo.multi_reward=per_reward"],
-              "dppo": ["grpo.inner_epochs=2", "grpo.policy_loss=dppo"]}
+              "dppo": ["grpo.inner_epochs=2", "grpo.policy_loss=dppo"],
+              "dora": ["lora.use_dora=true"]}
     if config.grpo.branch_factor:
         return {**setups, "flat": ["grpo.branch_factor=0"]}
     tree = [f"grpo.branch_factor={TREE_BRANCH_FACTOR}"]
@@ -140,7 +142,7 @@ SETUP_LABELS = {"flow_grpo": "Flow-GRPO default", "exact": "exact, same rollout"
                 "tree": "default, tree rollout", "flat": "default, flat rollout", "cps": "default, CPS rollout",
                 "guard": "default, GRPO-Guard",
                 "reuse": "default, 2 steps a rollout", "dppo": "default, 2 steps a rollout, DPPO",
-                "per_reward": "default, each reward's own advantage",
+                "per_reward": "default, each reward's own advantage", "dora": "default, DoRA",
                 "nft": "DiffusionNFT", "awm": "AWM"}
 
 
