@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from jagg_core.config import BackwardConfig, ModelConfig
+from jagg_core.config import BackwardConfig, LoraConfig, ModelConfig
 from jagg_core.grpo import LossSettings, group_advantages, step_loss
 from jagg_core.image_size import ImageSize
 from jagg_core.jagg import (Window, interpolation_weights, linearity_score, make_plan, cover_with_windows,
@@ -236,10 +236,11 @@ def test_cached_correction_matches_forward_off_policy_when_affine():
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
 
 
-@pytest.fixture(scope="module")
-def tiny_sd3():
+@pytest.fixture(scope="module", params=[False, True], ids=["lora", "dora"])
+def tiny_sd3(request):
+    """The tiny SD3 with a LoRA, or a DoRA (whose magnitudes' gradients are checked too)."""
     model = load_flow_model(ModelConfig(name="tiny-sd3"))
-    model.add_lora(__import__("jagg_core.config", fromlist=["LoraConfig"]).LoraConfig(rank=4, alpha=4))
+    model.add_lora(LoraConfig(rank=4, alpha=4, use_dora=request.param))
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():  # LoRA B starts at zero; give it weight so every path carries gradient
         for name, p in model.transformer.named_parameters():
