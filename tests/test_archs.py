@@ -244,7 +244,7 @@ def test_the_arch_bench_compares_exact_with_jagg_at_windows_2_4_5():
     (["--resolution", "128"], "--resolution: only with --arch"),
     (["--training", "--setups", "exact,fast"],
      "--setups exact,fast: choose from flow_grpo, exact, default, tree, flat, cps, guard, reuse, dppo, per_reward, "
-     "nft, awm, or join GRPO setups with + (guard+flat)"),
+     "dora, nft, awm, or join GRPO setups with + (guard+flat)"),
     (["--training", "--setups", "default,guard+nft"], "--setups default,guard+nft: choose from"),
 ])
 def test_bench_arch_mistakes_are_one_line(args, message, capsys):
