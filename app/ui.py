@@ -773,7 +773,8 @@ class Studio:
             return "**No model card:** choose a run first."
         repo = (repo_id or "").strip() or f"your-name/{run_dir.name}"
         try:
-            files = hub.push_files(run_dir, repo, live.adapter_name(checkpoint), self.evaluation_of(run_dir, checkpoint))
+            files = hub.push_files(run_dir, repo, live.adapter_name(checkpoint),
+                                   self.evaluation_of(run_dir, checkpoint))
         except UserError as err:
             return f"**No model card:** {err}"
         return live.card_preview(files)

@@ -304,8 +304,8 @@ def test_nf4_on_a_cpu_is_one_clear_line(offline):
 
 
 # ----- the plan ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("model, quantize, dora", [*((m, "none", False) for m in FAMILIES), ("tiny-flux", "int8", False),
-                                                   ("tiny-flux", "none", True)])
+@pytest.mark.parametrize("model, quantize, dora", [*((m, "none", False) for m in FAMILIES),
+                                                   ("tiny-flux", "int8", False), ("tiny-flux", "none", True)])
 def test_the_plan_is_within_25_percent_of_the_measured_peak(model, quantize, dora, tmp_path, offline):
     """A DoRA's weight norms, a weight-sized temporary in each adapted layer's every call, are traced too: on the tiny
     FLUX they are about a third of the peak."""

@@ -68,8 +68,8 @@ def main(argv: list[str] | None = None) -> None:
                         "its own (the default task's); cps: the default "
                         "with Flow-CPS rollout steps; guard: the default with GRPO-Guard's loss; reuse: 2 optimizer "
                         "steps a rollout; dppo: reuse with DPPO's trust region; per_reward: each reward's own group "
-                        "advantage (grpo.multi_reward); dora: a DoRA in place of the LoRA; nft, awm: DiffusionNFT and AWM as the "
-                        "shapes-nft and shapes-awm presets; a+b: the changes of both, e.g. guard+flat); default "
+                        "advantage (grpo.multi_reward); dora: a DoRA in place of the LoRA; nft, awm: DiffusionNFT "
+                        "and AWM as the shapes-nft and shapes-awm presets; a+b: the changes of both, e.g. guard+flat); default "
                         "exact,default")
     parser.add_argument("--journal", metavar="FILE", help="with --training: append each finished run to FILE and reuse "
                         "the runs already there (same setup, seed and config), so a stopped bench goes on where it was")
